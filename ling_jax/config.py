@@ -257,7 +257,7 @@ def _parse(d: dict[str, Any], src: str) -> LingConfig:
     n = kw.get("num_hidden_layers", 72)
     for k in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
         v = d.get(k)
-        if v is None:
+        if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):  # absent or [] = no clamp
             kw[k] = ()
             continue
         if not isinstance(v, (list, tuple)) or len(v) != n:

@@ -1,0 +1,245 @@
+"""Streaming, validating reader of a release-format checkpoint directory.
+
+    r = CheckpointReader(path)          # parses config.json, the index and every shard header
+    r.validate()                        # names / shapes / dtypes against layout.expected_tensors
+    w = r.get("model.layers.0.attention.q_proj.weight")            # float32, FP8 dequantized
+    rows = r.get(name, index=(slice(0, 256), slice(None)))          # reads only those rows
+
+FP8 handling follows the spec's loader rule (§12.7): a tensor is dequantized iff its stored dtype
+is F8_E4M3, and then its sibling `<module>.weight_scale_inv` must exist. Nothing is hard-coded
+about which modules are quantized. The reader opens files read-only and never writes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import numpy as np
+
+from ling_jax.checkpoint import layout as L
+from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, scale_grid_shape
+from ling_jax.checkpoint.safetensors_io import (CheckpointError, SafetensorsFile, TensorInfo,
+                                                _normalize_index)
+from ling_jax.config import ConfigError, LingConfig
+
+__all__ = ["CheckpointReader", "CheckpointError"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+SCALE_DTYPES = ("F32", "BF16")
+FP8 = "F8_E4M3"
+
+
+class CheckpointReader:
+    """Read-only view of a checkpoint directory (config.json + safetensors shards)."""
+
+    def __init__(self, path: str):
+        self.dir = os.path.abspath(path)
+        if not os.path.isdir(self.dir):
+            raise CheckpointError(f"{self.dir}: checkpoint directory not found")
+        cfg_path = os.path.join(self.dir, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise CheckpointError(f"{cfg_path}: missing config.json")
+        try:
+            self.config: LingConfig = LingConfig.from_json(cfg_path)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        self.block = tuple(self.config.weight_block_size or DEFAULT_BLOCK)
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, TensorInfo] = {}
+        index_path = os.path.join(self.dir, INDEX_FILE)
+        single = os.path.join(self.dir, SINGLE_FILE)
+        if os.path.isfile(index_path):
+            self.index_path = index_path
+            self._load_index(index_path)
+        elif os.path.isfile(single):
+            self.index_path = single
+            f = self._open(SINGLE_FILE, single)
+            for name, t in f.tensors.items():
+                self._where[name] = t
+            self.total_size = sum(t.nbytes for t in f.tensors.values())
+        else:
+            raise CheckpointError(f"{self.dir}: missing {INDEX_FILE} (and no single {SINGLE_FILE})")
+        self.header_only = any(f.header_only for f in self._files.values())
+
+    # ---- loading ------------------------------------------------------------------------------
+    def _open(self, fname: str, path: str) -> SafetensorsFile:
+        if fname not in self._files:
+            self._files[fname] = SafetensorsFile(path)
+        return self._files[fname]
+
+    def _load_index(self, index_path: str) -> None:
+        try:
+            with open(index_path) as f:
+                idx = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index_path}: not valid JSON ({e})") from None
+        wm = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{index_path}: no 'weight_map' object")
+        meta = idx.get("metadata") or {}
+        for fname in {v if isinstance(v, str) else repr(v) for v in wm.values()}:
+            if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname or fname in (".", ".."):
+                first = next(n for n, v in wm.items() if v == fname or repr(v) == fname)
+                raise CheckpointError(f"{index_path}: tensor {first!r} maps to an invalid shard name {fname!r}")
+        for fname in dict.fromkeys(wm.values()):
+            p = os.path.join(self.dir, fname)
+            if not os.path.isfile(p):
+                first = next(n for n, v in wm.items() if v == fname)
+                raise CheckpointError(f"{index_path}: shard {fname} (holding tensor {first!r} and others) "
+                                      f"does not exist")
+            self._open(fname, p)
+        for name, fname in wm.items():
+            t = self._files[fname].tensors.get(name)
+            if t is None:
+                raise CheckpointError(f"{os.path.join(self.dir, fname)}: tensor {name!r} is listed in "
+                                      f"{INDEX_FILE} but not in this shard's header")
+            self._where[name] = t
+        for fname, f in self._files.items():
+            for name in f.tensors:
+                if wm.get(name) != fname:
+                    other = f" (index says {wm[name]})" if name in wm else " (not in the index)"
+                    raise CheckpointError(f"{f.path}: tensor {name!r} is in this shard but the index "
+                                          f"does not map it here{other}")
+        self.total_size = sum(t.nbytes for t in self._where.values())
+        ts = meta.get("total_size") if isinstance(meta, dict) else None
+        if ts is not None and ts != self.total_size:
+            raise CheckpointError(f"{index_path}: metadata.total_size={ts} but the shards hold "
+                                  f"{self.total_size} tensor bytes")
+
+    # ---- queries ------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._where[name]
+        except KeyError:
+            raise CheckpointError(f"{self.index_path}: no tensor {name!r} in the checkpoint") from None
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, stored safetensors dtype) of a tensor."""
+        t = self.info(name)
+        return t.shape, t.dtype
+
+    def file_of(self, name: str) -> str:
+        return self.info(name).file
+
+    def is_quantized(self, name: str) -> bool:
+        """True iff stored FP8 E4M3 (then `weight_scale_inv` is required)."""
+        return self.info(name).dtype == FP8
+
+    def get_raw(self, name: str, index=None) -> np.ndarray:
+        """Stored values (stored dtype, no dequantization); `index`: ints / slices / Ellipsis."""
+        t = self.info(name)
+        return self._files[os.path.basename(t.file)].read(name, index)
+
+    def get_scale(self, name: str) -> np.ndarray:
+        """float32 block-scale grid of an FP8 weight."""
+        sn = L.scale_name(name)
+        if sn not in self._where:
+            t = self.info(name)
+            raise CheckpointError(f"{t.file}: tensor {name!r} is stored {t.dtype} but its scale {sn!r} "
+                                  f"is missing")
+        t = self.info(name)
+        st = self.info(sn)
+        want = scale_grid_shape(t.shape, self.block) if len(t.shape) == 2 else None
+        if want is None or st.shape != want:
+            raise CheckpointError(f"{st.file}: scale {sn!r} has shape {list(st.shape)}, expected {list(want or ())} "
+                                  f"(ceil grid of {list(t.shape)} with block {list(self.block)})")
+        return self.get_raw(sn).astype(np.float32)
+
+    def get(self, name: str, dtype=np.float32, index=None) -> np.ndarray:
+        """Values of `name` (FP8 dequantized: float32(Wq) × scale per block) cast to `dtype`.
+
+        `index` selects a sub-block (ints / slices / Ellipsis); only the selected bytes are read.
+        """
+        t = self.info(name)
+        if t.dtype != FP8:
+            return self.get_raw(name, index).astype(dtype, copy=False)
+        if len(t.shape) != 2:
+            raise CheckpointError(f"{t.file}: FP8 tensor {name!r} has shape {list(t.shape)}; only 2-D "
+                                  f"matrices can be block-quantized")
+        scale = self.get_scale(name)
+        if index is None:
+            return block_dequant_fp8(self.get_raw(name), scale, self.block).astype(dtype, copy=False)
+        idx = _normalize_index(index, t.shape)
+        wq = self.get_raw(name, idx)
+        rows = np.arange(t.shape[0])[idx[0]]
+        cols = np.arange(t.shape[1])[idx[1]]
+        s = scale[np.ix_(np.atleast_1d(rows) // self.block[0], np.atleast_1d(cols) // self.block[1])]
+        return (wq.astype(np.float32) * s.reshape(wq.shape)).astype(dtype, copy=False)
+
+    # ---- validation ---------------------------------------------------------------------------
+    def problems(self, include_mtp: bool = True) -> list[str]:
+        """Every disagreement between the stored tensors and `expected_tensors(config)`."""
+        cfg = self.config
+        expected = L.expected_tensors(cfg, include_mtp=True)
+        mtp_prefix = f"model.layers.{cfg.num_hidden_layers}." if cfg.has_mtp else None
+        out: list[str] = []
+        cfg_file = os.path.join(self.dir, "config.json")
+        for name, t in self._where.items():
+            w = L.weight_of_scale(name)
+            if w is not None and w in expected:
+                spec = expected[w]
+                if w not in self._where:
+                    out.append(f"{t.file}: scale {name!r} has no weight {w!r}")
+                elif self._where[w].dtype != FP8:
+                    out.append(f"{t.file}: scale {name!r} belongs to {w!r}, which is stored "
+                               f"{self._where[w].dtype}, not {FP8}")
+                if t.dtype not in SCALE_DTYPES:
+                    out.append(f"{t.file}: scale {name!r} has dtype {t.dtype}, expected one of {SCALE_DTYPES}")
+                want = scale_grid_shape(spec.shape, self.block)
+                if t.shape != want:
+                    out.append(f"{t.file}: scale {name!r} has shape {list(t.shape)}, expected {list(want)} "
+                               f"(ceil grid of {list(spec.shape)} with block {list(self.block)})")
+                continue
+            spec = expected.get(name)
+            if spec is None:
+                out.append(f"{t.file}: unexpected tensor {name!r} (not part of the model described by {cfg_file})")
+                continue
+            if t.shape != spec.shape:
+                out.append(f"{t.file}: tensor {name!r} has shape {list(t.shape)} but {cfg_file} implies "
+                           f"{list(spec.shape)}")
+            allowed = FLOAT_DTYPES + ((FP8,) if spec.kind == L.LINEAR else ())
+            if t.dtype not in allowed:
+                out.append(f"{t.file}: tensor {name!r} has dtype {t.dtype}, expected one of {list(allowed)}")
+            if t.dtype == FP8 and L.scale_name(name) not in self._where:
+                out.append(f"{t.file}: tensor {name!r} is {FP8} but its scale {L.scale_name(name)!r} is missing")
+        for name in expected:
+            if name in self._where:
+                continue
+            if not include_mtp and mtp_prefix and name.startswith(mtp_prefix):
+                continue
+            out.append(f"{self.index_path}: missing tensor {name!r} (shape {list(expected[name].shape)}, "
+                       f"required by {cfg_file})")
+        return out
+
+    def validate(self, include_mtp: bool = True) -> None:
+        """Raise CheckpointError (first problem + count of the others) unless the checkpoint matches."""
+        probs = self.problems(include_mtp)
+        if probs:
+            more = f" (and {len(probs) - 1} more problem{'s' if len(probs) > 2 else ''})" if len(probs) > 1 else ""
+            err = CheckpointError(probs[0] + more)
+            err.problems = probs
+            raise err
+
+    def num_params(self, include_scales: bool = False) -> int:
+        return sum(math.prod(t.shape) for n, t in self._where.items()
+                   if include_scales or not n.endswith(L.SCALE_SUFFIX))
+
+    # ---- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()

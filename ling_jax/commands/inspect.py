@@ -1,0 +1,176 @@
+"""`ling-jax inspect DIR [--json]`: parameter and byte accounting of a checkpoint from its headers.
+
+Reads only `model.safetensors.index.json` (or a single `model.safetensors`), the 8-byte length and
+JSON header of each shard, and `config.json` if present (for `num_hidden_layers` and
+`num_experts_per_tok`); no tensor data is read, so it also works on header-only checkpoints
+(`write_checkpoint(..., header_only=True)`). Each shard's header is validated (offsets tile the
+data, file size matches), as by the checkpoint reader.
+
+Groups, the MTP rule (every tensor of layer index N = num_hidden_layers) and the definition of
+active parameters are those of `ling_jax.accounting` (its module docstring documents them).
+Without config.json the MTP layer is the layer holding `eh_proj`, and active counts are omitted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ling_jax import accounting as A
+from ling_jax.checkpoint.safetensors_io import SafetensorsFile
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "inspect", help="parameter and byte counts of a checkpoint, from its safetensors headers",
+        description=__doc__.splitlines()[0].split(": ", 1)[1])
+    p.add_argument("dir", metavar="DIR", help="checkpoint directory (index + shards, or model.safetensors)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def _shard_files(d: str) -> tuple[list[str], dict | None, dict]:
+    """(shard file names, index weight_map or None, index metadata)."""
+    index = os.path.join(d, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                idx = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{index}: not valid JSON ({e})") from None
+        wm = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise ValueError(f"{index}: no 'weight_map' object")
+        files = list(dict.fromkeys(wm.values()))
+        for fname in files:
+            if not isinstance(fname, str) or not fname or os.path.basename(fname) != fname:
+                raise ValueError(f"{index}: invalid shard file name {fname!r}")
+            if not os.path.isfile(os.path.join(d, fname)):
+                raise ValueError(f"{index}: shard {fname} does not exist")
+        meta = idx.get("metadata") if isinstance(idx.get("metadata"), dict) else {}
+        return files, wm, meta
+    if os.path.isfile(os.path.join(d, SINGLE_FILE)):
+        return [SINGLE_FILE], None, {}
+    raise ValueError(f"{d}: no {INDEX_FILE} or {SINGLE_FILE} (not a safetensors checkpoint directory)")
+
+
+def _config_fields(d: str) -> tuple[int | None, int | None]:
+    """(num_hidden_layers, num_experts_per_tok) from DIR/config.json, or (None, None)."""
+    p = os.path.join(d, "config.json")
+    if not os.path.isfile(p):
+        return None, None
+    try:
+        with open(p) as f:
+            c = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from None
+
+    def pos_int(k):
+        v = c.get(k) if isinstance(c, dict) else None
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{p}: {k} must be a non-negative integer, got {v!r}")
+        return v
+
+    return pos_int("num_hidden_layers"), pos_int("num_experts_per_tok")
+
+
+def inspect_dir(d: str) -> dict:
+    """The accounting summary of checkpoint directory `d` (what `--json` prints)."""
+    if not os.path.exists(d):
+        raise ValueError(f"{d}: checkpoint directory not found")
+    if not os.path.isdir(d):
+        raise ValueError(f"{d}: not a directory")
+    files, wm, meta = _shard_files(d)
+    tensors: list[A.Stored] = []
+    where: dict[str, str] = {}
+    dtype_bytes: dict[str, int] = {}
+    header_bytes = file_bytes = 0
+    header_only = False
+    for fname in files:
+        sf = SafetensorsFile(os.path.join(d, fname))  # parses the header only
+        header_bytes += sf.data_start
+        file_bytes += sf.data_start + sf.data_size
+        header_only |= sf.header_only
+        for name, t in sf.tensors.items():
+            if name in where:
+                raise ValueError(f"{d}: tensor {name!r} appears in both {where[name]} and {fname}")
+            where[name] = fname
+            tensors.append(A.Stored(name, tuple(t.shape), t.nbytes, t.dtype, A.is_scale_name(name)))
+            dtype_bytes[t.dtype] = dtype_bytes.get(t.dtype, 0) + t.nbytes
+    if wm is not None:
+        for name, fname in wm.items():
+            if where.get(name) != fname:
+                raise ValueError(f"{os.path.join(d, INDEX_FILE)}: tensor {name!r} is mapped to {fname} "
+                                 f"but that shard's header does not hold it")
+        if len(where) != len(wm):
+            extra = next(n for n in where if n not in wm)
+            raise ValueError(f"{os.path.join(d, where[extra])}: tensor {extra!r} is not in {INDEX_FILE}")
+    if not tensors:
+        raise ValueError(f"{d}: the checkpoint holds no tensors")
+    n_layers, k = _config_fields(d)
+    if n_layers is None:  # no config: the MTP layer is the one with the eh_proj fusion
+        mtp = [A._split_layer(t.name)[0] for t in tensors if t.name.endswith(".eh_proj.weight")]
+        n_layers = min((i for i in mtp if i is not None), default=None)
+    out = A.summarize(tensors, n_layers, k)
+    out.update({
+        "dir": os.path.abspath(d),
+        "files": len(files),
+        "header_only": header_only,
+        "header_bytes": header_bytes,
+        "file_bytes": file_bytes,
+        "index_total_size": meta.get("total_size"),
+        "num_hidden_layers": n_layers,
+        "num_experts_per_tok": k,
+        "dtype_bytes": dict(sorted(dtype_bytes.items())),
+    })
+    return out
+
+
+def format_table(r: dict) -> str:
+    P, B = r["params"], r["bytes"]
+    lines = [f"{r['dir']}: {r['files']} file(s), {r['num_tensors']:,} tensors "
+             f"({r['num_scale_tensors']:,} block-scale tensors)"
+             + (", header-only" if r["header_only"] else ""), ""]
+    w = 22
+    lines.append(f"{'group':<{w}} {'parameters':>17} {'bytes':>19} {'GiB':>10}")
+    for g in (*A.GROUPS, "scales"):
+        n, b = P["by_group"].get(g), B[g]
+        if not n and not b:
+            continue
+        ps = "-" if g == "scales" else f"{n:,}"
+        lines.append(f"{A.GROUP_TITLES[g]:<{w}} {ps:>17} {b:>19,} {b / A.GiB:>10.2f}")
+    lines.append("-" * (w + 49))
+    lines.append(f"{'Main model':<{w}} {P['main']:>17,} {r['bytes_by_part']['main']:>19,} "
+                 f"{r['bytes_by_part']['main'] / A.GiB:>10.2f}")
+    if P["mtp"] or r["bytes_by_part"]["mtp"]:
+        lines.append(f"{'MTP layer':<{w}} {P['mtp']:>17,} {r['bytes_by_part']['mtp']:>19,} "
+                     f"{r['bytes_by_part']['mtp'] / A.GiB:>10.2f}")
+    lines.append(f"{'Total':<{w}} {P['total']:>17,} {B['total']:>19,} {B['total'] / A.GiB:>10.2f}")
+    lines.append("")
+    if P["active"] is not None:
+        lines.append(f"Active per token (main model): {P['active']:,} "
+                     f"({r['num_experts_per_tok']} routed experts per layer + shared expert, attention, routers,"
+                     f" norms, dense FFN, lm_head; input embedding excluded) — {P['active_with_embedding']:,}"
+                     f" with the embedding")
+    else:
+        lines.append("Active per token: n/a (no config.json with num_experts_per_tok)")
+    lines.append(f"Headers: {r['header_bytes']:,} B; files: {r['file_bytes']:,} B"
+                 + (f"; index total_size: {r['index_total_size']:,} B" if r["index_total_size"] is not None
+                    else ""))
+    lines.append("Stored dtypes: " + ", ".join(f"{k} {v / A.GiB:.2f} GiB" for k, v in r["dtype_bytes"].items()))
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    r = inspect_dir(args.dir)
+    if args.json:
+        json.dump(r, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(r))
+    return 0

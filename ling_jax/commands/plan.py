@@ -1,0 +1,128 @@
+"""`ling-jax plan`: weight and cache memory of serving a config on a device mesh.
+
+    ling-jax plan --config FILE --weights bf16|fp8|mxfp4 [--mesh SPEC] [--device-memory GiB]
+                  [--reserve GiB] [--sequences N] [--no-mtp] [--fp8-layout A|B] [--json]
+
+Weight formats (byte rules in `ling_jax.accounting`): bf16 = 2 bytes per parameter; fp8 = the
+release format (FP8 matrices + one float32 scale per 128x128 block, the rest BF16 / FP32);
+mxfp4 = routed experts at 4.25 bits per weight, everything else as fp8. For the real config
+(MTP included) these are 1,065.66 / 534.35 / 291.64 GiB.
+
+Sharding rule over `--mesh data=D,expert=E,model=M` (missing axes are 1):
+  * routed experts (main and MTP, with their scales): experts over the `expert` axis
+    (ceil(num_experts / E) per device), each expert's matrices over the `model` axis;
+  * every other weight: over the `model` axis;
+  * everything replicated over `data`.
+So `model=4` alone splits all weights four ways (tensor parallel with the experts split too).
+Per-device numbers are for the most loaded device and ignore padding of dimensions that do not
+divide the axis size.
+
+Cache: the MLA latent cache (BF16, kv_lora_rank + qk_rope_head_dim = 576 values per token per MLA
+layer, MTP layer included unless --no-mtp) has a single KV head, so each device of a model replica
+keeps all of it; the KDA recurrent state (FP32 [heads, 128, 128] per KDA layer) and the BF16 conv
+state (3 x width x (kernel-1) per KDA layer) split by head/channel over the `model` axis.
+With --device-memory, `tokens_fit` = floor((memory - weights - reserve - sequences x KDA state and
+conv state) / MLA bytes per token) per device (= per model replica; `tokens_fit_mesh` multiplies
+by the data axis).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from ling_jax import accounting as A
+from ling_jax.config import LingConfig
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("plan", help="weight and cache memory per device for a config and mesh",
+                              description="Weight and cache memory of serving a config on a device mesh.",
+                              epilog="See `ling_jax.commands.plan` for the sharding rule.")
+    p.add_argument("--config", required=True, metavar="FILE",
+                   help="config.json (or a checkpoint directory holding one)")
+    p.add_argument("--weights", required=True, metavar="FORMAT", help="bf16, fp8 (release format) or mxfp4")
+    p.add_argument("--mesh", metavar="SPEC", default=None,
+                   help="mesh axes, e.g. data=1,expert=8,model=4 (axes data, expert, model; default all 1)")
+    p.add_argument("--device-memory", metavar="GiB", default=None,
+                   help="memory per device in GiB (e.g. 80 for H100, 141 for H200); enables tokens_fit")
+    p.add_argument("--reserve", metavar="GiB", default="0",
+                   help="memory per device held back for activations, workspaces, CUDA graphs (default 0)")
+    p.add_argument("--sequences", metavar="N", default="1",
+                   help="concurrent sequences whose KDA state must fit next to the MLA cache (default 1)")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer's weights and cache")
+    p.add_argument("--fp8-layout", metavar="A|B", default=A.RELEASE_FP8_LAYOUT,
+                   help="which MLA matrix the release keeps BF16: A = kv_a_proj_with_mqa (reproduces the "
+                        "published byte total; default), B = head-wise g_proj (what our writer writes)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p
+
+
+def _number(s, what: str, allow_zero: bool) -> float:
+    try:
+        v = float(s)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of GiB, got {s!r}") from None
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{what} must be a {'non-negative' if allow_zero else 'positive'} number of GiB, "
+                         f"got {s!r}")
+    return v
+
+
+def plan_from_args(args) -> dict:
+    fmt = str(args.weights).lower()
+    if fmt not in A.FORMATS:
+        raise ValueError(f"unknown --weights format {args.weights!r} (expected one of: {', '.join(A.FORMATS)})")
+    layout = str(args.fp8_layout).upper()
+    if layout not in A.FP8_LAYOUTS:
+        raise ValueError(f"unknown --fp8-layout {args.fp8_layout!r} (expected A or B)")
+    mesh = A.parse_mesh(args.mesh)
+    mem = None if args.device_memory is None else _number(args.device_memory, "--device-memory", False)
+    reserve = _number(args.reserve, "--reserve", True)
+    try:
+        seqs = int(str(args.sequences))
+        if seqs < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--sequences must be a non-negative integer, got {args.sequences!r}") from None
+    cfg = LingConfig.from_json(args.config)
+    return A.plan(cfg, fmt, mesh, mem, include_mtp=not args.no_mtp, reserve_gib=reserve, sequences=seqs,
+                  fp8_layout=layout)
+
+
+def format_text(r: dict) -> str:
+    b = A.fmt_bytes
+    mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+    fmt = r["weights"] + (f" (layout {r['fp8_layout']}, conv taps {r['conv_dtype']})" if r["fp8_layout"] else "")
+    lines = [
+        f"weights        {fmt}, MTP layer {'included' if r['include_mtp'] else 'excluded'}",
+        f"parameters     {r['params']:,}",
+        f"weight bytes   {r['weight_bytes']:,} ({r['weight_gib']:.2f} GiB)",
+        f"mesh           {mesh} ({r['devices']} devices)",
+        f"per device     {r['weight_bytes_per_device']:,} ({r['weight_gib_per_device']:.2f} GiB; routed experts "
+        f"{b(r['routed_expert_bytes_per_device'])})",
+        f"MLA cache      {r['mla_cache_bytes_per_token']:,} B/token ({r['mla_cache_bytes_per_token_main']:,} main "
+        f"layers + {r['mla_cache_bytes_per_token_mtp']:,} MTP), full copy on every device of a replica",
+        f"KDA state      {r['kda_state_bytes_per_sequence']:,} B/sequence ({b(r['kda_state_bytes_per_sequence'])}; "
+        f"{b(r['kda_state_bytes_per_sequence_per_device'])} per device)",
+        f"KDA conv state {r['kda_conv_state_bytes_per_sequence']:,} B/sequence "
+        f"({b(r['kda_conv_state_bytes_per_sequence_per_device'])} per device)",
+    ]
+    if r["device_memory_bytes"] is not None:
+        lines += [
+            f"device memory  {b(r['device_memory_bytes'])}, reserve {b(r['reserve_bytes'])}, "
+            f"free after weights {b(r['free_bytes_per_device'])}",
+            f"tokens fit     {r['tokens_fit']:,} tokens of MLA cache per replica with {r['sequences']} sequence(s) "
+            f"of KDA state" + ("" if r["fits"] else "  -- DOES NOT FIT"),
+        ]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    r = plan_from_args(args)
+    if args.json:
+        json.dump(r, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_text(r))
+    return 0

@@ -1,0 +1,135 @@
+"""Gated Multi-head Latent Attention (spec §10).
+
+The cache holds only the normalised latent `c` [kv_lora_rank] and the rotated shared key `k_pe`
+[qk_rope_head_dim] per token. Two equivalent attention forms read it:
+`mla_expanded_attention` up-projects keys/values per head (cheap when the key set is the prompt
+itself) and `mla_absorbed_attention` folds `W_UK` into the query and `W_UV` after the softmax,
+i.e. multi-query attention over the 576-wide latent (decode, and prefill against a long cache).
+Both are causal and mask keys beyond each sequence's length.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ling_jax.config import LingConfig
+from ling_jax.linear import Linear
+from ling_jax.norms import RMSNorm
+from ling_jax.ops import einsum, linear
+from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
+
+
+class MLACache(NamedTuple):
+    """Per-layer latent cache. c: [B,S,kv_lora_rank]; k_pe: [B,S,rope_dim] (after RoPE)."""
+    c: jax.Array
+    k_pe: jax.Array
+
+
+def mla_zero_cache(cfg: LingConfig, batch: int, max_len: int, dtype) -> MLACache:
+    return MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
+                    jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype))
+
+
+def attention_mask(q_pos: jax.Array, key_len: int, kv_valid_len: jax.Array) -> jax.Array:
+    """[B,T,S] bool: key τ visible to query at absolute position p iff τ ≤ p and τ < kv_valid_len."""
+    kpos = jnp.arange(key_len)[None, None, :]
+    return (kpos <= q_pos[:, :, None]) & (kpos < kv_valid_len[:, None, None])
+
+
+def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    s = jnp.where(mask, scores, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(mask, jnp.exp(s - m), 0.0)
+    return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+
+
+def mla_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype):
+    """Reference form (spec §10.4).
+
+    q_nope [B,T,H,dn]; q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; w_kv_b [H*(dn+dv), r];
+    mask [B,T,S]. Returns o [B,T,H,dv].
+    """
+    H, dn = q_nope.shape[2], q_nope.shape[3]
+    kv = linear(c, w_kv_b).reshape(c.shape[0], c.shape[1], H, -1)  # [B,S,H,dn+dv]
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    s = (einsum("bthd,bshd->bhts", q_nope, k_nope, dtype=jnp.float32)
+         + einsum("bthd,bsd->bhts", q_pe, k_pe, dtype=jnp.float32)) * scale
+    p = _softmax(s, mask[:, None]).astype(dtype)
+    return einsum("bhts,bshd->bthd", p, v)
+
+
+def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype):
+    """Absorbed form (spec §10.6): MQA over the latent; same arguments and result as expanded."""
+    H, dn = q_nope.shape[2], q_nope.shape[3]
+    w = w_kv_b.reshape(H, -1, w_kv_b.shape[-1])  # [H, dn+dv, r]
+    w_uk, w_uv = w[:, :dn].astype(dtype), w[:, dn:].astype(dtype)
+    q_hat = einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B,T,H,r]
+    s = (einsum("bthr,bsr->bhts", q_hat, c, dtype=jnp.float32)
+         + einsum("bthd,bsd->bhts", q_pe, k_pe, dtype=jnp.float32)) * scale
+    p = _softmax(s, mask[:, None]).astype(dtype)
+    c_hat = einsum("bhts,bsr->bthr", p, c)
+    return einsum("bthr,hdr->bthd", c_hat, w_uv)
+
+
+class MultiheadLatentAttention(nnx.Module):
+    def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs):
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.cfg = cfg
+        qd = H * cfg.qk_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype)  # eps hard-coded in the reference
+            self.q_b_proj = Linear(cfg.q_lora_rank, qd, dtype=dtype, rngs=rngs)
+        else:
+            self.q_proj = Linear(D, qd, dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dtype, rngs=rngs)
+        self.g_proj = Linear(D, H, dtype=dtype, rngs=rngs)
+        self.dense = Linear(H * cfg.v_head_dim, D, dtype=dtype, rngs=rngs)
+        inv_freq, af = rope_parameters(cfg)
+        # plain floats, not arrays: NNX would otherwise treat them as state
+        self.inv_freq, self.rope_factor, self.scale = tuple(map(float, inv_freq)), float(af), softmax_scale(cfg)
+
+    def __call__(self, x, cache: MLACache, lengths, n_valid, *, form: str = "auto"):
+        """x: [B,T,D]; cache holds `lengths[b]` tokens already; `n_valid[b]` of the T are real.
+
+        form: "expanded" | "absorbed" | "auto" (expanded when the key set is the new tokens only,
+        i.e. a static no-cache prefill; absorbed otherwise). Returns (out [B,T,D], new cache).
+        cache=None means a cache-free forward over the T tokens (positions 0..T-1).
+        """
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            q = linear(self.q_a_layernorm(linear(x, self.q_a_proj.weight[...])), self.q_b_proj.weight[...])
+        else:
+            q = linear(x, self.q_proj.weight[...])
+        q = q.reshape(B, T, H, dn + dr)
+        kv = linear(x, self.kv_a_proj_with_mqa.weight[...])
+        c_new = self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank])
+        pos = lengths[:, None] + jnp.arange(T)[None, :]  # [B,T]
+        q_pe = apply_rope(q[..., dn:], pos, self.inv_freq, self.rope_factor)
+        kpe_new = apply_rope(kv[..., cfg.kv_lora_rank:], pos, self.inv_freq, self.rope_factor)
+        if cache is None:
+            c_all, kpe_all, new_cache = c_new, kpe_new, None
+            if form == "auto":
+                form = "expanded"
+        else:
+            write = jax.vmap(lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=0))
+            c_all = write(cache.c, c_new.astype(cache.c.dtype), lengths)
+            kpe_all = write(cache.k_pe, kpe_new.astype(cache.k_pe.dtype), lengths)
+            new_cache = MLACache(c_all, kpe_all)
+            if form == "auto":
+                form = "absorbed"
+        mask = attention_mask(pos, c_all.shape[1], lengths + n_valid)
+        attn = mla_expanded_attention if form == "expanded" else mla_absorbed_attention
+        o = attn(q[..., :dn], q_pe, c_all.astype(x.dtype), kpe_all.astype(x.dtype), self.kv_b_proj.weight[...],
+                 mask, self.scale, x.dtype)
+        gate = jax.nn.sigmoid(linear(x, self.g_proj.weight[...]).astype(jnp.float32)).astype(x.dtype)
+        o = o * gate[..., None]
+        return linear(o.reshape(B, T, -1), self.dense.weight[...]), new_cache

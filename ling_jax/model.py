@@ -1,0 +1,173 @@
+"""The Ling model: decoder layers, final norm, LM head and the MTP layer (spec §4, §11).
+
+Caches are explicit pytrees (`HybridCache`) passed in and returned, so the same module serves a
+cache-free forward (logits of a whole sequence), a prefill, a decode step and a speculative
+verify. Batches are right-padded: `n_valid[b]` of the T new tokens are real.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ling_jax.config import KDA, LingConfig
+from ling_jax.kda import KDAState, KimiDeltaAttention, kda_zero_state
+from ling_jax.linear import Linear
+from ling_jax.mla import MLACache, MultiheadLatentAttention, mla_zero_cache
+from ling_jax.moe import MoE, SwiGLU
+from ling_jax.norms import RMSNorm
+from ling_jax.ops import linear
+
+
+class HybridCache(NamedTuple):
+    """layers: per main layer a KDAState or MLACache; mtp: the MTP layer's MLACache (or None);
+    lengths: [B] int32 tokens already cached per sequence."""
+    layers: tuple
+    mtp: Optional[MLACache]
+    lengths: jax.Array
+
+
+def init_cache(cfg: LingConfig, batch: int, max_len: int, dtype, with_mtp: bool = True) -> HybridCache:
+    """Zero cache: KDA state [B,H,dk,dv] f32 + conv states per KDA layer; latent [B,max_len,576] per MLA layer."""
+    layers = tuple(kda_zero_state(cfg, batch, dtype) if t == KDA else mla_zero_cache(cfg, batch, max_len, dtype)
+                   for t in cfg.layer_types)
+    mtp = mla_zero_cache(cfg, batch, max_len, dtype) if (with_mtp and cfg.has_mtp) else None
+    return HybridCache(layers, mtp, jnp.zeros((batch,), jnp.int32))
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab, dim), jnp.float32).astype(dtype))
+
+    def __call__(self, ids):
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs: nnx.Rngs, attn_type: str | None = None):
+        self.layer = layer
+        self.attn_type = attn_type or (cfg.layer_types[layer] if layer < cfg.num_hidden_layers else "mla")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if self.attn_type == KDA:
+            self.attention = KimiDeltaAttention(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.attention = MultiheadLatentAttention(cfg, dtype=dtype, rngs=rngs)
+        self.is_moe = cfg.is_moe(layer)
+        self.mlp = (MoE(cfg, layer, dtype=dtype, rngs=rngs) if self.is_moe
+                    else SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
+
+    def __call__(self, h, cache, lengths, n_valid, opts: dict, forced_idx=None):
+        """h: [B,T,D] → (h, new layer cache, routed expert ids or None, extra)."""
+        a_in = self.input_layernorm(h)
+        extra = None
+        if self.attn_type == KDA:
+            if opts.get("kda_all_states"):
+                a, cache, extra = self.attention(a_in, cache, n_valid, return_all_states=True)
+            else:
+                a, cache = self.attention(a_in, cache, n_valid, mode=opts.get("kda_mode", "chunk"),
+                                          chunk_size=opts.get("chunk_size", 64))
+        else:
+            a, cache = self.attention(a_in, cache, lengths, n_valid, form=opts.get("mla_form", "auto"))
+        u = h + a
+        m_in = self.post_attention_layernorm(u)
+        idx = None
+        if self.is_moe:
+            m, idx = self.mlp(m_in, forced_idx=forced_idx, impl=opts.get("moe_impl", "auto"))
+        else:
+            m = self.mlp(m_in)
+        return u + m, cache, idx, extra
+
+
+class MTPLayer(nnx.Module):
+    """Next-token-after-next draft layer (checkpoint index N = num_hidden_layers)."""
+
+    def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.eh_proj = Linear(2 * D, D, dtype=dtype, rngs=rngs)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, attn_type="mla")
+        self.final_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+
+    def __call__(self, emb, hidden_normed, cache, lengths, n_valid, opts, forced_idx=None):
+        m = linear(jnp.concatenate([self.enorm(emb), self.hnorm(hidden_normed)], axis=-1), self.eh_proj.weight[...])
+        r, cache, idx, _ = self.block(m, cache, lengths, n_valid, opts, forced_idx)
+        return self.final_layernorm(r), cache, idx
+
+
+class LingModel(nnx.Module):
+    def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs):
+        self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LingForCausalLM(nnx.Module):
+    """Whole model. Parameter paths mirror the checkpoint names (see checkpoint/load.py)."""
+
+    def __init__(self, cfg: LingConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, with_mtp: bool = True):
+        rngs = rngs or nnx.Rngs(0)
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.model = LingModel(cfg, dtype=dtype, rngs=rngs)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs) if (with_mtp and cfg.has_mtp) else None
+
+    def logits(self, z):
+        return linear(z, self.lm_head.weight[...]).astype(jnp.float32)
+
+    def __call__(self, input_ids, cache: HybridCache | None = None, n_valid=None, *, mtp: bool = False,
+                 opts: dict | None = None, forced_routing: dict | None = None, mtp_ids=None):
+        """Forward over T new tokens per sequence.
+
+        input_ids: [B,T] int32. cache: None for a cache-free forward from position 0 (MLA attends
+        to the T tokens only), else a HybridCache holding `cache.lengths[b]` tokens per sequence.
+        n_valid: [B] real tokens (default T). mtp: also run the MTP layer; its ids default to the
+        inputs shifted left with a 0 fill (spec §11), or `mtp_ids` [B,T] when given.
+        Returns dict: logits [B,T,V] f32, hidden [B,T,D] (final-normed), cache, routing {layer: [B,T,k]},
+        mtp_logits [B,T,V] (if mtp), kda_states {layer: [B,T,H,dk,dv]} (if opts['kda_all_states']).
+        """
+        cfg = self.cfg
+        opts = opts or {}
+        B, T = input_ids.shape
+        n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
+        lengths = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
+        h = self.model.word_embeddings(input_ids).astype(self.dtype)
+        new_layers, routing, kda_states = [], {}, {}
+        for i, layer in enumerate(self.model.layers):
+            if cache is not None:
+                lc = cache.layers[i]
+            elif layer.attn_type == KDA:
+                lc = kda_zero_state(cfg, B, self.dtype)
+            else:
+                lc = None
+            forced = None if forced_routing is None else forced_routing.get(i)
+            h, lc, idx, extra = layer(h, lc, lengths, n_valid, opts, forced)
+            new_layers.append(lc)
+            if idx is not None:
+                routing[i] = idx
+            if extra is not None:
+                kda_states[i] = extra
+        z = self.model.norm(h)
+        out = {"logits": self.logits(z), "hidden": z, "routing": routing}
+        if kda_states:
+            out["kda_states"] = kda_states
+        mtp_cache = None if cache is None else cache.mtp
+        if mtp:
+            if self.mtp is None:
+                raise ValueError("this model has no MTP layer (num_nextn_predict_layers = 0 or loaded without it)")
+            if mtp_ids is None:
+                t = jnp.arange(T)[None, :]
+                nxt = jnp.concatenate([input_ids[:, 1:], jnp.zeros((B, 1), input_ids.dtype)], axis=1)
+                mtp_ids = jnp.where(t + 1 < n_valid[:, None], nxt, 0)
+            emb = self.model.word_embeddings(mtp_ids).astype(self.dtype)
+            forced = None if forced_routing is None else forced_routing.get(cfg.num_hidden_layers)
+            zm, mtp_cache, idx = self.mtp(emb, z, mtp_cache, lengths, n_valid, opts, forced)
+            out["mtp_logits"] = self.logits(zm)
+            routing[cfg.num_hidden_layers] = idx
+        if cache is not None:
+            out["cache"] = HybridCache(tuple(new_layers), mtp_cache, lengths + n_valid)
+        return out

@@ -1,0 +1,52 @@
+"""Loading a checkpoint directory into a ready model, and the jit-compiled forward passes."""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ling_jax.config import LingConfig
+from ling_jax.ops import as_dtype
+
+
+def default_dtype() -> str:
+    """float32 on CPU (XLA:CPU bf16 matmuls are ~20x slower), bfloat16 on accelerators."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load_model(checkpoint: str, dtype: str | None = None, with_mtp: bool = True, progress: bool = True):
+    """Read, validate and load a checkpoint directory (HF release layout). Returns the model."""
+    from ling_jax.checkpoint.load import load_params
+    from ling_jax.checkpoint.reader import CheckpointReader
+
+    if not os.path.isdir(checkpoint):
+        raise FileNotFoundError(f"{checkpoint}: checkpoint directory not found")
+    reader = CheckpointReader(checkpoint)
+    cfg = reader.config
+    with_mtp = with_mtp and cfg.has_mtp
+    reader.validate(include_mtp=with_mtp)
+    return load_params(reader, cfg, as_dtype(dtype or default_dtype()), with_mtp=with_mtp, progress=progress)
+
+
+def check_ids(ids, cfg: LingConfig, what: str = "--input-ids") -> None:
+    if len(ids) == 0:
+        raise ValueError(f"{what}: empty prompt (need at least one token id)")
+    bad = [i for i in ids if not 0 <= int(i) < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+@nnx.jit(static_argnames=("mtp", "opts_items"))
+def _forward(model, ids, n_valid, forced_routing, mtp: bool, opts_items: tuple):
+    out = model(ids, n_valid=n_valid, mtp=mtp, opts=dict(opts_items), forced_routing=forced_routing)
+    return {k: out[k] for k in ("logits", "mtp_logits", "hidden", "routing") if k in out}
+
+
+def full_logits(model, ids, mtp: bool = False, n_valid=None, forced_routing=None, **opts):
+    """Cache-free forward of [B,T] ids (right-padded to n_valid[b]) → dict with logits [B,T,V] f32,
+    hidden [B,T,D], routing {layer: [B,T,k]} and mtp_logits when mtp. `forced_routing` pins experts."""
+    ids = jnp.asarray(ids, jnp.int32)
+    n_valid = jnp.full((ids.shape[0],), ids.shape[1], jnp.int32) if n_valid is None else jnp.asarray(n_valid)
+    return _forward(model, ids, n_valid, forced_routing, mtp, tuple(sorted(opts.items())))

@@ -1,0 +1,237 @@
+"""Token sampling and speculative-decoding acceptance, as pure jit-friendly JAX functions.
+
+Everything here is shape-static and free of Python control flow on traced values, so it can run
+inside a `lax.while_loop` decode loop. The only Python branching is on `SamplingParams`, which is
+a frozen (hashable) dataclass meant to be passed as a *static* jit argument.
+
+Conventions
+-----------
+* `logits` are `[B, V]` (any float dtype); all processing happens in float32.
+* Masked-out entries are set to `-inf`; at least one entry per row always survives.
+* Ties are broken by token id: among equal logits the lower id ranks first (the order of
+  `lax.top_k`, of a stable descending sort, and of `jnp.argmax`). So top-k keeps *exactly* k
+  entries and top-p keeps exactly the prefix of that order, even when values tie.
+* The processing order is temperature -> top-k -> top-p (top-p renormalises over what top-k kept).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "SamplingParams",
+    "mask_top_k",
+    "mask_top_p",
+    "processed_logits",
+    "probs",
+    "sample",
+    "speculative_accept",
+    "speculative_accept_greedy",
+]
+
+_NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings; frozen and hashable so it can be a static jit argument.
+
+    temperature: 0 means greedy (argmax); > 0 divides the logits.
+    top_k: keep the k highest logits (0 = off).
+    top_p: nucleus threshold in (0, 1]; 1.0 = off.
+    seed: seed for the caller's PRNG key (not read by the functions here, which take a key).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative int, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _nucleus_keep_sorted(sorted_logits: jax.Array, p: float) -> jax.Array:
+    """Keep-mask for logits already sorted in descending order along the last axis.
+
+    Keeps entry i iff the probability mass strictly before it is < p, i.e. the smallest prefix
+    whose cumulative probability reaches p. The first entry is always kept.
+    """
+    pr = jax.nn.softmax(sorted_logits, axis=-1)
+    cum = jnp.cumsum(pr, axis=-1)
+    excl = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
+    keep = (excl < p) | (p >= 1.0)
+    return keep.at[..., 0].set(True)
+
+
+def _scatter_rows(values: jax.Array, idx: jax.Array, vocab: int) -> jax.Array:
+    """out[b, idx[b, j]] = values[b, j]; every other entry -inf. values/idx are [B, n]."""
+    rows = jnp.arange(values.shape[0])[:, None]
+    out = jnp.full((values.shape[0], vocab), _NEG_INF, dtype=values.dtype)
+    return out.at[rows, idx].set(values)
+
+
+def mask_top_k(logits: jax.Array, k: int) -> jax.Array:
+    """Set all but the k largest logits of each row to -inf.
+
+    `k` is a static Python int; k <= 0 or k >= V returns the logits unchanged. With ties the
+    lower token ids win (the `lax.top_k` order), so exactly k entries stay finite (given finite
+    input).
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    vocab = logits.shape[-1]
+    k = int(k)
+    if k <= 0 or k >= vocab:
+        return logits
+    vals, idx = jax.lax.top_k(logits, k)
+    return _scatter_rows(vals, idx, vocab)
+
+
+def mask_top_p(logits: jax.Array, p: float) -> jax.Array:
+    """Nucleus mask: keep the smallest set of highest-probability tokens with mass >= p.
+
+    `p` is a Python float (p >= 1 then returns the logits unchanged without sorting) or a traced
+    scalar / [B, 1] array (then p >= 1 keeps every token). The top token is always kept. Ties
+    follow the lower-id-first order (stable descending sort).
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    if isinstance(p, (int, float)):
+        if p >= 1.0:
+            return logits
+    else:
+        p = jnp.asarray(p, jnp.float32)
+    vocab = logits.shape[-1]
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    keep = _nucleus_keep_sorted(sorted_logits, p)
+    return _scatter_rows(jnp.where(keep, sorted_logits, _NEG_INF), order, vocab)
+
+
+def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """float32 logits after temperature, then top-k, then top-p (masked entries are -inf).
+
+    For greedy params this is the argmax entry alone (everything else -inf), so that
+    `softmax(processed_logits(...))` is the one-hot distribution greedy decoding draws from.
+    """
+    x = jnp.asarray(logits, jnp.float32)
+    vocab = x.shape[-1]
+    if params.greedy:
+        return mask_top_k(x, 1) if vocab > 1 else x
+    x = x / jnp.float32(params.temperature)
+    k = int(params.top_k)
+    if 0 < k < vocab:
+        # top_k returns its values sorted, so top-p can run on the k survivors without
+        # sorting the whole vocabulary.
+        vals, idx = jax.lax.top_k(x, k)
+        if params.top_p < 1.0:
+            vals = jnp.where(_nucleus_keep_sorted(vals, params.top_p), vals, _NEG_INF)
+        return _scatter_rows(vals, idx, vocab)
+    return mask_top_p(x, params.top_p)
+
+
+def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """[B, V] float32: exactly the distribution `sample(logits, key, params)` draws from."""
+    return jax.nn.softmax(processed_logits(logits, params), axis=-1)
+
+
+def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
+    """Draw one token per row: [B, V] -> [B] int32 (argmax when `params.greedy`)."""
+    if params.greedy:
+        return jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1).astype(jnp.int32)
+    x = processed_logits(logits, params)
+    return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+def speculative_accept(
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    key: jax.Array,
+) -> Tuple[jax.Array, jax.Array]:
+    """Speculative-sampling accept/reject (Leviathan et al. 2023; Chen et al. 2023).
+
+    Args:
+      draft_tokens: [B, k] tokens the draft model sampled.
+      draft_probs: [B, k, V] the full distributions those tokens were drawn from.
+      target_probs: [B, k+1, V] target distributions at the same k positions plus one more
+        (the bonus position after the last draft token). Use `probs(...)` with the same
+        `SamplingParams` for both models to sample from the processed target distribution.
+      key: PRNG key.
+
+    Returns:
+      (num_accepted [B] int32 in [0, k], next_token [B] int32). The emitted sequence is
+      draft_tokens[b, :num_accepted[b]] followed by next_token[b]. Draft token i is accepted
+      with probability min(1, p_target/p_draft), left to right; at the first rejection
+      next_token ~ normalize(max(0, p_target - p_draft)) at that position; if all k are
+      accepted next_token ~ target_probs[:, k]. The emitted tokens are distributed exactly as
+      sampling from the target alone.
+    """
+    draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
+    draft_probs = jnp.asarray(draft_probs, jnp.float32)
+    target_probs = jnp.asarray(target_probs, jnp.float32)
+    batch, k = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    # One uniform draw per row covers both the k accept tests and the Gumbel noise for the
+    # replacement/bonus token (a single RNG kernel instead of three).
+    uniforms = jax.random.uniform(
+        key, (batch, k + vocab), jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0
+    )
+    u, gumbel = uniforms[:, :k], -jnp.log(-jnp.log(uniforms[:, k:]))
+
+    tok = draft_tokens[..., None]
+    p_draft = jnp.take_along_axis(draft_probs, tok, axis=-1)[..., 0]  # [B, k]
+    p_target = jnp.take_along_axis(target_probs[:, :k], tok, axis=-1)[..., 0]  # [B, k]
+    # u < p_t / p_d without dividing (p_d > 0 for a token the draft actually sampled).
+    accepted = u * p_draft < p_target
+    num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)
+    num_accepted = num_accepted.astype(jnp.int32)
+
+    n_idx = num_accepted[:, None, None]
+    t_n = jnp.take_along_axis(target_probs, n_idx, axis=1)[:, 0]  # [B, V]
+    if k > 0:
+        d_n = jnp.take_along_axis(draft_probs, jnp.minimum(n_idx, k - 1), axis=1)[:, 0]
+        d_n = jnp.where((num_accepted < k)[:, None], d_n, 0.0)  # bonus position: plain target
+    else:
+        d_n = jnp.zeros_like(t_n)
+    residual = jnp.maximum(t_n - d_n, 0.0)
+    total = jnp.sum(residual, axis=-1, keepdims=True)
+    # A rejection implies p_target < p_draft somewhere, so total > 0 in exact arithmetic; fall
+    # back to the target distribution if rounding empties it.
+    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), t_n)
+    # Gumbel-max: argmax(log w + G) ~ w / sum(w); zero-weight tokens get -inf and never win.
+    next_token = jnp.argmax(jnp.log(residual) + gumbel, axis=-1).astype(jnp.int32)
+    return num_accepted, next_token
+
+
+def speculative_accept_greedy(
+    draft_tokens: jax.Array, target_logits: jax.Array
+) -> Tuple[jax.Array, jax.Array]:
+    """Greedy verification: accept draft tokens while they equal the target argmax.
+
+    Args:
+      draft_tokens: [B, k].
+      target_logits: [B, k+1, V] (probabilities work too; only the argmax is used).
+
+    Returns:
+      (num_accepted [B] int32, next_token [B] int32): next_token is the target argmax at the
+      first mismatch, or at position k (the bonus token) when every draft token matched.
+    """
+    draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
+    k = draft_tokens.shape[1]
+    best = jnp.argmax(jnp.asarray(target_logits, jnp.float32), axis=-1).astype(jnp.int32)
+    match = (draft_tokens == best[:, :k]).astype(jnp.int32)
+    num_accepted = jnp.sum(jnp.cumprod(match, axis=-1), axis=-1).astype(jnp.int32)
+    next_token = jnp.take_along_axis(best, num_accepted[:, None], axis=1)[:, 0]
+    return num_accepted, next_token

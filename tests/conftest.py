@@ -1,0 +1,50 @@
+import os
+import sys
+
+# Tests run on CPU; 8 host devices let the sharding tests build meshes in-process.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+class DictReader:
+    """Reader over an in-memory {checkpoint name: array} dict (same `get` as CheckpointReader)."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def get(self, name, dtype=np.float32, index=None):
+        a = np.asarray(self.params[name], dtype=dtype)
+        return a if index is None else a[index]
+
+
+def load_from_dict(cfg, params, dtype="float32", with_mtp=True):
+    import jax.numpy as jnp
+
+    from ling_jax.checkpoint.load import load_params
+    return load_params(DictReader(params), cfg, jnp.dtype(dtype), with_mtp=with_mtp, progress=False)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    import np_reference as R
+    return R.tiny_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_cfg):
+    import np_reference as R
+    return R.random_params(tiny_cfg, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_cfg, tiny_params):
+    return load_from_dict(tiny_cfg, tiny_params)
