@@ -52,6 +52,11 @@ would not close Layout B's gap anyway). With FP32 conv taps:
 * Layout B: 573,732,383,232 B = 534.33 GiB (20.9 MB short); MXFP4: 291.63 GiB.
 * BF16 conv taps lower either by 12,386,304 B (Layout A: 534.34 GiB).
 
+The seed's third row ("MTP layer dropped", 287.51 GiB) is the one figure Layout A does not give
+(287.54 GiB here): it equals the main-model payload of Layout B with BF16 conv taps, a layout whose
+full-model payload is 534.32 GiB, 33.3 MB short of the published total. The seed's own numbers are
+therefore not all from one layout; we follow the two published, measured-derived totals.
+
 So the release-format defaults here are ``RELEASE_FP8_LAYOUT = "A"`` and
 ``RELEASE_CONV_DTYPE = "F32"``; pass ``fp8_layout="B"`` (or ``None`` = exactly what
 ``expected_tensors`` says, i.e. our writer's files) to account for the other layout.

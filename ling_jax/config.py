@@ -80,7 +80,7 @@ class LingConfig:
     apply_swiglu_clamp: bool = True
     mtp_loss_scaling_factor: float = 0.0
     # FP8 release format
-    quantization_config: Optional[dict] = None
+    quantization_config: Optional[dict] = dataclasses.field(default=None, hash=False)  # dict: not hashable
 
     # ---- derived --------------------------------------------------------------------------
     @property

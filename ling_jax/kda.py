@@ -31,16 +31,17 @@ class KDAState(NamedTuple):
 
 def kda_zero_state(cfg: LingConfig, batch: int, dtype) -> KDAState:
     H, d, K = cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
-    conv = jnp.zeros((batch, K - 1, H * d), dtype)
-    return KDAState(jnp.zeros((batch, H, d, d), jnp.float32), conv, conv, conv)
+    conv = lambda: jnp.zeros((batch, K - 1, H * d), dtype)  # distinct buffers (they may be donated)
+    return KDAState(jnp.zeros((batch, H, d, d), jnp.float32), conv(), conv(), conv())
 
 
-def short_conv(u: jax.Array, taps: jax.Array, conv_state: jax.Array, n_valid: jax.Array):
+def short_conv(u: jax.Array, taps: jax.Array, conv_state: jax.Array, n_valid: jax.Array, return_cat: bool = False):
     """Causal depthwise conv + SiLU over raw projections (spec §9.2).
 
     u: [B,T,C]; taps: [C,K] (tap K-1 multiplies the current token); conv_state: [B,K-1,C] (the
     previous K-1 raw inputs); n_valid: [B] number of real tokens (the rest are right padding).
-    Returns (y [B,T,C], new conv_state holding the last K-1 *valid* raw inputs).
+    Returns (y [B,T,C], new conv_state holding the last K-1 *valid* raw inputs[, the concatenation
+    [B,K-1+T,C] from which the state after any prefix can be sliced (speculative rollback)]).
     """
     K = taps.shape[1]
     T = u.shape[1]
@@ -49,8 +50,14 @@ def short_conv(u: jax.Array, taps: jax.Array, conv_state: jax.Array, n_valid: ja
     for j in range(K):
         acc = acc + x[:, j:j + T].astype(jnp.float32) * taps[:, j].astype(jnp.float32)
     y = jax.nn.silu(acc).astype(u.dtype)
-    new_state = jax.vmap(lambda xb, n: jax.lax.dynamic_slice_in_dim(xb, n, K - 1, axis=0))(x, n_valid)
-    return y, new_state
+    if return_cat:
+        return y, conv_state_at(x, n_valid, K), x
+    return y, conv_state_at(x, n_valid, K)
+
+
+def conv_state_at(x_cat: jax.Array, n: jax.Array, K: int) -> jax.Array:
+    """Conv state after the first n[b] new tokens: rows n..n+K-2 of [old state; new raw inputs]."""
+    return jax.vmap(lambda xb, nb: jax.lax.dynamic_slice_in_dim(xb, nb, K - 1, axis=0))(x_cat, n)
 
 
 def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: float) -> jax.Array:
@@ -166,15 +173,17 @@ class KimiDeltaAttention(nnx.Module):
                  return_all_states: bool = False):
         """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after). mode: chunk|recurrent.
 
-        Returns (out [B,T,D], new KDAState[, per-token recurrent states [B,T,H,dk,dv] for rollback]).
+        Returns (out [B,T,D], new KDAState[, rollback info]). With return_all_states the third value is
+        (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs [B,K-1+T,P]) so
+        a speculative verify can roll back to any accepted prefix (`kda_rollback`).
         """
         cfg = self.cfg
         B, T, _ = x.shape
         H, d = cfg.num_attention_heads, cfg.head_dim
         valid = jnp.arange(T)[None, :] < n_valid[:, None]  # [B,T]
-        q, cq = short_conv(linear(x, self.q_proj.weight[...]), self.q_conv1d[...], state.conv_q, n_valid)
-        k, ck = short_conv(linear(x, self.k_proj.weight[...]), self.k_conv1d[...], state.conv_k, n_valid)
-        v, cv = short_conv(linear(x, self.v_proj.weight[...]), self.v_conv1d[...], state.conv_v, n_valid)
+        convs = [short_conv(linear(x, getattr(self, f"{n}_proj").weight[...]), getattr(self, f"{n}_conv1d")[...],
+                            getattr(state, f"conv_{n}"), n_valid, return_cat=return_all_states) for n in "qkv"]
+        (q, cq), (k, ck), (v, cv) = [c[:2] for c in convs]
         q = l2_normalize(q.reshape(B, T, H, d)) * (d ** -0.5)
         k = l2_normalize(k.reshape(B, T, H, d))
         v = v.reshape(B, T, H, d).astype(jnp.float32)
@@ -197,4 +206,16 @@ class KimiDeltaAttention(nnx.Module):
         y = gated_rms_norm(o, gate, self.o_norm[...], cfg.rms_norm_eps).astype(x.dtype)
         out = linear(y.reshape(B, T, H * d), self.o_proj.weight[...])
         new = KDAState(s, cq, ck, cv)
-        return (out, new, all_states) if return_all_states else (out, new)
+        if return_all_states:
+            return out, new, (all_states, tuple(c[2] for c in convs))
+        return out, new
+
+
+def kda_rollback(old: KDAState, rollback, n_keep: jax.Array) -> KDAState:
+    """The KDA cache after only the first n_keep[b] of a verify chunk's tokens (0 = unchanged)."""
+    all_states, cats = rollback
+    K = cats[0].shape[1] - all_states.shape[1] + 1
+    idx = jnp.maximum(n_keep - 1, 0)
+    picked = jnp.take_along_axis(all_states, idx[:, None, None, None, None], axis=1)[:, 0]
+    rec = jnp.where((n_keep > 0)[:, None, None, None], picked, old.recurrent)
+    return KDAState(rec, *(conv_state_at(c, n_keep, K) for c in cats))

@@ -62,16 +62,28 @@ def mla_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype):
     return einsum("bhts,bshd->bthd", p, v)
 
 
-def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype):
-    """Absorbed form (spec §10.6): MQA over the latent; same arguments and result as expanded."""
+def latent_attention(q_hat, q_pe, c, k_pe, mask, scale):
+    """The absorbed core (XLA twin of the Pallas MLA decode kernel): MQA over the latent cache.
+
+    q_hat [B,T,H,r] (query through W_UK); q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; mask [B,T,S].
+    Returns c_hat [B,T,H,r] = softmax((q_hat·c + q_pe·k_pe)·scale) @ c, in q_hat's dtype.
+    """
+    s = (einsum("bthr,bsr->bhts", q_hat, c, dtype=jnp.float32)
+         + einsum("bthd,bsd->bhts", q_pe, k_pe, dtype=jnp.float32)) * scale
+    p = _softmax(s, mask[:, None]).astype(q_hat.dtype)
+    return einsum("bhts,bsr->bthr", p, c)
+
+
+def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, core=latent_attention):
+    """Absorbed form (spec §10.6): same arguments and result as `mla_expanded_attention`.
+
+    `core` computes the latent attention (the Pallas kernel or its XLA twin `latent_attention`).
+    """
     H, dn = q_nope.shape[2], q_nope.shape[3]
     w = w_kv_b.reshape(H, -1, w_kv_b.shape[-1])  # [H, dn+dv, r]
     w_uk, w_uv = w[:, :dn].astype(dtype), w[:, dn:].astype(dtype)
     q_hat = einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B,T,H,r]
-    s = (einsum("bthr,bsr->bhts", q_hat, c, dtype=jnp.float32)
-         + einsum("bthd,bsd->bhts", q_pe, k_pe, dtype=jnp.float32)) * scale
-    p = _softmax(s, mask[:, None]).astype(dtype)
-    c_hat = einsum("bhts,bsr->bthr", p, c)
+    c_hat = core(q_hat, q_pe, c, k_pe, mask, scale)
     return einsum("bthr,hdr->bthd", c_hat, w_uv)
 
 

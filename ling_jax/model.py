@@ -93,6 +93,8 @@ class MTPLayer(nnx.Module):
         self.final_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
 
     def __call__(self, emb, hidden_normed, cache, lengths, n_valid, opts, forced_idx=None):
+        """emb: embeddings of the *next* tokens [B,T,D]; hidden_normed: main final-normed hidden at the
+        same slots. Returns (final-normed MTP hidden [B,T,D], new MLA cache, expert ids)."""
         m = linear(jnp.concatenate([self.enorm(emb), self.hnorm(hidden_normed)], axis=-1), self.eh_proj.weight[...])
         r, cache, idx, _ = self.block(m, cache, lengths, n_valid, opts, forced_idx)
         return self.final_layernorm(r), cache, idx
@@ -118,6 +120,15 @@ class LingForCausalLM(nnx.Module):
 
     def logits(self, z):
         return linear(z, self.lm_head.weight[...]).astype(jnp.float32)
+
+    def mtp_forward(self, next_ids, hidden, mtp_cache, lengths, n_valid, opts: dict | None = None):
+        """MTP layer alone: slot t pairs token next_ids[t] with main hidden[t] at position lengths+t.
+
+        Returns (mtp logits [B,T,V] f32, MTP final-normed hidden [B,T,D], new MTP cache).
+        """
+        emb = self.model.word_embeddings(next_ids).astype(self.dtype)
+        zm, mtp_cache, _ = self.mtp(emb, hidden.astype(self.dtype), mtp_cache, lengths, n_valid, opts or {})
+        return self.logits(zm), zm, mtp_cache
 
     def __call__(self, input_ids, cache: HybridCache | None = None, n_valid=None, *, mtp: bool = False,
                  opts: dict | None = None, forced_routing: dict | None = None, mtp_ids=None):

@@ -4,6 +4,13 @@ Routed experts are stacked `[E, in, out]` so one grouped matmul (`jax.lax.ragged
 sorted by expert) computes all of them with no Python loop over experts. For a handful of tokens
 (decode) a gather of the selected experts' weights moves fewer bytes than the grouped matmul and is
 used instead; both give the same result.
+
+Expert parallelism (`experts_ep`): when `sharding.shard_model` / `sharding.load_sharded` attached
+an `ep_plan` to the block (or `impl="ep"` runs under a context mesh), the routed experts run inside
+`jax.shard_map`: every device computes its own experts (and its slice of their intermediate width)
+for all tokens of its data shard and one `psum` over the `expert`/`model` axes combines them; no
+expert weight ever leaves its device (design note: sharding/README.md). `FP8Experts` keeps routed
+experts as float8_e4m3fn + float32 block scales and dequantises inside the expert matmuls.
 """
 from __future__ import annotations
 
@@ -111,7 +118,115 @@ class Experts(nnx.Module):
         self.down_proj = nnx.Param(init_normal(rngs, (E, I, D), dtype, fan_in=I))
 
 
+class FP8Experts(nnx.Module):
+    """Routed experts kept in float8_e4m3fn with float32 scales (`--keep-fp8`), dequantised per matmul.
+
+    gate/up: [E,D,I] fp8 with scales [E, ceil(D/bi), I]; down: [E,I,D] fp8 with scales [E, I, ceil(D/bo)]
+    ((bo, bi) = the checkpoint's weight_block_size over its [out, in] matrices). The scale grid keeps
+    the checkpoint's 128-blocks along D but is expanded along I, so the `model` mesh axis can split I
+    at any divisor (1280 / 4 = 320 is not a multiple of 128); this costs 4/128 = 3% extra bytes.
+    """
+
+    def __init__(self, cfg: LingConfig):
+        E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.block_out, self.block_in = (int(b) for b in cfg.weight_block_size)
+        f8 = jnp.float8_e4m3fn
+        gi, go = -(-D // self.block_in), -(-D // self.block_out)
+        self.gate_proj = nnx.Param(jnp.zeros((E, D, I), f8))
+        self.up_proj = nnx.Param(jnp.zeros((E, D, I), f8))
+        self.down_proj = nnx.Param(jnp.zeros((E, I, D), f8))
+        self.gate_proj_scale = nnx.Param(jnp.ones((E, gi, I), jnp.float32))
+        self.up_proj_scale = nnx.Param(jnp.ones((E, gi, I), jnp.float32))
+        self.down_proj_scale = nnx.Param(jnp.ones((E, I, go), jnp.float32))
+
+    def weights(self):
+        return (self.gate_proj[...], self.up_proj[...], self.down_proj[...],
+                self.gate_proj_scale[...], self.up_proj_scale[...], self.down_proj_scale[...])
+
+
+def dequant_in(wq, s, block: int, dtype):
+    """[..., D, I] fp8 × scale [..., ceil(D/block), I] → dtype (product formed in float32)."""
+    D = wq.shape[-2]
+    return (wq.astype(jnp.float32) * jnp.repeat(s, block, axis=-2)[..., :D, :]).astype(dtype)
+
+
+def dequant_out(wq, s, block: int, dtype):
+    """[..., I, D] fp8 × scale [..., I, ceil(D/block)] → dtype (product formed in float32)."""
+    D = wq.shape[-1]
+    return (wq.astype(jnp.float32) * jnp.repeat(s, block, axis=-1)[..., :D]).astype(dtype)
+
+
+def experts_local(x, idx, wts, e0, weights, limit, impl: str, blocks=None):
+    """Weighted sum over the assignments that fall on experts `e0 .. e0+E_l-1` (the ones in `weights`).
+
+    x: [N,D]; idx: [N,k] global expert ids; wts: [N,k] f32; weights: (wg, wu, wd) stacked [E_l,D,I_l],
+    [E_l,D,I_l], [E_l,I_l,D], plus (sg, su, sd) scales when `blocks=(block_in, block_out)` (FP8).
+    Assignments to other experts contribute 0. Returns [N,D] float32 (a partial sum when the experts
+    or their intermediate width are split over devices).
+    """
+    N, k = idx.shape
+    wg, wu, wd = weights[:3]
+    E_l = wg.shape[0]
+    loc = idx - e0
+    mine = (loc >= 0) & (loc < E_l)
+    dt = x.dtype
+
+    def deq(w, s, fn, block):
+        return w.astype(dt) if blocks is None else fn(w, s, block, dt)
+
+    if impl == "gather":
+        li = jnp.where(mine, loc, 0)
+        sc = (None,) * 3 if blocks is None else tuple(s[li] for s in weights[3:])
+        g = einsum("nd,nkdi->nki", x, deq(wg[li], sc[0], dequant_in, blocks and blocks[0]))
+        u = einsum("nd,nkdi->nki", x, deq(wu[li], sc[1], dequant_in, blocks and blocks[0]))
+        h = swiglu_act(g, u, limit)
+        y = einsum("nki,nkid->nkd", h, deq(wd[li], sc[2], dequant_out, blocks and blocks[1]))
+    else:
+        flat = jnp.where(mine, loc, E_l).reshape(-1)  # other devices' assignments sort last, in no group
+        order = jnp.argsort(flat, stable=True)
+        xs = x[order // k]
+        sizes = jnp.bincount(flat, length=E_l).astype(jnp.int32)
+        sc = (None,) * 3 if blocks is None else weights[3:]
+        prec = precision(dt)
+        dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, precision=prec).astype(dt)
+        h = swiglu_act(dot(xs, deq(wg, sc[0], dequant_in, blocks and blocks[0])),
+                       dot(xs, deq(wu, sc[1], dequant_in, blocks and blocks[0])), limit)
+        ys = dot(h, deq(wd, sc[2], dequant_out, blocks and blocks[1]))
+        y = jnp.zeros_like(ys).at[order].set(ys).reshape(N, k, -1)
+    y = jnp.where(mine[..., None], y, 0)
+    return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), jnp.where(mine, wts, 0.0),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def experts_ep(x, idx, wts, weights, limit, plan, impl: str, blocks=None):
+    """Expert-parallel routed experts: `experts_local` per device inside `jax.shard_map`, then psum.
+
+    plan: an `EPPlan` (sharding/rules.py) holding the mesh and the PartitionSpecs the expert weights
+    were placed with. Tokens are split over `data` when N divides evenly (else every data row
+    computes all tokens). Returns [N,D] float32, identical on every device of a data row.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    mesh = plan.mesh
+    N = x.shape[0]
+    n_data = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("data", 1)
+    tok = "data" if n_data > 1 and N % n_data == 0 else None
+    e_ax = plan.specs[0][0]
+    sum_axes = tuple(a for a in (e_ax, plan.specs[0][2]) if a is not None)
+
+    def body(x, idx, wts, *ws):
+        e0 = jax.lax.axis_index(e_ax) * ws[0].shape[0] if e_ax is not None else 0
+        y = experts_local(x, idx, wts, e0, ws, limit, impl, blocks)
+        return jax.lax.psum(y, sum_axes) if sum_axes else y
+
+    tp = P(tok, None)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tp, tp, tp) + tuple(plan.specs[:len(weights)]), out_specs=tp)
+    return fn(x, idx, wts, *weights)
+
+
 class MoE(nnx.Module):
+    ep_plan = None  # set by sharding.shard_model / load_sharded: selects the expert-parallel path
+
     def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         self.routed_limit, shared_limit = cfg.swiglu_limits(layer)
@@ -133,11 +248,26 @@ class MoE(nnx.Module):
                                 precision=jax.lax.Precision.HIGHEST)
             wts = routing_weights(jax.nn.sigmoid(logits), idx, self.cfg)
         ex = self.experts
-        if impl == "auto":
-            impl = "gather" if B * T * idx.shape[1] <= self.cfg.num_experts else "grouped"
-        fn = experts_gathered if impl == "gather" else experts_grouped
-        y = fn(xf, idx, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...], self.routed_limit)
-        y = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), wts, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        fp8 = isinstance(ex, FP8Experts)
+        plan = self.ep_plan
+        if impl == "ep" and plan is None:
+            from sharding.rules import context_ep_plan  # the mesh set with jax.set_mesh / sharding.use_mesh
+            plan = context_ep_plan(self.cfg, fp8)
+        inner = impl if impl in ("gather", "grouped") else (
+            "gather" if B * T * idx.shape[1] <= self.cfg.num_experts else "grouped")
+        if plan is not None or fp8:
+            weights = ex.weights() if fp8 else (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
+            blocks = (ex.block_in, ex.block_out) if fp8 else None
+            if plan is not None:
+                y = experts_ep(xf, idx, wts, weights, self.routed_limit, plan, inner, blocks)
+            else:
+                y = experts_local(xf, idx, wts, 0, weights, self.routed_limit, inner, blocks)
+            y = y.astype(x.dtype)
+        else:
+            fn = experts_gathered if inner == "gather" else experts_grouped
+            y = fn(xf, idx, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...], self.routed_limit)
+            y = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), wts,
+                           precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf)
         return y.reshape(B, T, D), idx.reshape(B, T, -1)

@@ -321,3 +321,19 @@ def test_mxfp4_saving_is_the_routed_experts(real_cfg):
     assert 534.345 < fp8 < 534.355 and 291.635 < mx < 291.645
     assert math.isclose(fp8 - mx, (A.summary(real_cfg, "fp8")["routed_bytes"]
                                    - A.summary(real_cfg, "mxfp4")["routed_bytes"]) / GiB)
+
+
+@pytest.mark.parametrize("q_lora", [48, None])
+def test_groups_follow_layer_types(q_lora):
+    """Name-based grouping agrees with the config's layer schedule (also without q_lora, where MLA
+    layers have a `q_proj` like KDA layers), including the trailing incomplete MLA group."""
+    import np_reference as R
+    cfg = R.tiny_config(eos_token_id=96, pad_token_id=95, q_lora_rank=q_lora)
+    types = cfg.layer_types
+    want = {"kda_attention": 0, "mla_attention": 0}
+    for name, s in L.expected_tensors(cfg).items():
+        if s.layer is not None and s.layer < cfg.num_hidden_layers and ".attention." in name:
+            want["kda_attention" if types[s.layer] == "kda" else "mla_attention"] += s.numel
+    g = A.param_counts(cfg)["by_group"]
+    assert {k: g[k] for k in want} == want and g["other"] == 0
+    assert types[-2:] == ("mla", "mla") and want["mla_attention"] > 0

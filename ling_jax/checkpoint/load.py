@@ -23,6 +23,28 @@ _NP_DTYPE = {jnp.dtype(jnp.float32): np.float32, jnp.dtype(jnp.bfloat16): ml_dty
 _EXPERT_PROJ = {"gate_proj": True, "up_proj": True, "down_proj": True}
 
 
+class ShapeOnlyRngs:
+    """Stands in for nnx.Rngs while building a shape-only model: `params()` returns a fixed key.
+
+    With a real nnx.Rngs every `params()` call updates a counter Variable with a tracer, and each
+    update makes flax query the tracer's `.sharding`, which builds an error message whose cost grows
+    with the whole trace: O(n^2) in the parameter count (~110 s for the full 73-layer model, ~3 s
+    this way). Values are irrelevant under eval_shape; only shapes and dtypes are used.
+    """
+
+    def params(self):
+        return jax.random.key(0)
+
+    def __call__(self):
+        return self.params()
+
+
+def abstract_model(cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = True) -> LingForCausalLM:
+    """Shape-only LingForCausalLM (every parameter a ShapeDtypeStruct)."""
+    return nnx.eval_shape(lambda: LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(),
+                                                  with_mtp=with_mtp))
+
+
 def checkpoint_names(path: tuple, cfg: LingConfig) -> tuple[str, list[str], Callable]:
     """For an NNX parameter path: (display name, checkpoint tensor names, assemble(arrays) -> array)."""
     p = [str(x) for x in path]
@@ -42,6 +64,27 @@ def checkpoint_names(path: tuple, cfg: LingConfig) -> tuple[str, list[str], Call
     return name, [name], ident
 
 
+def read_param(reader, path: tuple, cfg: LingConfig, index=None, dtype=np.float32) -> np.ndarray:
+    """One parameter, or the block `index` of it, read straight from the checkpoint (sharded loading).
+
+    `index`: a tuple of slices over the *parameter's* shape (what `Sharding.devices_indices_map`
+    gives), None for all of it. Only the bytes of that block are read: stacked experts `[E, in, out]`
+    read just the experts in index[0], each as the transposed sub-block of its `[out, in]` matrix;
+    conv taps read rows of `[P, 1, K]`. FP8 tensors are dequantized (reader.get).
+    """
+    _, names, _ = checkpoint_names(path, cfg)
+    p = [str(x) for x in path]
+    if len(p) >= 2 and p[-2] == "experts" and p[-1] in _EXPERT_PROJ:
+        e_sl, a_sl, b_sl = index if index is not None else (slice(None),) * 3
+        return np.stack([reader.get(names[e], dtype=dtype, index=(b_sl, a_sl)).T
+                         for e in range(len(names))[e_sl]])
+    if p[-1] in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        r_sl, k_sl = index if index is not None else (slice(None),) * 2
+        a = reader.get(names[0], dtype=dtype, index=(r_sl, slice(None), k_sl))
+        return a.reshape(a.shape[0], -1)
+    return reader.get(names[0], dtype=dtype, index=index)
+
+
 def load_params(reader, cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = True, progress: bool = True,
                 place: Callable | None = None) -> LingForCausalLM:
     """Build a LingForCausalLM from a CheckpointReader-like object (`get(name, dtype) -> np.ndarray`).
@@ -50,8 +93,7 @@ def load_params(reader, cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = Tru
     the sharded loader passes its own.
     """
     dtype = jnp.dtype(dtype)
-    abstract = nnx.eval_shape(lambda: LingForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), with_mtp=with_mtp))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, with_mtp))
     flat = list(nnx.to_flat_state(state))
     place = place or (lambda path, a: jnp.asarray(a))
     bar = tqdm(flat, desc="loading", unit="param", disable=not progress)
@@ -69,6 +111,5 @@ def load_params(reader, cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = Tru
 
 def iter_param_names(cfg: LingConfig, with_mtp: bool = True) -> Iterator[str]:
     """Every checkpoint tensor name the model consumes (for validation and tests)."""
-    abstract = nnx.eval_shape(lambda: LingForCausalLM(cfg, rngs=nnx.Rngs(0), with_mtp=with_mtp))
-    for path, _ in nnx.to_flat_state(nnx.split(abstract)[1]):
+    for path, _ in nnx.to_flat_state(nnx.split(abstract_model(cfg, with_mtp=with_mtp))[1]):
         yield from checkpoint_names(path, cfg)[1]

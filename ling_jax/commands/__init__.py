@@ -1,3 +1,3 @@
 """One module per `ling-jax` sub-command; each defines `add_parser(subparsers)` and `run(args) -> int`."""
 
-COMMANDS = ["make_checkpoint", "logits", "generate", "inspect", "plan"]
+COMMANDS = ["make_checkpoint", "logits", "generate", "inspect", "plan", "convert"]

@@ -6,7 +6,9 @@
 Weight formats (byte rules in `ling_jax.accounting`): bf16 = 2 bytes per parameter; fp8 = the
 release format (FP8 matrices + one float32 scale per 128x128 block, the rest BF16 / FP32);
 mxfp4 = routed experts at 4.25 bits per weight, everything else as fp8. For the real config
-(MTP included) these are 1,065.66 / 534.35 / 291.64 GiB.
+(MTP included) these are 1,065.66 / 534.35 / 291.64 GiB. The release's fp8 layout is taken to be
+"Layout A" of spec §12.7 (MLA kv_a_proj_with_mqa BF16, FP32 conv taps), the one that reproduces the
+published byte total; --fp8-layout B gives the layout our checkpoint writer uses (534.33 GiB).
 
 Sharding rule over `--mesh data=D,expert=E,model=M` (missing axes are 1):
   * routed experts (main and MTP, with their scales): experts over the `expert` axis
@@ -27,6 +29,7 @@ by the data axis).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -37,8 +40,8 @@ from ling_jax.config import LingConfig
 
 def add_parser(subparsers):
     p = subparsers.add_parser("plan", help="weight and cache memory per device for a config and mesh",
-                              description="Weight and cache memory of serving a config on a device mesh.",
-                              epilog="See `ling_jax.commands.plan` for the sharding rule.")
+                              description=__doc__.split("\n\n", 2)[2],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, metavar="FILE",
                    help="config.json (or a checkpoint directory holding one)")
     p.add_argument("--weights", required=True, metavar="FORMAT", help="bf16, fp8 (release format) or mxfp4")

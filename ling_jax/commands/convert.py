@@ -1,0 +1,50 @@
+"""`ling-jax convert`: HF release checkpoint → ling-jax Orbax checkpoint of the sharded parameters.
+
+    ling-jax convert --checkpoint DIR --out DIR2 [--keep-fp8] [--mesh SPEC] [--dtype bfloat16|float32]
+                     [--no-mtp] [--force] [--quiet] [--coordinator H:P --num-processes N --process-id I]
+
+The output holds one Orbax checkpoint per layer group plus copies of config.json / tokenizer files
+and a `ling_jax_orbax.json` marker; it is written into `.DIR2.converting` and renamed only when
+complete. Load it (or the HF directory itself) with `sharding.load_any(path, mesh, dtype)`, on any
+mesh. Multi-host: run the same command on every host (flags or JAX_* env vars); process 0 writes
+the side files and the marker, every process writes its own parameter blocks (shared filesystem).
+"""
+from __future__ import annotations
+
+
+def add_parser(sub):
+    p = sub.add_parser("convert", help="convert an HF checkpoint into a (sharded) Orbax checkpoint",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="HF checkpoint directory (release layout)")
+    p.add_argument("--out", required=True, metavar="DIR2", help="output directory (must not exist unless --force)")
+    p.add_argument("--keep-fp8", action="store_true",
+                   help="store routed experts as float8_e4m3fn + scales (dequantised inside the matmul)")
+    p.add_argument("--mesh", default=None, metavar="SPEC",
+                   help="mesh the parameters are built on while converting, e.g. expert=8 (default: all "
+                        "devices on expert); the result can be restored onto any mesh")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="storage dtype of the parameters not kept FP8 (default bfloat16)")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer")
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from sharding.distributed import add_distributed_args
+    add_distributed_args(p)
+    return p
+
+
+def run(args) -> int:
+    import sys
+
+    import sharding
+    from sharding.distributed import init_from_args, primary_print
+
+    init_from_args(args)
+    mesh = sharding.parse_mesh(args.mesh)
+    meta = sharding.convert(args.checkpoint, args.out, mesh, dtype=args.dtype, keep_fp8=args.keep_fp8,
+                            with_mtp=not args.no_mtp, overwrite=args.force,
+                            progress=not args.quiet and sys.stderr.isatty())
+    n = len(meta["params"])
+    primary_print(f"converted {args.checkpoint} -> {args.out}: {n} parameters in {len(meta['groups'])} groups, "
+                  f"dtype {meta['dtype']}{', routed experts FP8' if meta['keep_fp8'] else ''}, "
+                  f"mesh {meta['mesh']}, {meta['seconds']:.1f}s")
+    return 0

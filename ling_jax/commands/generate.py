@@ -1,0 +1,102 @@
+"""`ling-jax generate`: text or token continuation from a checkpoint (CLI contract of issue 3)."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parser(sub):
+    p = sub.add_parser("generate", help="generate a continuation of --prompt or --input-ids")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (HF release layout)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the checkpoint)")
+    src.add_argument("--input-ids", help="comma-separated prompt token ids")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template")
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default without --temperature)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", type=int, default=0, metavar="K", help="MTP drafts per step (1..3)")
+    p.add_argument("--stop-ids", default=None, help="comma-separated stop token ids (default: EOS ids)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def run(args) -> int:
+    from ling_jax.commands.logits import parse_ids
+    from ling_jax.generate import generate
+    from ling_jax.runtime import load_model
+    from ling_jax.sampling import SamplingParams
+    from ling_jax.tokenizer import Tokenizer, eos_token_ids, load_generation_config
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0 <= args.speculative <= 3:
+        raise ValueError(f"--speculative must be 0..3, got {args.speculative}")
+    if args.greedy and args.temperature not in (None, 0.0):
+        raise ValueError("--greedy and --temperature > 0 contradict each other")
+    tok = Tokenizer.from_dir(args.checkpoint)
+    if args.prompt is not None:
+        if tok is None:
+            raise ValueError(f"--prompt needs a tokenizer, but {args.checkpoint} has no tokenizer.json "
+                             "(use --input-ids)")
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        ids = tok.encode(text, add_special_tokens=True)
+        if not ids:
+            raise ValueError("--prompt: empty prompt (it encodes to no tokens)")
+    else:
+        ids = parse_ids(args.input_ids)
+    sampling = SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p,
+                              seed=args.seed)
+    model = load_model(args.checkpoint, args.dtype, with_mtp=args.speculative > 0, progress=False)
+    if args.speculative and model.mtp is None:
+        raise ValueError(f"--speculative: {args.checkpoint} has no MTP layer")
+    if args.stop_ids is not None:
+        stop = parse_ids(args.stop_ids, "--stop-ids")
+    else:
+        stop = eos_token_ids(load_generation_config(args.checkpoint), tok) or list(model.cfg.eos_token_id)
+    stream = None
+    if not args.json and tok is not None:
+        stream = _Printer(tok)
+    res = generate(model, [ids], args.max_new_tokens, sampling=sampling, speculative=args.speculative,
+                   stop_ids=stop, stream=stream)
+    new = res.tokens[0]
+    if args.json:
+        out = {"token_ids": new}
+        if tok is not None:
+            out["text"] = tok.decode(new)
+        if args.speculative:
+            out["acceptance_length"] = res.acceptance_length
+        print(json.dumps(out))
+    elif tok is None:
+        print(",".join(map(str, new)))
+    else:
+        stream.finish()
+        if args.speculative:
+            print(f"[mean acceptance length {res.acceptance_length:.2f}]", file=sys.stderr)
+    return 0
+
+
+class _Printer:
+    """Streams decoded text as tokens arrive (decoding the whole prefix keeps multi-byte text intact)."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.shown = tok, [], ""
+
+    def __call__(self, toks, counts):
+        self.ids.extend(int(t) for t in toks[0, :int(counts[0])])
+        text = self.tok.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+    def finish(self):
+        text = self.tok.decode(self.ids)
+        sys.stdout.write(text[len(self.shown):] + "\n")
+        sys.stdout.flush()

@@ -1,0 +1,273 @@
+"""Jit-compiled generation: prefill, a decode loop inside one `lax.while_loop`, MTP speculation.
+
+State is explicit: `DecodeState` carries the hybrid cache, the last emitted (not yet processed)
+token, the final-normed hidden of the last processed token (the MTP layer's input), per-sequence
+done flags and the output buffer. Prompts of different lengths are right-padded and handled
+exactly (padding never enters a KDA/conv state or an MLA softmax).
+
+Speculative decoding (k = 1..3 drafts): the MTP layer drafts k tokens recursively, the main model
+verifies them in one forward that also returns every per-token KDA state, and the caches are rolled
+back to the accepted prefix. The MTP cache is then re-filled for the accepted slots from the main
+model's true hidden states, so it is exactly what plain decoding would have built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import io_callback
+
+from ling_jax.config import KDA
+from ling_jax.kda import kda_rollback
+from ling_jax.model import HybridCache, init_cache
+from ling_jax.sampling import SamplingParams, probs, sample, speculative_accept, speculative_accept_greedy
+
+
+class DecodeState(NamedTuple):
+    cache: HybridCache
+    token: jax.Array      # [B] last emitted token, not yet fed to the model
+    hidden: jax.Array     # [B,D] final-normed hidden of the last processed token
+    done: jax.Array       # [B] bool
+    out: jax.Array        # [B,max_new] emitted tokens
+    n_out: jax.Array      # [B] how many emitted
+    key: jax.Array
+    rounds: jax.Array     # [B] verify rounds (speculative) or steps
+    accepted: jax.Array   # [B] tokens emitted by those rounds
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list            # per prompt, the new tokens (stop token included when hit)
+    acceptance_length: Optional[float] = None  # mean tokens emitted per verify round (speculative)
+    finished: Optional[list] = None            # per prompt: hit a stop token
+
+
+def _merge(graphdef, params):
+    return nnx.merge(graphdef, params)
+
+
+def _take(x, idx):
+    """x[b, idx[b]] for x [B,T,...]."""
+    return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+
+
+def _is_stop(tok, stop_ids):
+    if len(stop_ids) == 0:
+        return jnp.zeros(tok.shape, bool)
+    return jnp.isin(tok, jnp.asarray(stop_ids, jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "with_mtp", "fresh", "chunk_size"),
+                   donate_argnames=("cache",))
+def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, key, *, sampling: SamplingParams,
+            with_mtp: bool, fresh: bool, chunk_size: int = 64):
+    """Feed [B,T] right-padded tokens (n_valid[b] real) into the cache.
+
+    Returns (cache, logits at each row's last real token [B,V], sampled next token [B], last hidden
+    [B,D]). With MTP, the MTP cache gets the slots pairing each fed token with the previous hidden
+    (`prev_hidden`, the last hidden of an earlier call; ignored when `fresh`).
+    """
+    model = _merge(graphdef, params)
+    B, T = ids.shape
+    start = cache.lengths
+    out = model(ids, cache, n_valid, opts={"kda_mode": "chunk", "chunk_size": chunk_size})
+    new = out["cache"]
+    last = jnp.maximum(n_valid - 1, 0)
+    logits = _take(out["logits"], last)
+    hid = _take(out["hidden"], last)
+    if with_mtp:
+        if fresh:  # slot t pairs token t+1 with hidden t; the last real slot waits for the next token
+            nxt = jnp.concatenate([ids[:, 1:], jnp.zeros((B, 1), ids.dtype)], axis=1)
+            _, _, mtp = model.mtp_forward(nxt, out["hidden"], cache.mtp, start, jnp.maximum(n_valid - 1, 0))
+        else:      # slot t pairs token t with the hidden before it
+            h = jnp.concatenate([prev_hidden[:, None].astype(out["hidden"].dtype), out["hidden"][:, :-1]], axis=1)
+            _, _, mtp = model.mtp_forward(ids, h, cache.mtp, start - 1, n_valid)
+        new = new._replace(mtp=mtp)
+    hid = jnp.where((n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
+    tok = sample(logits, key, sampling)
+    return new, logits, tok, hid
+
+
+# ---------------------------------------------------------------------------------------------
+# decode loops
+
+def _emit(state: DecodeState, toks, count, stop_ids, max_new):
+    """Append toks[:, :count[b]] (truncated at the first stop id and at max_new) to the output."""
+    B, n = toks.shape
+    j = jnp.arange(n)[None, :]
+    stop = _is_stop(toks, stop_ids) & (j < count[:, None])
+    first_stop = jnp.where(stop.any(1), jnp.argmax(stop, axis=1), n)
+    room = max_new - state.n_out
+    take = jnp.minimum(jnp.minimum(count, first_stop + 1), room)
+    take = jnp.where(state.done, 0, take)
+    out = state.out
+    for i in range(n):
+        pos = jnp.clip(state.n_out + i, 0, max_new - 1)
+        upd = i < take
+        cur = jnp.take_along_axis(out, pos[:, None], axis=1)[:, 0]
+        out = out.at[jnp.arange(B), pos].set(jnp.where(upd, toks[:, i], cur))
+    n_out = state.n_out + take
+    done = state.done | (first_stop < jnp.minimum(count, room)) | (n_out >= max_new)
+    return state._replace(out=out, n_out=n_out, done=done), take
+
+
+def _stream(stream_fn, toks, take):
+    if stream_fn is not None:
+        io_callback(lambda t, n: stream_fn(np.asarray(t), np.asarray(n)), None, toks, take,
+                                     ordered=True)
+
+
+def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_fn):
+    key, sub = jax.random.split(state.key)
+    active = ~state.done
+    out = model(state.token[:, None], state.cache, active.astype(jnp.int32), opts={"kda_mode": "recurrent"})
+    nxt = sample(out["logits"][:, 0], sub, sampling)
+    cache = out["cache"]
+    hidden = jnp.where(active[:, None], out["hidden"][:, 0], state.hidden)
+    new, take = _emit(state._replace(key=key), nxt[:, None], jnp.ones_like(state.n_out), stop_ids, max_new)
+    _stream(stream_fn, nxt[:, None], take)
+    return new._replace(cache=cache, hidden=hidden, token=jnp.where(active, nxt, state.token),
+                        rounds=state.rounds + active, accepted=state.accepted + take)
+
+
+def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream_fn):
+    cfg = model.cfg
+    key, kd, ka = jax.random.split(state.key, 3)
+    active = ~state.done
+    cache = state.cache
+    P = cache.lengths
+    # 1. draft k tokens with the MTP layer (slot P-1 pairs the pending token with the true hidden)
+    tok, h, mtp = state.token, state.hidden, cache.mtp
+    drafts, qprobs = [], []
+    dkeys = jax.random.split(kd, k)
+    for j in range(k):
+        lg, zm, mtp = model.mtp_forward(tok[:, None], h[:, None], mtp, P - 1 + j, active.astype(jnp.int32))
+        lg = lg[:, 0]
+        d = sample(lg, dkeys[j], sampling)
+        drafts.append(d)
+        if not sampling.greedy:
+            qprobs.append(probs(lg, sampling))
+        tok, h = d, zm[:, 0]
+    drafts = jnp.stack(drafts, 1)  # [B,k]
+    # 2. verify [pending, d_1..d_k] in one forward, keeping every KDA state for rollback
+    feed = jnp.concatenate([state.token[:, None], drafts], axis=1)
+    out = model(feed, cache._replace(mtp=None), jnp.where(active, k + 1, 0),
+                opts={"kda_all_states": True})
+    if sampling.greedy:
+        a, nxt = speculative_accept_greedy(drafts, out["logits"])
+    else:
+        tp = jax.vmap(lambda l: probs(l, sampling), in_axes=1, out_axes=1)(out["logits"])
+        a, nxt = speculative_accept(drafts, jnp.stack(qprobs, 1), tp, ka)
+    adv = jnp.where(active, a + 1, 0)
+    # 3. roll the main cache back to the accepted prefix
+    layers = []
+    for i, t in enumerate(cfg.layer_types):
+        if t == KDA:
+            layers.append(kda_rollback(cache.layers[i], out["kda_states"][i], adv))
+        else:
+            layers.append(out["cache"].layers[i])
+    hidden = jnp.where(active[:, None], _take(out["hidden"], jnp.maximum(adv - 1, 0)), state.hidden)
+    # 4. MTP slots P..P+a-1 from the accepted drafts and the main model's true hidden states
+    _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, jnp.where(active, a, 0))
+    new_cache = HybridCache(tuple(layers), mtp, P + adv)
+    emitted = jnp.concatenate([drafts, nxt[:, None]], axis=1)
+    emitted = jnp.where(jnp.arange(k + 1)[None, :] < a[:, None], emitted,
+                        jnp.where(jnp.arange(k + 1)[None, :] == a[:, None], nxt[:, None], 0))
+    new, take = _emit(state._replace(key=key), emitted, adv, stop_ids, max_new)
+    _stream(stream_fn, emitted, take)
+    return new._replace(cache=new_cache, hidden=hidden, token=jnp.where(active, nxt, state.token),
+                        rounds=state.rounds + active, accepted=state.accepted + take)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "stop_ids", "max_new", "speculative",
+                                             "stream_fn"), donate_argnames=("state",))
+def decode_loop(graphdef, params, state: DecodeState, *, sampling: SamplingParams, stop_ids: tuple,
+                max_new: int, speculative: int = 0, stream_fn: Callable | None = None) -> DecodeState:
+    """Run decode steps until every sequence is done, all inside one `lax.while_loop`."""
+    model = _merge(graphdef, params)
+    if speculative:
+        body = lambda s: _spec_step(model, s, speculative, sampling, stop_ids, max_new, stream_fn)
+    else:
+        body = lambda s: _plain_step(model, s, sampling, stop_ids, max_new, stream_fn)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# user API
+
+def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    lens = np.array([len(p) for p in prompts], np.int32)
+    if (lens == 0).any():
+        raise ValueError(f"prompt {int(np.argmin(lens))} is empty (need at least one token)")
+    ids = np.zeros((len(prompts), int(lens.max())), np.int32)
+    for b, p in enumerate(prompts):
+        p = np.asarray(p, np.int64)
+        if ((p < 0) | (p >= vocab_size)).any():
+            bad = int(p[(p < 0) | (p >= vocab_size)][0])
+            raise ValueError(f"prompt {b}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        ids[b, :len(p)] = p
+    return ids, lens
+
+
+def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             sampling: SamplingParams = SamplingParams(), speculative: int = 0,
+             stop_ids: Sequence[int] | None = None, max_len: int | None = None,
+             stream: Callable[[np.ndarray, np.ndarray], None] | None = None, chunk_size: int = 64
+             ) -> GenerationResult:
+    """Generate up to `max_new_tokens` for each prompt (lists of token ids of any lengths).
+
+    sampling: greedy by default; `SamplingParams(temperature, top_k, top_p, seed)` otherwise.
+    speculative: number of MTP drafts per round (0 = plain decoding). stop_ids: default the
+    config's EOS ids. stream(tokens [B,n], counts [B]) is called from inside the compiled loop
+    as tokens are produced (tokens[b, :counts[b]] are new for sequence b).
+    """
+    cfg = model.cfg
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 <= speculative <= 3:
+        raise ValueError(f"speculative must be 0..3 MTP drafts, got {speculative}")
+    if speculative and model.mtp is None:
+        raise ValueError("speculative decoding needs the MTP layer, and this checkpoint/model has none")
+    ids, lens = pad_prompts(prompts, cfg.vocab_size)
+    B = len(prompts)
+    need = int(lens.max()) + max_new_tokens + speculative + 1
+    max_len = max_len or need
+    if int(lens.max()) + max_new_tokens > max_len:
+        raise ValueError(f"prompt of {int(lens.max())} tokens + {max_new_tokens} new tokens does not fit the "
+                         f"cache of max_len={max_len}")
+    max_len = max(max_len, need)
+    stop = tuple(int(s) for s in (cfg.eos_token_id if stop_ids is None else stop_ids))
+    graphdef, params = nnx.split(model)
+    with_mtp = bool(speculative)
+    cache = init_cache(cfg, B, max_len, model.dtype, with_mtp=with_mtp)
+    key = jax.random.key(sampling.seed)
+    key, k0 = jax.random.split(key)
+    hidden0 = jnp.zeros((B, cfg.hidden_size), model.dtype)
+    cache, _, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0, k0,
+                                 sampling=sampling, with_mtp=with_mtp, fresh=True, chunk_size=chunk_size)
+    zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the loop state is donated
+    state = DecodeState(cache, tok, hid, jnp.zeros((B,), bool), jnp.zeros((B, max_new_tokens), jnp.int32),
+                        zeros(), key, zeros(), zeros())
+    state, take = _emit(state, tok[:, None], jnp.ones((B,), jnp.int32), stop, max_new_tokens)
+    if stream is not None:
+        stream(np.asarray(tok[:, None]), np.asarray(take))
+    state = decode_loop(graphdef, params, state, sampling=sampling, stop_ids=stop, max_new=max_new_tokens,
+                        speculative=speculative, stream_fn=stream)
+    out, n_out = np.asarray(state.out), np.asarray(state.n_out)
+    toks = [out[b, :n_out[b]].tolist() for b in range(B)]
+    finished = [bool(len(t) and t[-1] in stop) for t in toks]
+    acc = None
+    if speculative:
+        rounds = np.asarray(state.rounds).sum()
+        acc = float(np.asarray(state.accepted).sum() / max(rounds, 1))
+    return GenerationResult(toks, acc, finished)

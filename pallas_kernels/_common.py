@@ -1,0 +1,62 @@
+"""Helpers shared by the kernels: backend detection, interpret default, compiler parameters."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+NEG = -1e30  # finite "minus infinity" for masked scores (keeps exp(m_old - m_new) free of NaN)
+
+
+def platform() -> str:
+    """'tpu', 'gpu' or 'cpu' (the default backend)."""
+    p = jax.default_backend()
+    return "gpu" if p in ("cuda", "rocm", "gpu") else p
+
+
+def resolve_interpret(interpret) -> bool:
+    """None means: interpret on CPU (no Pallas lowering there), compile on TPU/GPU."""
+    return platform() == "cpu" if interpret is None else bool(interpret)
+
+
+def compiler_params(interpret: bool, semantics=None, num_warps: int | None = None, num_stages: int | None = None):
+    """Backend-specific `compiler_params` for pallas_call (None in interpret mode).
+
+    semantics: TPU dimension semantics per grid axis ("parallel" / "arbitrary").
+    """
+    if interpret:
+        return None
+    p = platform()
+    if p == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        return pltpu.CompilerParams(dimension_semantics=tuple(semantics)) if semantics else None
+    if p == "gpu":
+        from jax.experimental.pallas import triton as pltriton
+        kw = {}
+        if num_warps is not None:
+            kw["num_warps"] = num_warps
+        if num_stages is not None:
+            kw["num_stages"] = num_stages
+        return pltriton.CompilerParams(**kw) if kw else None
+    return None
+
+
+def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """2-D matmul with float32 accumulation; float32 operands run at HIGHEST (IEEE on Triton).
+
+    trans_a / trans_b contract the first axis of `a` / the last axis of `b` as `a.T` / `b.T`,
+    which Mosaic and Triton both lower without an explicit transpose of the operand in memory.
+    """
+    ca = 0 if trans_a else 1
+    cb = 1 if trans_b else 0
+    prec = HIGHEST if (a.dtype == jnp.float32 or b.dtype == jnp.float32) else None
+    return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=prec,
+                               preferred_element_type=jnp.float32)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())

@@ -1,0 +1,241 @@
+"""HF checkpoint → Orbax checkpoint of the (sharded) parameters, and loading either kind.
+
+Layout of a converted directory:
+
+    OUT/config.json, tokenizer*.json, generation_config.json, ...   (copied from the HF directory)
+    OUT/params/<group>/                 one Orbax (OCDBT) checkpoint per group of parameters:
+                                        `globals` (embeddings, final norm, lm_head), `layer_000` ...,
+                                        `mtp`; keys are the NNX paths joined with "__"
+    OUT/ling_jax_orbax.json             format marker + metadata, written LAST
+
+The conversion streams group by group (read the group's blocks → save → drop), so host memory is
+bounded by one layer's parameters, never the model. Everything is written into a sibling
+`.OUT.converting` directory which is renamed to OUT only when complete; an interrupted conversion
+leaves no OUT (and `load_any` rejects a directory without the marker). Restoring works on any mesh:
+Orbax reads each process's blocks of the new layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sharding.distributed import barrier, is_primary
+from sharding.load import (ParamSource, abstract_model, check_keep_fp8, fill_params, iter_state,
+                           load_sharded, resolve_dtype)
+from sharding.mesh import mesh_spec_string, parse_mesh
+from sharding.place import attach_mesh
+from sharding.rules import resolve
+
+META = "ling_jax_orbax.json"
+FORMAT = "ling-jax-orbax"
+VERSION = 1
+SKIP_SUFFIXES = (".safetensors",)
+SKIP_FILES = ("model.safetensors.index.json",)
+
+
+def group_of(path) -> str:
+    p = [str(x) for x in path]
+    if p[0] == "model" and p[1] == "layers":
+        return f"layer_{int(p[2]):03d}"
+    if p[0] == "mtp":
+        return "mtp"
+    return "globals"
+
+
+def key_of(path) -> str:
+    return "__".join(str(x) for x in path)
+
+
+def is_converted(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META))
+
+
+class _Orbax:
+    """Synchronous PyTree checkpointer. Replica-parallel saving is off: with it, Orbax slices every
+    replicated shard among its replicas with one jitted slice per shape and device, which costs far
+    more than it saves for replicated weights; each block is written once by replica 0 instead."""
+
+    def __init__(self):
+        import orbax.checkpoint as ocp
+        from orbax.checkpoint import type_handlers as th
+
+        reg = th.create_type_handler_registry((jax.Array, th.ArrayHandler(use_replica_parallel=False)))
+        self.ocp = ocp
+        self.ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=reg))
+
+    def save(self, path: str, tree: dict) -> None:
+        self.ck.save(path, args=self.ocp.args.PyTreeSave(tree))
+
+    def restore(self, path: str, target: dict) -> dict:
+        ra = self.ocp.checkpoint_utils.construct_restore_args(target)
+        return self.ck.restore(path, args=self.ocp.args.PyTreeRestore(item=target, restore_args=ra))
+
+
+def _checkpointer():
+    return _Orbax()
+
+
+def _copy_side_files(src: str, dst: str) -> list[str]:
+    out = []
+    for name in sorted(os.listdir(src)):
+        p = os.path.join(src, name)
+        if not os.path.isfile(p) or name.endswith(SKIP_SUFFIXES) or name in SKIP_FILES or name == META:
+            continue
+        shutil.copy2(p, os.path.join(dst, name))
+        out.append(name)
+    return out
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bool = False,
+            with_mtp: bool = True, progress: bool = True, overwrite: bool = False, _after_group=None) -> dict:
+    """Convert an HF checkpoint directory into a ling-jax Orbax directory `out` (see module doc).
+
+    dtype: storage dtype of the parameters that are not kept FP8 (bfloat16 default, or float32).
+    keep_fp8: store routed experts as float8_e4m3fn + scales (`FP8Experts`). The parameters are
+    built sharded on `mesh` (default `parse_mesh(None)`) and every process writes its own blocks.
+    Returns the metadata dict. `_after_group(name)` is a test hook.
+    """
+    from ling_jax.checkpoint.reader import CheckpointReader
+
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not overwrite and (not os.path.isdir(out) or os.listdir(out)):
+        raise FileExistsError(f"--out: {out} already exists (pass --force / overwrite=True to replace it)")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"--out: parent directory {parent} does not exist")
+    mesh = parse_mesh(None) if mesh is None else mesh
+    dtype = resolve_dtype(dtype)
+    reader = CheckpointReader(checkpoint)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.converting")
+    t0 = time.time()
+    try:
+        cfg = reader.config
+        with_mtp = with_mtp and cfg.has_mtp
+        reader.validate(include_mtp=with_mtp)
+        if keep_fp8:
+            check_keep_fp8(reader, cfg)
+        if is_primary():
+            if os.path.exists(tmp):  # left over by an interrupted run
+                shutil.rmtree(tmp)
+            os.makedirs(os.path.join(tmp, "params"))
+        barrier("ling_jax_convert_start")
+        _, flat = iter_state(abstract_model(cfg, dtype, with_mtp, keep_fp8))
+        source = ParamSource(reader, cfg, mesh, keep_fp8)
+        groups: dict[str, list] = {}
+        for path, var in flat:
+            groups.setdefault(group_of(path), []).append((path, var))
+        ckptr = _checkpointer()
+        params_meta = {}
+        for g, items in groups.items():
+            sel = {tuple(p) for p, _ in items}
+            for _ in fill_params(items, source, progress, desc=f"converting {g}", select=lambda p: tuple(p) in sel):
+                pass
+            tree = {key_of(p): v.get_value() for p, v in items}
+            ckptr.save(os.path.join(tmp, "params", g), tree)
+            for p, v in items:
+                a = v.get_value()
+                params_meta[key_of(p)] = {"group": g, "shape": list(a.shape), "dtype": str(a.dtype)}
+                v.set_value(jax.ShapeDtypeStruct(a.shape, a.dtype))  # drop the arrays
+            del tree
+            if _after_group is not None:
+                _after_group(g)
+        barrier("ling_jax_convert_saved")
+        meta = {"format": FORMAT, "version": VERSION, "dtype": str(jnp.dtype(dtype)), "keep_fp8": bool(keep_fp8),
+                "with_mtp": bool(with_mtp), "source": os.path.abspath(checkpoint), "mesh": mesh_spec_string(mesh),
+                "groups": list(groups), "params": params_meta, "seconds": round(time.time() - t0, 3)}
+        if is_primary():
+            meta["files"] = _copy_side_files(reader.dir, tmp)
+            _write_json_atomic(os.path.join(tmp, META), meta)
+            if os.path.exists(out):
+                old = os.path.join(parent, f".{os.path.basename(out)}.old")
+                if os.path.exists(old):
+                    shutil.rmtree(old)
+                os.rename(out, old)
+                os.rename(tmp, out)
+                shutil.rmtree(old)
+            else:
+                os.rename(tmp, out)
+        barrier("ling_jax_convert_done")
+        return meta
+    except BaseException:
+        if is_primary() and os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        reader.close()
+
+
+def load_converted(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep_fp8: bool | None = None,
+                   progress: bool = True):
+    """A converted directory → sharded LingForCausalLM on `mesh` (any mesh; Orbax reshards on read).
+
+    Parameters stored in another float dtype are cast to `dtype`; FP8-kept experts stay FP8
+    (keep_fp8=None: as stored; True/False must match what was stored).
+    """
+    from tqdm.auto import tqdm
+
+    from ling_jax.config import LingConfig
+
+    with open(os.path.join(path, META)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{path}: {META} is not a {FORMAT} v{VERSION} marker")
+    stored_fp8 = bool(meta["keep_fp8"])
+    if keep_fp8 is not None and bool(keep_fp8) != stored_fp8:
+        raise ValueError(f"{path}: converted {'with' if stored_fp8 else 'without'} --keep-fp8; "
+                         f"reconvert {'without' if stored_fp8 else 'with'} it, or omit --keep-fp8")
+    cfg = LingConfig.from_json(os.path.join(path, "config.json"))
+    with_mtp = with_mtp and cfg.has_mtp
+    if with_mtp and not meta["with_mtp"]:
+        raise ValueError(f"{path}: converted without the MTP layer (load with with_mtp=False)")
+    mesh = parse_mesh(None) if mesh is None else mesh
+    dtype = resolve_dtype(dtype)
+    graphdef, flat = iter_state(abstract_model(cfg, dtype, with_mtp, stored_fp8))
+    groups: dict[str, list] = {}
+    for p, v in flat:
+        k = key_of(p)
+        if k not in meta["params"]:
+            raise ValueError(f"{path}: parameter {k} is missing from the converted checkpoint")
+        groups.setdefault(meta["params"][k]["group"], []).append((p, v))
+    ckptr = _checkpointer()
+    bar = tqdm(total=len(groups), unit="group", desc="restoring", disable=not (progress and is_primary()))
+    for g, items in groups.items():
+        target = {}
+        for p, v in items:
+            want = v.get_value()
+            sh = jax.sharding.NamedSharding(mesh, resolve(p, want.shape, mesh, cfg.num_attention_heads))
+            target[key_of(p)] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sh)
+        got = ckptr.restore(os.path.join(path, "params", g), target)
+        for p, v in items:
+            v.set_value(got[key_of(p)])
+        bar.update(1)
+    bar.close()
+    return attach_mesh(nnx.merge(graphdef, nnx.from_flat_state(flat)), mesh)
+
+
+def load_any(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep_fp8: bool | None = None,
+             progress: bool = True):
+    """Load an HF checkpoint directory or a converted Orbax directory onto `mesh`."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: checkpoint directory not found")
+    if is_converted(path):
+        return load_converted(path, mesh, dtype, with_mtp, keep_fp8, progress)
+    if os.path.isdir(os.path.join(path, "params")):
+        raise ValueError(f"{path}: looks like an incomplete conversion (no {META}); convert again")
+    return load_sharded(path, mesh, dtype, with_mtp, bool(keep_fp8), progress)
+
