@@ -17,6 +17,7 @@ from ling_jax.config import LingConfig
 from ling_jax.linear import Linear
 from ling_jax.norms import gated_rms_norm, l2_normalize
 from ling_jax.ops import linear
+import pallas_kernels as pk
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -170,8 +171,9 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = nnx.Param(jnp.ones((d,), dtype))  # gated RMSNorm weight shared by heads
 
     def __call__(self, x, state: KDAState, n_valid, *, mode: str = "chunk", chunk_size: int = 64,
-                 return_all_states: bool = False):
+                 return_all_states: bool = False, impl: str | None = None):
         """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after). mode: chunk|recurrent.
+        impl: "xla" | "pallas" | None (default per backend; see pallas_kernels.default_impl).
 
         Returns (out [B,T,D], new KDAState[, rollback info]). With return_all_states the third value is
         (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs [B,K-1+T,P]) so
@@ -198,9 +200,9 @@ class KimiDeltaAttention(nnx.Module):
         if return_all_states:
             o, s, all_states = kda_recurrent_scan(q, k, v, g, beta, state.recurrent, return_all_states=True)
         elif mode == "recurrent":
-            o, s = kda_recurrent_scan(q, k, v, g, beta, state.recurrent)
+            o, s = pk.kda_recurrent_scan(impl, q, k, v, g, beta, state.recurrent)
         else:
-            o, s = kda_chunk_scan(q, k, v, g, beta, state.recurrent, chunk_size)
+            o, s = pk.kda_chunk_scan(impl, q, k, v, g, beta, state.recurrent, chunk_size)
         o = o.astype(x.dtype)
         gate = linear(x, self.g_proj.weight[...]).reshape(B, T, H, d)
         y = gated_rms_norm(o, gate, self.o_norm[...], cfg.rms_norm_eps).astype(x.dtype)

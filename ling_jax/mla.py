@@ -107,7 +107,7 @@ class MultiheadLatentAttention(nnx.Module):
         # plain floats, not arrays: NNX would otherwise treat them as state
         self.inv_freq, self.rope_factor, self.scale = tuple(map(float, inv_freq)), float(af), softmax_scale(cfg)
 
-    def __call__(self, x, cache: MLACache, lengths, n_valid, *, form: str = "auto"):
+    def __call__(self, x, cache: MLACache, lengths, n_valid, *, form: str = "auto", impl: str | None = None):
         """x: [B,T,D]; cache holds `lengths[b]` tokens already; `n_valid[b]` of the T are real.
 
         form: "expanded" | "absorbed" | "auto" (expanded when the key set is the new tokens only,
@@ -138,10 +138,16 @@ class MultiheadLatentAttention(nnx.Module):
             new_cache = MLACache(c_all, kpe_all)
             if form == "auto":
                 form = "absorbed"
-        mask = attention_mask(pos, c_all.shape[1], lengths + n_valid)
-        attn = mla_expanded_attention if form == "expanded" else mla_absorbed_attention
-        o = attn(q[..., :dn], q_pe, c_all.astype(x.dtype), kpe_all.astype(x.dtype), self.kv_b_proj.weight[...],
-                 mask, self.scale, x.dtype)
+        kv_len = lengths + n_valid
+        mask = attention_mask(pos, c_all.shape[1], kv_len)
+        args = (q[..., :dn], q_pe, c_all.astype(x.dtype), kpe_all.astype(x.dtype), self.kv_b_proj.weight[...],
+                mask, self.scale, x.dtype)
+        if form == "expanded":
+            o = mla_expanded_attention(*args)
+        else:
+            import pallas_kernels as pk
+            core = lambda qh, qp, c, kp, _mask, sc: pk.latent_attention(impl, qh, qp, c, kp, kv_len, pos, sc)
+            o = mla_absorbed_attention(*args, core=core)
         gate = jax.nn.sigmoid(linear(x, self.g_proj.weight[...]).astype(jnp.float32)).astype(x.dtype)
         o = o * gate[..., None]
         return linear(o.reshape(B, T, -1), self.dense.weight[...]), new_cache

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.config import KDA, LingConfig
-from ling_jax.kda import KDAState, KimiDeltaAttention, kda_zero_state
+from ling_jax.kda import KimiDeltaAttention, kda_zero_state
+from ling_jax.layer_stack import layer_plan, per_layer, run_block, stack_forced, stack_params
 from ling_jax.linear import Linear
 from ling_jax.mla import MLACache, MultiheadLatentAttention, mla_zero_cache
 from ling_jax.moe import MoE, SwiGLU
@@ -22,19 +23,37 @@ from ling_jax.ops import linear
 
 
 class HybridCache(NamedTuple):
-    """layers: per main layer a KDAState or MLACache; mtp: the MTP layer's MLACache (or None);
-    lengths: [B] int32 tokens already cached per sequence."""
+    """layers: per block of `layer_plan(cfg)`, per run, a KDAState or MLACache whose arrays are
+    stacked `[repeats, n, B, ...]`; mtp: the MTP layer's MLACache `[B, S, ...]` (or None);
+    lengths: [B] int32 tokens already cached per sequence. `layer_cache(cache, cfg, i)` reads layer i."""
     layers: tuple
     mtp: Optional[MLACache]
     lengths: jax.Array
 
 
+def _stacked(make, block, r):
+    m, n = block.repeats, block.runs[r].n
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (m, n) + x.shape).copy(), make())
+
+
 def init_cache(cfg: LingConfig, batch: int, max_len: int, dtype, with_mtp: bool = True) -> HybridCache:
-    """Zero cache: KDA state [B,H,dk,dv] f32 + conv states per KDA layer; latent [B,max_len,576] per MLA layer."""
-    layers = tuple(kda_zero_state(cfg, batch, dtype) if t == KDA else mla_zero_cache(cfg, batch, max_len, dtype)
-                   for t in cfg.layer_types)
+    """Zero cache: per KDA layer the f32 state [B,H,dk,dv] + 3 conv states [B,K-1,H*dk]; per MLA layer
+    the latent [B,max_len,kv_lora_rank] + rotated key [B,max_len,rope_dim]. Sizes: `ling_jax.accounting.cache_bytes`."""
+    layers = tuple(tuple(_stacked((lambda: kda_zero_state(cfg, batch, dtype)) if run.attn == KDA
+                                  else (lambda: mla_zero_cache(cfg, batch, max_len, dtype)), b, r)
+                         for r, run in enumerate(b.runs)) for b in layer_plan(cfg))
     mtp = mla_zero_cache(cfg, batch, max_len, dtype) if (with_mtp and cfg.has_mtp) else None
     return HybridCache(layers, mtp, jnp.zeros((batch,), jnp.int32))
+
+
+def layer_cache(cache: HybridCache, cfg: LingConfig, layer: int):
+    """The (unstacked) cache of main layer `layer`."""
+    for b, block in enumerate(layer_plan(cfg)):
+        for r in range(len(block.runs)):
+            for g, row in enumerate(block.layer_grid(r)):
+                if layer in row:
+                    return jax.tree.map(lambda x: x[g, row.index(layer)], cache.layers[b][r])
+    raise IndexError(f"layer {layer} out of range")
 
 
 class Embedding(nnx.Module):
@@ -47,7 +66,6 @@ class Embedding(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs: nnx.Rngs, attn_type: str | None = None):
-        self.layer = layer
         self.attn_type = attn_type or (cfg.layer_types[layer] if layer < cfg.num_hidden_layers else "mla")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -68,9 +86,10 @@ class DecoderLayer(nnx.Module):
                 a, cache, extra = self.attention(a_in, cache, n_valid, return_all_states=True)
             else:
                 a, cache = self.attention(a_in, cache, n_valid, mode=opts.get("kda_mode", "chunk"),
-                                          chunk_size=opts.get("chunk_size", 64))
+                                          chunk_size=opts.get("chunk_size", 64), impl=opts.get("impl"))
         else:
-            a, cache = self.attention(a_in, cache, lengths, n_valid, form=opts.get("mla_form", "auto"))
+            a, cache = self.attention(a_in, cache, lengths, n_valid, form=opts.get("mla_form", "auto"),
+                                      impl=opts.get("impl"))
         u = h + a
         m_in = self.post_attention_layernorm(u)
         idx = None
@@ -139,7 +158,8 @@ class LingForCausalLM(nnx.Module):
         n_valid: [B] real tokens (default T). mtp: also run the MTP layer; its ids default to the
         inputs shifted left with a 0 fill (spec §11), or `mtp_ids` [B,T] when given.
         Returns dict: logits [B,T,V] f32, hidden [B,T,D] (final-normed), cache, routing {layer: [B,T,k]},
-        mtp_logits [B,T,V] (if mtp), kda_states {layer: [B,T,H,dk,dv]} (if opts['kda_all_states']).
+        mtp_logits [B,T,V] (if mtp), kda_states {(block, run): stacked rollback info} (if
+        opts['kda_all_states'], for `kda_rollback`).
         """
         cfg = self.cfg
         opts = opts or {}
@@ -148,20 +168,21 @@ class LingForCausalLM(nnx.Module):
         lengths = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
         h = self.model.word_embeddings(input_ids).astype(self.dtype)
         new_layers, routing, kda_states = [], {}, {}
-        for i, layer in enumerate(self.model.layers):
+        for b, block in enumerate(layer_plan(cfg)):
+            stacked = stack_params(self.model.layers, block)
             if cache is not None:
-                lc = cache.layers[i]
-            elif layer.attn_type == KDA:
-                lc = kda_zero_state(cfg, B, self.dtype)
-            else:
-                lc = None
-            forced = None if forced_routing is None else forced_routing.get(i)
-            h, lc, idx, extra = layer(h, lc, lengths, n_valid, opts, forced)
-            new_layers.append(lc)
-            if idx is not None:
-                routing[i] = idx
-            if extra is not None:
-                kda_states[i] = extra
+                caches = cache.layers[b]
+            else:  # cache-free: zero KDA states, MLA attends to the T new tokens only
+                caches = tuple(_stacked(lambda: kda_zero_state(cfg, B, self.dtype), block, r) if run.attn == KDA
+                               else None for r, run in enumerate(block.runs))
+            forced = tuple(stack_forced(block, r, forced_routing) for r in range(len(block.runs)))
+            h, new_c, idxs, extras = run_block(block, stacked, h, caches, forced, lengths, n_valid, opts)
+            new_layers.append(new_c)
+            for r in range(len(block.runs)):
+                if idxs[r] is not None:
+                    routing.update(per_layer(block, r, idxs[r]))
+                if extras[r] is not None:
+                    kda_states[(b, r)] = extras[r]
         z = self.model.norm(h)
         out = {"logits": self.logits(z), "hidden": z, "routing": routing}
         if kda_states:

@@ -23,27 +23,39 @@ from ling_jax.linear import Linear, init_normal
 from ling_jax.ops import einsum, linear, precision
 
 
-def swiglu_act(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+class SwiGLULimit(nnx.Variable):
+    """Per-layer clamp limit λ (0 = none). A variable, not a static attribute, so layers with
+    different limits share one compiled body when the layer stack is scanned; not trained."""
+
+
+def swiglu_act(gate: jax.Array, up: jax.Array, limit) -> jax.Array:
     """`min(SiLU(gate), λ) · clip(up, −λ, λ)`; plain SwiGLU when λ = 0 (spec §7.2)."""
     a = jax.nn.silu(gate.astype(jnp.float32))
     u = up.astype(jnp.float32)
-    if limit:
-        a = jnp.minimum(a, limit)
-        u = jnp.clip(u, -limit, limit)
+    if isinstance(limit, nnx.Variable):
+        limit = limit[...]
+    if isinstance(limit, (int, float)):
+        if limit:
+            a, u = jnp.minimum(a, limit), jnp.clip(u, -limit, limit)
+    else:  # traced per-layer limit: 0 means no clamp
+        on = limit > 0
+        a = jnp.where(on, jnp.minimum(a, limit), a)
+        u = jnp.where(on, jnp.clip(u, -limit, limit), u)
     return (a * u).astype(gate.dtype)
 
 
 class SwiGLU(nnx.Module):
     """Dense FFN and the shared expert: `down(act(gate(x), up(x)))`."""
 
-    def __init__(self, d: int, inter: int, *, dtype, rngs: nnx.Rngs, limit: float = 0.0):
+    def __init__(self, d: int, inter: int, *, dtype, rngs: nnx.Rngs, limit: float | None = None):
         self.gate_proj = Linear(d, inter, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, inter, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(inter, d, dtype=dtype, rngs=rngs)
-        self.limit = limit
+        self.limit = SwiGLULimit(jnp.asarray(limit, jnp.float32)) if limit is not None else None
 
     def __call__(self, x):
-        h = swiglu_act(linear(x, self.gate_proj.weight[...]), linear(x, self.up_proj.weight[...]), self.limit)
+        h = swiglu_act(linear(x, self.gate_proj.weight[...]), linear(x, self.up_proj.weight[...]),
+                       0.0 if self.limit is None else self.limit[...])
         return linear(h, self.down_proj.weight[...])
 
 
@@ -214,14 +226,15 @@ def experts_ep(x, idx, wts, weights, limit, plan, impl: str, blocks=None):
     e_ax = plan.specs[0][0]
     sum_axes = tuple(a for a in (e_ax, plan.specs[0][2]) if a is not None)
 
-    def body(x, idx, wts, *ws):
+    def body(x, idx, wts, limit, *ws):
         e0 = jax.lax.axis_index(e_ax) * ws[0].shape[0] if e_ax is not None else 0
         y = experts_local(x, idx, wts, e0, ws, limit, impl, blocks)
         return jax.lax.psum(y, sum_axes) if sum_axes else y
 
     tp = P(tok, None)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(tp, tp, tp) + tuple(plan.specs[:len(weights)]), out_specs=tp)
-    return fn(x, idx, wts, *weights)
+    lim = jnp.asarray(limit, jnp.float32)  # may be traced (per-layer SwiGLULimit): an explicit replicated input
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tp, tp, tp, P()) + tuple(plan.specs[:len(weights)]), out_specs=tp)
+    return fn(x, idx, wts, lim, *weights)
 
 
 class MoE(nnx.Module):
@@ -229,7 +242,8 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.routed_limit, shared_limit = cfg.swiglu_limits(layer)
+        routed_limit, shared_limit = cfg.swiglu_limits(layer)
+        self.routed_limit = SwiGLULimit(jnp.asarray(routed_limit, jnp.float32))
         self.gate = Router(cfg, rngs=rngs)
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
         self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts,
@@ -259,13 +273,13 @@ class MoE(nnx.Module):
             weights = ex.weights() if fp8 else (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
             blocks = (ex.block_in, ex.block_out) if fp8 else None
             if plan is not None:
-                y = experts_ep(xf, idx, wts, weights, self.routed_limit, plan, inner, blocks)
+                y = experts_ep(xf, idx, wts, weights, self.routed_limit[...], plan, inner, blocks)
             else:
-                y = experts_local(xf, idx, wts, 0, weights, self.routed_limit, inner, blocks)
+                y = experts_local(xf, idx, wts, 0, weights, self.routed_limit[...], inner, blocks)
             y = y.astype(x.dtype)
         else:
             fn = experts_gathered if inner == "gather" else experts_grouped
-            y = fn(xf, idx, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...], self.routed_limit)
+            y = fn(xf, idx, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...], self.routed_limit[...])
             y = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), wts,
                            precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
         if self.shared_experts is not None:

@@ -1,6 +1,8 @@
 """Helpers shared by the kernels: backend detection, interpret default, compiler parameters."""
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -8,10 +10,27 @@ HIGHEST = jax.lax.Precision.HIGHEST
 NEG = -1e30  # finite "minus infinity" for masked scores (keeps exp(m_old - m_new) free of NaN)
 
 
+_FORCED: list[str] = []
+
+
 def platform() -> str:
-    """'tpu', 'gpu' or 'cpu' (the default backend)."""
+    """'tpu', 'gpu' or 'cpu': the default backend, or the one forced by `target_platform`."""
+    if _FORCED:
+        return _FORCED[-1]
     p = jax.default_backend()
     return "gpu" if p in ("cuda", "rocm", "gpu") else p
+
+
+@contextlib.contextmanager
+def target_platform(name: str):
+    """Pick kernel defaults and compiler parameters for `name` ('tpu' | 'gpu') regardless of the
+    local backend — for ahead-of-time lowering, e.g. `jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))`
+    on a CPU host (used by the lowering tests)."""
+    _FORCED.append(name)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
 
 
 def resolve_interpret(interpret) -> bool:
@@ -19,25 +38,27 @@ def resolve_interpret(interpret) -> bool:
     return platform() == "cpu" if interpret is None else bool(interpret)
 
 
-def compiler_params(interpret: bool, semantics=None, num_warps: int | None = None, num_stages: int | None = None):
+def compiler_params(interpret: bool, plat: str, semantics=None, num_warps: int | None = None,
+                    num_stages: int | None = None):
     """Backend-specific `compiler_params` for pallas_call (None in interpret mode).
 
+    plat: 'tpu' | 'gpu' | 'cpu' (resolved by the caller, a static argument of its jit).
     semantics: TPU dimension semantics per grid axis ("parallel" / "arbitrary").
     """
     if interpret:
         return None
-    p = platform()
+    p = plat
     if p == "tpu":
         from jax.experimental.pallas import tpu as pltpu
         return pltpu.CompilerParams(dimension_semantics=tuple(semantics)) if semantics else None
-    if p == "gpu":
+    if p == "gpu":  # always pass Triton params: they select the Triton backend (not Mosaic GPU)
         from jax.experimental.pallas import triton as pltriton
         kw = {}
         if num_warps is not None:
             kw["num_warps"] = num_warps
         if num_stages is not None:
             kw["num_stages"] = num_stages
-        return pltriton.CompilerParams(**kw) if kw else None
+        return pltriton.CompilerParams(**kw)
     return None
 
 

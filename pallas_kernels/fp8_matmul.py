@@ -74,15 +74,16 @@ def _defaults(M, N, K, block, block_m, block_n, block_k):
     qbn, qbk = block
     if block_m is None:
         block_m = min(256 if p == "tpu" else 64, next_pow2(max(M, 16)))
-    if block_n is None:
-        block_n = qbn * (2 if p == "tpu" and N >= 2 * qbn else 1)
-    if block_k is None:
-        block_k = 4 * qbk if p == "tpu" else round_up(K, qbk)  # Triton: whole K per program (parallel grid)
+    n_pad, k_pad = round_up(N, qbn), round_up(K, qbk)
+    if block_n is None:  # largest tile that divides the 128-padded width (no padding beyond 128)
+        block_n = 2 * qbn if p == "tpu" and n_pad % (2 * qbn) == 0 else qbn
+    if block_k is None:  # Triton: the whole K per program (its grid programs run concurrently)
+        block_k = next(b for b in (4 * qbk, 2 * qbk, qbk) if k_pad % b == 0) if p == "tpu" else k_pad
     return block_m, block_n, block_k
 
 
-@functools.partial(jax.jit, static_argnames=("block", "interpret", "block_m", "block_n", "block_k"))
-def _run(x, wq, scale, block, interpret, block_m, block_n, block_k):
+@functools.partial(jax.jit, static_argnames=("plat", "block", "interpret", "block_m", "block_n", "block_k"))
+def _run(x, wq, scale, block, interpret, block_m, block_n, block_k, plat):
     M, K = x.shape
     N = wq.shape[0]
     qbn, qbk = block
@@ -112,7 +113,8 @@ def _run(x, wq, scale, block, interpret, block_m, block_n, block_k):
         out_specs=pl.BlockSpec((bm, bn), lambda m, n, k: (m, n)),
         out_shape=jax.ShapeDtypeStruct((Mp, Np), x.dtype),
         scratch_shapes=scratch,
-        compiler_params=compiler_params(interpret, ("parallel", "parallel", "arbitrary"), num_warps=4, num_stages=3),
+        compiler_params=compiler_params(interpret, plat, ("parallel", "parallel", "arbitrary"), num_warps=4,
+                                        num_stages=3),
         interpret=interpret,
         name="fp8_linear",
     )(x, wq, s)
@@ -132,5 +134,5 @@ def fp8_linear_pallas(x, wq, scale, block=(128, 128), interpret=None, *, block_m
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     bm, bn, bk = _defaults(x2.shape[0], wq.shape[0], wq.shape[1], block, block_m, block_n, block_k)
-    out = _run(x2, wq, scale, block, interpret, bm, bn, bk)
+    out = _run(x2, wq, scale, block, interpret, bm, bn, bk, plat=platform())
     return out.reshape(lead + (wq.shape[0],))

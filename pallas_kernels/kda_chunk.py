@@ -115,8 +115,8 @@ def _defaults(block_t, block_v, dv):
     return block_t, block_v
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret", "sub_chunk", "block_t", "block_v"))
-def _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v):
+@functools.partial(jax.jit, static_argnames=("plat", "chunk_size", "interpret", "sub_chunk", "block_t", "block_v"))
+def _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v, plat):
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     cs = max(1, min(sub_chunk, chunk_size))
@@ -125,9 +125,13 @@ def _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, blo
     C = chunk_size if T >= chunk_size else min(chunk_size, max(cs, 1 << (T - 1).bit_length()))
     if C % cs:
         raise ValueError(f"chunk_size {C} must be a multiple of sub_chunk {cs}")
-    Ts = -(-T // C) * C if block_t is None else -(-block_t // C) * C  # tokens per grid step
+    Tc = -(-T // C) * C
+    Ts = Tc if block_t is None else min(Tc, -(-block_t // C) * C)  # tokens per grid step
     Tp = -(-T // Ts) * Ts
     n_seg = Tp // Ts
+    if n_seg > 1 and plat == "gpu" and not interpret:
+        raise ValueError("block_t must be None on GPU: Triton grid programs run concurrently, so the state "
+                         "cannot be carried across time segments")
     bv = block_v
     if dv % bv:
         raise ValueError(f"block_v {bv} must divide dv {dv}")
@@ -154,7 +158,7 @@ def _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, blo
                   pl.BlockSpec((None, None, Ts, 1), lambda b, h, j, s: (b, h, s, 0)), st_spec],
         out_specs=[v_spec, st_spec],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H * dv), F32), jax.ShapeDtypeStruct((B, H, dk, dv), F32)],
-        compiler_params=compiler_params(interpret, ("parallel", "parallel", "parallel", "arbitrary"),
+        compiler_params=compiler_params(interpret, plat, ("parallel", "parallel", "parallel", "arbitrary"),
                                         num_warps=4, num_stages=1),
         interpret=interpret,
         name="kda_chunk_scan",
@@ -177,4 +181,4 @@ def kda_chunk_scan_pallas(q, k, v, g, beta, state, chunk_size: int = 64, interpr
     """
     interpret = resolve_interpret(interpret)
     block_t, block_v = _defaults(block_t, block_v, v.shape[-1])
-    return _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v)
+    return _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v, plat=platform())

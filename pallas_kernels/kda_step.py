@@ -43,8 +43,8 @@ def _defaults(block_h, block_v, H, dv):
     return block_h, block_v
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_h", "block_v"))
-def _run(state, q, k, v, g, beta, interpret, block_h, block_v):
+@functools.partial(jax.jit, static_argnames=("plat", "interpret", "block_h", "block_v"))
+def _run(state, q, k, v, g, beta, interpret, block_h, block_v, plat):
     B, H, dk, dv = state.shape
     hb, bv = block_h, block_v
     if H % hb or dv % bv:
@@ -61,7 +61,7 @@ def _run(state, q, k, v, g, beta, interpret, block_h, block_v):
         out_specs=[row_spec, st_spec],
         out_shape=[jax.ShapeDtypeStruct((B, H, 1, dv), F32), jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={0: 1},
-        compiler_params=compiler_params(interpret, ("parallel", "parallel", "parallel")),
+        compiler_params=compiler_params(interpret, plat, ("parallel", "parallel", "parallel")),
         interpret=interpret,
         name="kda_recurrent_step",
     )(state, col(q), col(k), v.reshape(B, H, 1, dv), col(g), beta.reshape(B, H, 1, 1))
@@ -78,4 +78,4 @@ def kda_recurrent_step_pallas(state, q, k, v, g, beta, interpret=None, *, block_
     """
     interpret = resolve_interpret(interpret)
     block_h, block_v = _defaults(block_h, block_v, state.shape[1], state.shape[3])
-    return _run(state, q, k, v, g, beta, interpret, block_h, block_v)
+    return _run(state, q, k, v, g, beta, interpret, block_h, block_v, plat=platform())

@@ -104,7 +104,7 @@ def _loop_kernel(q_ref, qpe_ref, lim_ref, c_ref, kpe_ref, acc_ref, m_ref, l_ref,
     acc_ref[...] = acc
 
 
-def _defaults(mode, block_s, num_splits, B, nblocks_hint):
+def _defaults(mode, block_s, num_splits, block_q, B):
     p = platform()
     if mode is None:
         mode = "grid" if p == "tpu" else "loop"
@@ -112,11 +112,13 @@ def _defaults(mode, block_s, num_splits, B, nblocks_hint):
         block_s = {"tpu": 512, "gpu": 64}.get(p, 128)
     if num_splits is None:
         num_splits = 1 if p != "gpu" else max(1, 132 // max(B, 1))  # fill the H200's 132 SMs
-    return mode, block_s, num_splits
+    if block_q is None and p == "gpu":
+        block_q = 32  # [32, 512] f32 accumulator per program: fits the register file with 8 warps
+    return mode, block_s, num_splits, block_q
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_s", "interpret", "num_splits", "block_q", "mode"))
-def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_splits, block_q, mode):
+@functools.partial(jax.jit, static_argnames=("plat", "scale", "block_s", "interpret", "num_splits", "block_q", "mode"))
+def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_splits, block_q, mode, plat):
     B, T, H, r = q_hat.shape
     dr = q_pe.shape[-1]
     S = c.shape[1]
@@ -146,7 +148,7 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
         lim_b = jnp.max(lim_rows[..., 0], axis=1)  # [B] keys any row of the sequence can see
 
         def key_block(b, p, i, lim_b):
-            last = jnp.maximum((lim_b[b] + bs - 1) // bs - 1, 0)  # last block holding visible keys
+            last = jnp.maximum(jax.lax.div(lim_b[b] + bs - 1, bs) - 1, 0)  # last block with visible keys (lim ≥ 0)
             return jnp.minimum(jnp.minimum(p * nbp + i, last), nb - 1)  # clamped: repeated index, no DMA
 
         grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -164,7 +166,7 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
                                    seq_len=S if S % bs else None)
         acc, m, l = pl.pallas_call(
             kernel, grid_spec=grid_spec, out_shape=out_shape, interpret=interpret, name="mla_decode",
-            compiler_params=compiler_params(interpret, ("parallel", "parallel", "parallel", "arbitrary")),
+            compiler_params=compiler_params(interpret, plat, ("parallel", "parallel", "parallel", "arbitrary")),
         )(lim_b, q2, qpe2, lim_rows, c, k_pe)
     elif mode == "loop":
         Sp = nb * bs
@@ -183,7 +185,7 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
                        pl.BlockSpec((None, None, bq, 1), lambda b, qi, p: (b, p, qi, 0)),
                        pl.BlockSpec((None, None, bq, 1), lambda b, qi, p: (b, p, qi, 0))],
             out_shape=out_shape, interpret=interpret, name="mla_decode",
-            compiler_params=compiler_params(interpret, num_warps=4, num_stages=2),
+            compiler_params=compiler_params(interpret, plat, num_warps=8, num_stages=2),
         )(q2, qpe2, lim_rows, c, k_pe)
     else:
         raise ValueError(f"mode must be 'grid' or 'loop', got {mode!r}")
@@ -205,9 +207,10 @@ def latent_attention_pallas(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s:
     q_pos [B,T] absolute query positions. Returns c_hat [B,T,H,r] in q_hat's dtype.
 
     block_s: keys per block (TPU 512, GPU 64, CPU 128). num_splits: parallel key partitions
-      (flash decoding; TPU 1, GPU ⌈132/B⌉). block_q: query rows (T·H) per program (default the
+      (flash decoding; TPU 1, GPU ⌊132/B⌋). block_q: query rows (T·H) per program (GPU 32; else the
       rows rounded up to a power of two ≥ 16, at most 256). mode: "grid" | "loop" (see module doc).
     """
     interpret = resolve_interpret(interpret)
-    mode, block_s, num_splits = _defaults(mode, block_s, num_splits, q_hat.shape[0], None)
-    return _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, float(scale), block_s, interpret, num_splits, block_q, mode)
+    mode, block_s, num_splits, block_q = _defaults(mode, block_s, num_splits, block_q, q_hat.shape[0])
+    return _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, float(scale), block_s, interpret, num_splits, block_q, mode,
+                plat=platform())

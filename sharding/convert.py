@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sharding.distributed import barrier, is_primary
-from sharding.load import (ParamSource, abstract_model, check_keep_fp8, fill_params, iter_state,
-                           load_sharded, resolve_dtype)
+from sharding.load import (ParamSource, abstract_model, check_keep_fp8, fill_params, is_param, iter_state,
+                           load_sharded, place_constants, resolve_dtype)
 from sharding.mesh import mesh_spec_string, parse_mesh
 from sharding.place import attach_mesh
 from sharding.rules import resolve
@@ -92,6 +92,16 @@ def _copy_side_files(src: str, dst: str) -> list[str]:
     return out
 
 
+def trim_host_memory() -> None:
+    """Hand freed heap back to the OS (glibc `malloc_trim`; no-op elsewhere). Without it the
+    allocator keeps each group's freed buffers in per-thread arenas and RSS ratchets upwards."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _write_json_atomic(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -137,8 +147,9 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
         _, flat = iter_state(abstract_model(cfg, dtype, with_mtp, keep_fp8))
         source = ParamSource(reader, cfg, mesh, keep_fp8)
         groups: dict[str, list] = {}
-        for path, var in flat:
-            groups.setdefault(group_of(path), []).append((path, var))
+        for path, var in flat:  # only parameters are stored; constants are recomputed from config.json
+            if is_param(var):
+                groups.setdefault(group_of(path), []).append((path, var))
         ckptr = _checkpointer()
         params_meta = {}
         for g, items in groups.items():
@@ -152,6 +163,7 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
                 params_meta[key_of(p)] = {"group": g, "shape": list(a.shape), "dtype": str(a.dtype)}
                 v.set_value(jax.ShapeDtypeStruct(a.shape, a.dtype))  # drop the arrays
             del tree
+            trim_host_memory()
             if _after_group is not None:
                 _after_group(g)
         barrier("ling_jax_convert_saved")
@@ -208,6 +220,8 @@ def load_converted(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep
     graphdef, flat = iter_state(abstract_model(cfg, dtype, with_mtp, stored_fp8))
     groups: dict[str, list] = {}
     for p, v in flat:
+        if not is_param(v):
+            continue
         k = key_of(p)
         if k not in meta["params"]:
             raise ValueError(f"{path}: parameter {k} is missing from the converted checkpoint")
@@ -225,6 +239,7 @@ def load_converted(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep
             v.set_value(got[key_of(p)])
         bar.update(1)
     bar.close()
+    place_constants(flat, mesh, cfg)
     return attach_mesh(nnx.merge(graphdef, nnx.from_flat_state(flat)), mesh)
 
 

@@ -140,8 +140,9 @@ class ParamSource:
 
         if self.keep_fp8 and is_expert_param(path):
             return read_fp8_expert(self.reader, path, self.cfg, index)
-        a = read_param(self.reader, path, self.cfg, index, np.float32)
-        return np.asarray(a).astype(np_dtype(want_dtype), copy=False)
+        # each tensor is cast to the target dtype as it is read (before stacking experts): the float32
+        # dequantised copy of a block never exists beyond one checkpoint tensor at a time
+        return np.asarray(read_param(self.reader, path, self.cfg, index, np_dtype(want_dtype)))
 
     def local_bytes(self, path, shape) -> int:
         """Stored bytes this process reads for the parameter (its distinct local blocks)."""
@@ -178,10 +179,26 @@ def iter_state(abstract) -> tuple:
     return graphdef, list(nnx.to_flat_state(state))
 
 
+def is_param(var) -> bool:
+    return isinstance(var, nnx.Param)
+
+
+def place_constants(flat, mesh, cfg) -> None:
+    """Put the non-parameter Variables of `flat` (concrete values computed by abstract_model, e.g.
+    SwiGLU limits) on `mesh` by the rules. Every process holds the same value."""
+    for path, var in flat:
+        if is_param(var):
+            continue
+        v = np.asarray(var.get_value())
+        sh = NamedSharding(mesh, resolve(path, v.shape, mesh, cfg.num_attention_heads))
+        var.set_value(jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx]))
+
+
 def fill_params(flat, source: ParamSource, progress: bool = True, desc: str = "loading",
                 select: Callable | None = None) -> Iterator:
-    """Build (a selection of) the parameters of `flat` ([(path, Variable)]) in place; yields each path."""
-    todo = [(p, v) for p, v in flat if select is None or select(p)]
+    """Build (a selection of) the parameters (nnx.Param) of `flat` ([(path, Variable)]) in place from
+    the checkpoint; yields each path. Other Variables are left alone (see place_constants)."""
+    todo = [(p, v) for p, v in flat if is_param(v) and (select is None or select(p))]
     total = sum(source.local_bytes(p, v.get_value().shape) for p, v in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not (progress and is_primary()))
     try:
@@ -227,6 +244,7 @@ def load_sharded(checkpoint_dir: str, mesh=None, dtype=None, with_mtp: bool = Tr
         graphdef, flat = iter_state(abstract_model(cfg, dtype, with_mtp, keep_fp8))
         for _ in fill_params(flat, ParamSource(reader, cfg, mesh, keep_fp8), progress):
             pass
+        place_constants(flat, mesh, cfg)
     finally:
         reader.close()
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))

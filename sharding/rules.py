@@ -1,8 +1,9 @@
 """THE partition-rule table: every parameter and cache array of the model gets its PartitionSpec here.
 
 Paths are the NNX parameter paths joined with "/" (`model/layers/3/mlp/experts/gate_proj`,
-`mtp/block/attention/kv_b_proj/weight`); cache arrays are addressed as `cache/layers/<i>/<field>`,
-`cache/mtp/<field>` and `cache/lengths` (HybridCache, KDAState, MLACache field names). The first
+`mtp/block/attention/kv_b_proj/weight`); cache arrays are addressed by their pytree path in the
+HybridCache, e.g. `cache/layers/<i>/<field>` (or `cache/layers/<block>/<run>/<field>` for the
+layer-stacked cache), `cache/mtp/<field>` and `cache/lengths` (KDAState / MLACache field names). The first
 rule whose regex fully matches wins; a path no rule matches raises `UnknownParameterError`.
 
 A spec entry per array dimension is
@@ -10,7 +11,10 @@ A spec entry per array dimension is
   "axis"          - split evenly over that mesh axis,
   "axis:heads"    - split over that axis at attention-head boundaries (the dimension is H equal
                     head blocks; only split when num_attention_heads is divisible by the axis size).
-An entry of `REPLICATED` for the whole rule means "replicated, whatever the rank". Entries naming
+A rule whose first entry is `...` matches arrays with any number of extra LEADING dimensions, which
+stay replicated (the layer-stacked caches `[repeats, n, B, ...]` of ling_jax.layer_stack; the entries
+after `...` describe the trailing dims). An entry of `REPLICATED` for the whole rule means
+"replicated, whatever the rank". Entries naming
 an axis of size 1 (or one the mesh lacks) resolve to None, so specs show only real splits.
 
 Divisibility fallback (documented rule): a dimension whose size - or, for ":heads" entries, whose
@@ -63,13 +67,16 @@ RULES: tuple[tuple[str, Any], ...] = (
     # dense FFN and shared expert: intermediate width over `model`
     (rf"{_L}/mlp/(?:shared_experts/)?(?:gate_proj|up_proj)/weight", ("model", None)),
     (rf"{_L}/mlp/(?:shared_experts/)?down_proj/weight", (None, "model")),
+    # per-layer SwiGLU clamp limits (scalar constants, not parameters)
+    (rf"{_L}/mlp/(?:routed_limit|(?:shared_experts/)?limit)", REPLICATED),
     # MTP input projection [D, 2D]: input columns over `model`
     (r"mtp/eh_proj/weight", (None, "model")),
-    # ---- caches: batch over `data`; KDA state and conv states by head; MLA latent replicated over `model`
-    (r"cache/layers/\d+/recurrent", ("data", "model:heads", None, None)),     # [B, H, dk, dv]
-    (r"cache/layers/\d+/conv_(?:q|k|v)", ("data", None, "model:heads")),      # [B, K-1, H*dk]
-    (r"cache/(?:layers/\d+|mtp)/(?:c|k_pe)", ("data", None, None)),          # [B, S, 512] / [B, S, 64]
-    (r"cache/lengths", ("data",)),                                           # [B]
+    # ---- caches: batch over `data`; KDA state and conv states by head; MLA latent replicated over `model`.
+    # `...`: per-layer caches may be stacked with leading [repeats, n] dims (replicated).
+    (r"cache/layers/(?:\d+/)+recurrent", (..., "data", "model:heads", None, None)),    # [B, H, dk, dv]
+    (r"cache/layers/(?:\d+/)+conv_(?:q|k|v)", (..., "data", None, "model:heads")),     # [B, K-1, H*dk]
+    (r"cache/(?:layers/(?:\d+/)+|mtp/)(?:c|k_pe)", (..., "data", None, None)),        # [B, S, 512] / [B, S, 64]
+    (r"cache/lengths", ("data",)),                                                    # [B]
 )
 _COMPILED = tuple((re.compile(p), s) for p, s in RULES)
 _WARNED: set = set()
@@ -107,6 +114,11 @@ def resolve(path, shape, mesh, heads: Optional[int]) -> P:
     shape = tuple(shape)
     if entries == REPLICATED:
         return P(*([None] * len(shape)))
+    if entries and entries[0] is Ellipsis:
+        entries = entries[1:]
+        if len(shape) < len(entries):
+            raise ValueError(f"sharding: rule {pattern!r} needs at least {len(entries)} dims but {s} has shape {shape}")
+        entries = (None,) * (len(shape) - len(entries)) + tuple(entries)
     if len(entries) != len(shape):
         raise ValueError(f"sharding: rule {pattern!r} has {len(entries)} dims but {s} has shape {shape}")
     sizes = _sizes(mesh)
@@ -162,10 +174,10 @@ def param_shardings(state, mesh, cfg) -> dict[tuple, NamedSharding]:
 # caches
 # ---------------------------------------------------------------------------------------------
 def _cache_heads(cache) -> Optional[int]:
-    for layer in getattr(cache, "layers", ()):
-        rec = getattr(layer, "recurrent", None)
-        if rec is not None:
-            return int(rec.shape[1])
+    """Head count from the first KDA state (its recurrent state is [..., B, H, dk, dv])."""
+    for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
+        if path_str(path).endswith("recurrent"):
+            return int(x.shape[-3])
     return None
 
 

@@ -119,8 +119,7 @@ def fp8_case(M, N, K):
 def build_cases(smoke: bool, batches):
     if smoke:
         return [kda_chunk_case(2, 40, 2, 16, chunk=16), kda_step_case(2, 2, 16),
-                mla_case(2, 100, 2, 32, 16, block_s=32), mla_case(1, 64, 2, 32, 16, T=3, block_s=32),
-                fp8_case(3, 200, 300)]
+                mla_case(2, 100, 2, 32, 16, T=2, block_s=32), fp8_case(3, 200, 300)]
     cases = []
     for B in batches:
         cases.append(kda_chunk_case(B, 4096, 64, 128))
@@ -176,12 +175,15 @@ def _rel(a, b):
 
 
 def run_case(case, args, key):
-    inputs = jax.jit(case["make"])(key)
+    # Smoke runs on CPU only check that everything still traces, runs and agrees: compile cheaply.
+    opts = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True} if (
+        args.smoke and jax.default_backend() == "cpu") else None
+    inputs = jax.jit(case["make"], compiler_options=opts)(key)
     jax.block_until_ready(inputs)
     carry = case.get("carry_state", False)
     donate = (0,) if carry else ()
-    twin = jax.jit(case["twin"], donate_argnums=donate)
-    kernel = jax.jit(case["kernel"], donate_argnums=donate)
+    twin = jax.jit(case["twin"], donate_argnums=donate, compiler_options=opts)
+    kernel = jax.jit(case["kernel"], donate_argnums=donate, compiler_options=opts)
     ref, t_twin = _time(twin, inputs, args.warmup, args.iters, carry)
     out, t_kernel = _time(kernel, inputs, args.warmup, args.iters, carry)
     err = _rel(out, ref)
@@ -219,8 +221,8 @@ def main(argv=None):
             continue
         r = run_case(case, args, jax.random.PRNGKey(i))
         results.append(r)
-        print(f"| {r['name']} | {r['shape']} | {r['dtype']} | {r['floor_ms']:.4f} | {r['pallas_ms']:.4f} | "
-              f"{r['pallas_pct_of_floor']:.1f} | {r['xla_ms']:.4f} | {r['xla_pct_of_floor']:.1f} | "
+        print(f"| {r['name']} | {r['shape']} | {r['dtype']} | {r['floor_ms']:.4g} | {r['pallas_ms']:.4g} | "
+              f"{r['pallas_pct_of_floor']:.3g} | {r['xla_ms']:.4g} | {r['xla_pct_of_floor']:.3g} | "
               f"{r['rel_err']:.2e} | {'ok' if r['ok'] else 'FAIL'} |", flush=True)
     if args.out:
         meta = dict(device=f"{dev.platform} {getattr(dev, 'device_kind', '')}", jax=jax.__version__,

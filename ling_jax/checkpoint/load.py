@@ -40,9 +40,16 @@ class ShapeOnlyRngs:
 
 
 def abstract_model(cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = True) -> LingForCausalLM:
-    """Shape-only LingForCausalLM (every parameter a ShapeDtypeStruct)."""
-    return nnx.eval_shape(lambda: LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(),
-                                                  with_mtp=with_mtp))
+    """LingForCausalLM whose parameters (nnx.Param) are ShapeDtypeStructs. Variables that are not
+    parameters (per-layer constants such as SwiGLU limits) are not in the checkpoint, so they are
+    computed: the constructor runs under jit with only them as outputs (XLA drops the rest)."""
+    def build():
+        return LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(), with_mtp=with_mtp)
+
+    model = nnx.eval_shape(build)
+    if any(not isinstance(v, nnx.Param) for _, v in nnx.to_flat_state(nnx.state(model))):
+        nnx.update(model, jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)))())
+    return model
 
 
 def checkpoint_names(path: tuple, cfg: LingConfig) -> tuple[str, list[str], Callable]:
@@ -98,6 +105,12 @@ def load_params(reader, cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = Tru
     place = place or (lambda path, a: jnp.asarray(a))
     bar = tqdm(flat, desc="loading", unit="param", disable=not progress)
     for path, var in bar:
+        if not isinstance(var, nnx.Param):  # constants computed by abstract_model
+            var.set_value(place(path, np.asarray(var.get_value())))
+            continue
+        if not isinstance(var, nnx.Param):  # config-derived constants (SwiGLU limits), not checkpoint tensors
+            var.set_value(place(path, np.asarray(config_constant(path, cfg), np.float32)))
+            continue
         name, names, assemble = checkpoint_names(path, cfg)
         want = var.get_value()  # ShapeDtypeStruct: the module decides each parameter's dtype
         arr = assemble([reader.get(n, dtype=np.float32) for n in names])
@@ -109,7 +122,20 @@ def load_params(reader, cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = Tru
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def config_constant(path: tuple, cfg: LingConfig) -> float:
+    """Value of a non-parameter variable: the per-layer SwiGLU clamp limits (spec §7.2)."""
+    p = [str(x) for x in path]
+    layer = cfg.num_hidden_layers if p[0] == "mtp" else int(p[2])
+    routed, shared = cfg.swiglu_limits(layer)
+    if p[-1] == "routed_limit":
+        return routed
+    if p[-2:] == ["shared_experts", "limit"]:
+        return shared
+    raise ValueError(f"no config value for non-parameter variable {'/'.join(p)}")
+
+
 def iter_param_names(cfg: LingConfig, with_mtp: bool = True) -> Iterator[str]:
     """Every checkpoint tensor name the model consumes (for validation and tests)."""
-    for path, _ in nnx.to_flat_state(nnx.split(abstract_model(cfg, with_mtp=with_mtp))[1]):
-        yield from checkpoint_names(path, cfg)[1]
+    for path, var in nnx.to_flat_state(nnx.split(abstract_model(cfg, with_mtp=with_mtp))[1]):
+        if isinstance(var, nnx.Param):
+            yield from checkpoint_names(path, cfg)[1]

@@ -64,7 +64,7 @@ def run(args) -> int:
     if not args.json and tok is not None:
         stream = _Printer(tok)
     res = generate(model, [ids], args.max_new_tokens, sampling=sampling, speculative=args.speculative,
-                   stop_ids=stop, stream=stream)
+                   stop_ids=stop, stream=stream, impl=args.impl)
     new = res.tokens[0]
     if args.json:
         out = {"token_ids": new}

@@ -1,0 +1,64 @@
+"""`ling-jax demo`: generate from the demo model (built once and cached on first use).
+
+If a trained demo checkpoint is shipped in the package (`ling_jax/demo_model/`), it is used;
+otherwise a small random checkpoint with every architectural feature (KDA and MLA layers, a
+trailing MLA group, dense and MoE layers, grouped routing, clamped late layers, an MTP layer, FP8
+blocks, a tokenizer) is written with the checkpoint writer into the cache directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")
+
+
+def cache_dir() -> str:
+    return os.environ.get("LING_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ling-jax"))
+
+
+def demo_checkpoint(verbose: bool = True) -> str:
+    if os.path.isfile(os.path.join(SHIPPED, "config.json")):
+        return SHIPPED
+    path = os.path.join(cache_dir(), "demo-random-v1")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        from ling_jax.checkpoint.writer import tiny_config, write_checkpoint
+        if verbose:
+            print(f"building the demo checkpoint in {path} (once)", file=sys.stderr)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_checkpoint(tiny_config(), path, dtype="fp8", seed=0, progress=False)
+    return path
+
+
+def add_parser(sub):
+    p = sub.add_parser("demo", help="generate text with the small demo model")
+    p.add_argument("--prompt", default="The Python standard library")
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--speculative", type=int, default=0, metavar="K")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def run(args) -> int:
+    from ling_jax.commands import generate as gen
+
+    ckpt = demo_checkpoint(verbose=not args.json)
+    if ckpt != SHIPPED and not args.json:
+        print("note: no trained demo model is shipped yet; this is a random-weight model, so the text "
+              "is noise (the architecture and every code path are real)", file=sys.stderr)
+    ns = gen.add_parser(_Sub()).parse_args(["--checkpoint", ckpt, "--prompt", args.prompt,
+                                             "--max-new-tokens", str(args.max_new_tokens),
+                                             "--speculative", str(args.speculative)]
+                                            + (["--json"] if args.json else []))
+    if not args.json:
+        print(args.prompt, end="", flush=True)
+    return gen.run(ns)
+
+
+class _Sub:
+    """Lets `generate.add_parser` build a standalone parser for the demo's arguments."""
+
+    def add_parser(self, name, **kw):
+        import argparse
+        return argparse.ArgumentParser(prog=f"ling-jax {name}")

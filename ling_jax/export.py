@@ -1,0 +1,228 @@
+"""Model parameters → a checkpoint directory in the release layout (spec §12, Layout B).
+
+`export_checkpoint(model, out_dir)` writes what `write_checkpoint` writes for a random model, but
+with the model's values: config.json (with `quantization_config` for fp8), generation_config.json,
+model.safetensors.index.json and shards. Matrices that `layout.expected_tensors` marks quantizable
+are stored FP8 E4M3 + float32 `weight_scale_inv` per 128×128 block (dtype='fp8') or BF16
+(dtype='bf16'); A_log, dt_bias and expert_bias are F32; every other tensor BF16. Tokenizer files are
+copied from `tokenizer_dir` when given. The directory is written under a temporary name next to
+`out_dir` and renamed into place, so a failure never leaves a partial checkpoint.
+
+The inverse of `checkpoint.load.checkpoint_names`: stacked experts `[E, in, out]` become per-expert
+`[out, in]` matrices, conv taps `[P, K]` become `[P, 1, K]`, the MTP layer's `mtp.*` / `mtp.block.*`
+becomes `model.layers.{N}.*`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+import numpy as np
+from flax import nnx
+
+from ling_jax.checkpoint import layout as L
+from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_quant_fp8
+from ling_jax.checkpoint.load import checkpoint_names
+from ling_jax.checkpoint.safetensors_io import DTYPES, ShardWriter, nbytes
+from ling_jax.checkpoint.writer import INDEX_FILE, _write_json, checkpoint_config_dict, plan_shards, shard_file_name
+from ling_jax.config import LingConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json")
+
+
+def model_tensors(model) -> dict[str, np.ndarray]:
+    """{checkpoint name: float32 array in checkpoint layout} for every parameter of an NNX model."""
+    cfg: LingConfig = model.cfg
+    out: dict[str, np.ndarray] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        _, names, _ = checkpoint_names(path, cfg)
+        a = np.asarray(var.get_value(), dtype=np.float32)
+        last = str(path[-1])
+        if len(path) >= 2 and str(path[-2]) == "experts" and last in ("gate_proj", "up_proj", "down_proj"):
+            if a.shape[0] != len(names):
+                raise ValueError(f"{'.'.join(map(str, path))}: {a.shape[0]} stacked experts, config has {len(names)}")
+            for e, n in enumerate(names):
+                out[n] = np.ascontiguousarray(a[e].T)
+        elif last in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            out[names[0]] = a.reshape(a.shape[0], 1, a.shape[1])
+        else:
+            out[names[0]] = a
+    return out
+
+
+def _copy_tokenizer(src: Optional[str], dst: str) -> list[str]:
+    if not src:
+        return []
+    if not os.path.isfile(os.path.join(src, "tokenizer.json")):
+        raise FileNotFoundError(f"{src}: no tokenizer.json (tokenizer directory)")
+    copied = []
+    for f in TOKENIZER_FILES:
+        p = os.path.join(src, f)
+        if os.path.isfile(p):
+            shutil.copyfile(p, os.path.join(dst, f))
+            copied.append(f)
+    return copied
+
+
+def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Optional[str] = None,
+                      num_shards: Optional[int] = None, overwrite: bool = False, progress: bool = True,
+                      include_mtp: Optional[bool] = None) -> dict:
+    """Write `model` (a LingForCausalLM) to `out_dir` in the release layout; returns a summary dict.
+
+    dtype: 'fp8' (quantizable matrices FP8 E4M3 + block scales; config gets quantization_config)
+    or 'bf16'. include_mtp defaults to "the model has an MTP layer".
+    """
+    if dtype not in ("fp8", "bf16"):
+        raise ValueError(f"dtype must be 'fp8' or 'bf16', got {dtype!r}")
+    cfg: LingConfig = model.cfg
+    has_mtp = getattr(model, "mtp", None) is not None
+    include_mtp = has_mtp if include_mtp is None else bool(include_mtp)
+    if include_mtp and not has_mtp:
+        raise ValueError("include_mtp: the model has no MTP layer")
+    tensors = model_tensors(model)
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    if not include_mtp:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(mtp_prefix)}
+    specs = L.expected_tensors(cfg, include_mtp)
+    missing = [n for n in specs if n not in tensors]
+    extra = [n for n in tensors if n not in specs]
+    if missing or extra:
+        raise ValueError(f"model parameters do not match the config's tensors: missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}")
+    for n, s in specs.items():
+        if tuple(tensors[n].shape) != tuple(s.shape):
+            raise ValueError(f"{n}: shape {tuple(tensors[n].shape)}, config implies {tuple(s.shape)}")
+
+    block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
+    entries = L.release_tensors(cfg, dtype, include_mtp, block=block)
+    shards = plan_shards(entries, num_shards)
+    total = sum(nbytes(d, s) for _, d, s in entries)
+
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise ValueError(f"{out_dir}: exists and is not a directory")
+        if os.listdir(out_dir) and not overwrite:
+            raise ValueError(f"{out_dir}: directory exists and is not empty (use --overwrite)")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="exporting", disable=not progress, leave=False)
+        weight_map: dict[str, str] = {}
+        try:
+            for k, shard in enumerate(shards, 1):
+                fname = shard_file_name(k, len(shards))
+                with ShardWriter(os.path.join(tmp, fname), shard, {"format": "pt"}) as w:
+                    for name, dt, _ in shard:
+                        weight_map[name] = fname
+                    for name, dt, _ in shard:
+                        if name.endswith(L.SCALE_SUFFIX):
+                            continue  # written right after its weight
+                        a = tensors[name]
+                        if dt == "F8_E4M3":
+                            wq, s = block_quant_fp8(a, block)
+                            w.write(name, wq)
+                            w.write(L.scale_name(name), s.astype(np.float32))
+                            bar.update(wq.nbytes + s.nbytes)
+                        else:
+                            c = a.astype(DTYPES[dt])
+                            w.write(name, c)
+                            bar.update(c.nbytes)
+        finally:
+            bar.close()
+        _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp))
+        gen = {"eos_token_id": list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0]}
+        if cfg.pad_token_id is not None:
+            gen["pad_token_id"] = cfg.pad_token_id
+        if cfg.bos_token_id is not None:
+            gen["bos_token_id"] = cfg.bos_token_id
+        _write_json(os.path.join(tmp, "generation_config.json"), gen)
+        copied = _copy_tokenizer(tokenizer_dir, tmp)
+        if os.path.exists(out_dir):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.rename(out_dir, os.path.join(old, "x"))
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out_dir": out_dir, "dtype": dtype, "num_tensors": len(entries), "total_size": total,
+            "num_shards": len(shards), "tokenizer_files": copied, "include_mtp": include_mtp}
+
+
+def quantize_like_export(model, dtype: str = "fp8"):
+    """A copy of `model` whose parameters went through the export's storage rounding (FP8 blocks or
+    BF16, F32 for A_log/dt_bias/expert_bias) and back: what loading the exported checkpoint gives."""
+    import jax.numpy as jnp
+
+    from ling_jax.checkpoint.fp8 import block_dequant_fp8
+
+    cfg = model.cfg
+    block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
+    specs = L.expected_tensors(cfg, model.mtp is not None)
+    graphdef, state = nnx.split(nnx.clone(model))  # split shares Variables with the model: work on a copy
+    flat = list(nnx.to_flat_state(state))
+    for path, var in flat:
+        if not isinstance(var, nnx.Param):
+            continue
+        _, names, _ = checkpoint_names(path, cfg)
+        a = np.asarray(var.get_value(), np.float32)
+        last = str(path[-1])
+        expert = len(path) >= 2 and str(path[-2]) == "experts" and last in ("gate_proj", "up_proj", "down_proj")
+        parts = [a[e].T for e in range(a.shape[0])] if expert else [a]
+
+        def rnd(x, n):
+            s = specs[n]
+            if s.quantizable and dtype == "fp8":
+                return block_dequant_fp8(*block_quant_fp8(x, block), block)
+            return x.astype(DTYPES[s.dtype]).astype(np.float32) if s.dtype != "F32" else x
+
+        if expert:
+            r = np.stack([rnd(p, n).T for p, n in zip(parts, names)])
+        elif last in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            r = rnd(a.reshape(a.shape[0], 1, -1), names[0]).reshape(a.shape)
+        else:
+            r = rnd(a, names[0])
+        var.set_value(jnp.asarray(r, dtype=var.get_value().dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_source(path: str, dtype: str = "float32", step: Optional[int] = None):
+    """A model from a checkpoint directory (config.json + safetensors) or an Orbax train directory
+    (the `orbax/` manager root written by `ling-jax train`, or one of its step directories)."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: directory not found")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from ling_jax.runtime import load_model
+        return load_model(path, dtype, with_mtp=True, progress=False)
+    from ling_jax.train import load_trained_model
+    base = os.path.basename(path)
+    if base.isdigit() and step is None:
+        return load_trained_model(os.path.dirname(path), int(base))
+    if os.path.isdir(os.path.join(path, "orbax")):
+        path = os.path.join(path, "orbax")
+    return load_trained_model(path, step)
+
+
+def find_tokenizer(path: str) -> Optional[str]:
+    """A directory near a parameter source that holds tokenizer.json (itself, tokenizer/, parents)."""
+    path = os.path.abspath(path)
+    for d in (path, os.path.join(path, "tokenizer"), os.path.dirname(path),
+              os.path.join(os.path.dirname(path), "tokenizer"),
+              os.path.join(os.path.dirname(os.path.dirname(path)), "tokenizer")):
+        if os.path.isfile(os.path.join(d, "tokenizer.json")):
+            return d
+    return None
