@@ -252,7 +252,8 @@ class Trainer:
         self.mesh = mesh
         self.graphdef, params, bias, rest, self.paths = split_model(model)
         self.bias_layer = bias_layers(self.cfg, bias.keys())
-        self.use_mtp = bool(self.tcfg.mtp and model.mtp is not None)
+        self.has_mtp = model.mtp is not None
+        self.use_mtp = bool(self.tcfg.mtp and self.has_mtp)
         self.mtp_lambda = mtp_lambda(self.cfg, self.tcfg)
         self.tx = make_optimizer(self.tcfg)
         self.schedule = lr_schedule(self.tcfg)
@@ -404,24 +405,30 @@ class BatchStream:
 # ---------------------------------------------------------------------------------------------
 # Orbax checkpoints
 # ---------------------------------------------------------------------------------------------
-def checkpoint_manager(directory: str, save_every: int = 100, max_to_keep: int = 3):
+def checkpoint_manager(directory: str, max_to_keep: int = 3):
+    """An Orbax CheckpointManager over `directory` (created if missing); `save_state` decides when to save."""
     import orbax.checkpoint as ocp
 
-    opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=max(1, int(save_every)),
-                                        create=True)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
     return ocp.CheckpointManager(os.path.abspath(directory), options=opts)
 
 
-def save_state(mngr, trainer: Trainer, data_position: Optional[dict] = None, force: bool = False,
+def save_state(mngr, trainer: Trainer, data_position: Optional[dict] = None, every: int = 1, force: bool = False,
                extra: Optional[dict] = None) -> bool:
     """Save the train state + JSON metadata (model config, train config, data position) at the
-    trainer's current step. Honours the manager's save interval unless `force`."""
+    trainer's current step when it is a multiple of `every` (or `force`). Asynchronous: call
+    `mngr.wait_until_finished()` before reading it back."""
     import orbax.checkpoint as ocp
 
-    meta = {"step": trainer.step, "model_config": trainer.cfg.to_dict(), "train_config": trainer.tcfg.to_dict(),
-            "data_position": data_position, "with_mtp": trainer.model().mtp is not None, **(extra or {})}
-    return mngr.save(trainer.step, args=ocp.args.Composite(state=ocp.args.StandardSave(trainer.state),
-                                                           meta=ocp.args.JsonSave(meta)), force=force)
+    step = trainer.step
+    if not force and (every <= 0 or step % every):
+        return False
+    if step in mngr.all_steps():
+        return False
+    meta = {"step": step, "model_config": trainer.cfg.to_dict(), "train_config": trainer.tcfg.to_dict(),
+            "data_position": data_position, "with_mtp": trainer.has_mtp, **(extra or {})}
+    return mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(trainer.state),
+                                                   meta=ocp.args.JsonSave(meta)), force=True)
 
 
 def restore_state(mngr, trainer: Trainer, step: Optional[int] = None) -> dict:
@@ -455,7 +462,10 @@ def load_trained_model(directory: str, step: Optional[int] = None, dtype=jnp.flo
     """The model stored in an Orbax train directory (params + trained expert_bias)."""
     step, meta = read_meta(directory, step)
     cfg = LingConfig.from_dict(meta["model_config"], f"{directory} (orbax metadata)")
-    model = nnx.eval_shape(lambda: LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0),
+    from ling_jax.checkpoint.load import ShapeOnlyRngs
+
+    # Shapes only: every array (parameters and the per-layer constants in `rest`) is restored below.
+    model = nnx.eval_shape(lambda: LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(),
                                                    with_mtp=meta.get("with_mtp", True)))
     graphdef, params, bias, rest, paths = split_model(model)
     tcfg = TrainConfig.from_dict(meta.get("train_config") or {})

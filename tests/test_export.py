@@ -8,7 +8,8 @@ Bounds (float32 forward, 2-layer model of test_train, 4×24 tokens):
   expert choices forced, logits agree to 15 % relative L2 (measured 7 % main, 8 % MTP on this random
   2-layer model, whose errors compound over ~10 quantized matmuls); unforced, 8-10 % of the top-k
   choices flip and the error is 13 % / 20 % (not asserted beyond < 0.4).
-* BF16 export vs the original: 1 % relative L2.
+* BF16 export (2^-9 relative rounding per weight) vs the original: 3 % relative L2 (measured 1.0 %,
+  including a few flipped expert choices).
 """
 import json
 import os
@@ -21,6 +22,7 @@ from conftest import rel_err
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.export import export_checkpoint, model_tensors, quantize_like_export
 from ling_jax.runtime import full_logits, load_model
+from ling_jax.tokenizer import Tokenizer
 from test_train import small_cfg, small_model, synthetic_tokens
 
 
@@ -90,9 +92,12 @@ def test_export_bf16_roundtrip_and_overwrite(setup, tmp_path):
     assert len(set(idx["weight_map"].values())) == 3
     loaded = load_model(str(out), "float32", progress=False)
     got = _logits_in_graph(model, loaded, ids)
+    want = full_logits(quantize_like_export(model, "bf16"), ids, mtp=True)
+    assert rel_err(got["logits"], want["logits"]) < 1e-6
+    assert rel_err(got["mtp_logits"], want["mtp_logits"]) < 1e-6
     e = rel_err(got["logits"], ref["logits"])
-    assert e < 1e-2, e
-    assert rel_err(got["mtp_logits"], ref["mtp_logits"]) < 1e-2
+    assert e < 3e-2, e
+    assert rel_err(got["mtp_logits"], ref["mtp_logits"]) < 3e-2
 
 
 @pytest.mark.slow
@@ -133,4 +138,18 @@ def test_cli_train_export_eval(tmp_path):
     with redirect_stdout(buf):
         assert main(["eval", "--checkpoint", str(exp), "--text-file", str(text), "--json", "--window", "32"]) == 0
     res = json.loads(buf.getvalue().strip().splitlines()[-1])
-    assert res["tokens"] > 10 and 1.0 < res["perplexity"] < 300
+    n_tok = len(Tokenizer.from_dir(str(exp)).encode(text.read_text()))
+    assert res["tokens"] == n_tok - 1  # every token but the first is scored once
+    assert np.isfinite(res["perplexity"]) and res["perplexity"] > 1.0
+
+
+def test_eval_windows_score_every_token_once():
+    from ling_jax.commands.eval import window_batches
+
+    ids = list(range(100, 111))  # 11 tokens -> 10 targets
+    seen = []
+    for rows, n_valid in window_batches(ids, window=4, batch=2):
+        assert rows.shape == (2, 5)
+        for r, n in zip(rows, n_valid):
+            seen += [int(t) for t in r[1:n]]  # targets of this window
+    assert seen == ids[1:]

@@ -301,3 +301,20 @@ def test_expert_parallel_kernel():
             f = jax.jit(lambda x, i, w, lim, *ws: experts_ep(x, i, w, ws, lim, plan, impl, (b, b) if fp8 else None))
             y = f(S.global_batch(np.asarray(x), mesh), idx, wts, limit, *ws)
             assert rel_err(y, ref) < TOL, (fp8, impl)
+
+
+def test_moe_impl_ep_under_context_mesh():
+    """A MoE block without an attached plan runs expert-parallel with impl='ep' under
+    `sharding.use_mesh(mesh)` (the context mesh), and equals the single-device block."""
+    from ling_jax.moe import MoE
+
+    cfg = LingConfig.from_dict(small_cfg_dict())
+    moe = MoE(cfg, 3, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, cfg.hidden_size)), jnp.float32)
+    call = nnx.jit(lambda m, x, impl: m(x, impl=impl)[0], static_argnums=2)
+    ref = call(moe, x, "grouped")
+    with pytest.raises(ValueError, match="needs a mesh"):
+        call(moe, x, "ep")
+    with S.use_mesh(S.parse_mesh("expert=4,model=2")):
+        got = call(moe, x, "ep")
+    assert rel_err(got, ref) < TOL

@@ -78,7 +78,7 @@ def test_expert_bias_not_optimised_and_sign_rule(trained):
 
 def test_resume_reproduces_next_loss_exactly(trained):
     tr, stream, d = trained["trainer"], trained["stream"], trained["dir"]
-    mngr = T.checkpoint_manager(str(d), save_every=1000)
+    mngr = T.checkpoint_manager(str(d))
     T.save_state(mngr, tr, stream.position(), force=True)
     mngr.wait_until_finished()
     saved_step = tr.step

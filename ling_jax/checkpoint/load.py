@@ -41,15 +41,19 @@ class ShapeOnlyRngs:
 
 def abstract_model(cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = True) -> LingForCausalLM:
     """LingForCausalLM whose parameters (nnx.Param) are ShapeDtypeStructs. Variables that are not
-    parameters (per-layer constants such as SwiGLU limits) are not in the checkpoint, so they are
-    computed: the constructor runs under jit with only them as outputs (XLA drops the rest)."""
-    def build():
-        return LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(), with_mtp=with_mtp)
+    parameters (per-layer constants such as SwiGLU limits) are not in the checkpoint, so they get
+    their real values: the constructor is traced once under jit, returning only those constants
+    (XLA drops every parameter initialiser) while the graph and parameter shapes are captured."""
+    box = {}
 
-    model = nnx.eval_shape(build)
-    if any(not isinstance(v, nnx.Param) for _, v in nnx.to_flat_state(nnx.state(model))):
-        nnx.update(model, jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)))())
-    return model
+    def build():
+        m = LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(), with_mtp=with_mtp)
+        box["graphdef"], params, consts = nnx.split(m, nnx.Param, ...)
+        box["params"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        return consts
+
+    consts = jax.jit(build)()
+    return nnx.merge(box["graphdef"], box["params"], consts)
 
 
 def checkpoint_names(path: tuple, cfg: LingConfig) -> tuple[str, list[str], Callable]:

@@ -34,7 +34,7 @@ def add_parser(sub):
     p.add_argument("--save-every", type=int, default=100, help="Orbax save interval in steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--export-dtype", choices=["fp8", "bf16"], default="fp8", help="dtype of the exported checkpoint")
-    p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a train state")
+    p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a train state (deletes --out/orbax)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -108,7 +108,10 @@ def run(args) -> int:
     cfg = LingConfig.from_json(args.config) if args.config else default_model_config(args.vocab_size)
     tok_dir = os.path.join(out, "tokenizer")
     orbax_dir = os.path.join(out, "orbax")
-    resume = not args.no_resume and os.path.isdir(orbax_dir) and os.listdir(orbax_dir)
+    if args.no_resume and os.path.isdir(orbax_dir):
+        import shutil
+        shutil.rmtree(orbax_dir)
+    resume = os.path.isdir(orbax_dir) and bool(os.listdir(orbax_dir))
     if not (resume and os.path.isfile(os.path.join(tok_dir, "tokenizer.json"))):
         save_tokenizer(tok_dir, train_tokenizer(docs, cfg))
     tok = Tokenizer.from_dir(tok_dir)
@@ -121,7 +124,7 @@ def run(args) -> int:
                        seed=args.seed)
     trainer = Trainer(init_model(cfg, args.seed), tcfg)
     n_params = sum(int(np.prod(v.shape)) for v in trainer.state["params"].values())
-    mngr = checkpoint_manager(orbax_dir, args.save_every)
+    mngr = checkpoint_manager(orbax_dir)
     metrics_path = os.path.join(out, "metrics.jsonl")
     history: list[dict] = []
     if resume and mngr.latest_step() is not None:
@@ -151,11 +154,11 @@ def run(args) -> int:
             history.append(rec)
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
-            save_state(mngr, trainer, stream.position())
+            save_state(mngr, trainer, stream.position(), every=args.save_every)
             bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}", maxload=f"{m['max_load_ratio']:.2f}")
             bar.update(1)
     bar.close()
-    save_state(mngr, trainer, stream.position(), force=mngr.latest_step() != trainer.step)
+    save_state(mngr, trainer, stream.position(), force=True)
     mngr.wait_until_finished()
     mngr.close()
     if history:
