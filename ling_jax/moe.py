@@ -87,8 +87,57 @@ def routing_weights(scores: jax.Array, idx: jax.Array, cfg: LingConfig) -> jax.A
     return wts * cfg.routed_scaling_factor
 
 
+def grouped_matmul_tiled(xs: jax.Array, w: jax.Array, sizes: jax.Array, tile: int | None = None) -> jax.Array:
+    """`ragged_dot(xs, w, sizes)` as a scan over (row tile, expert) work items.
+
+    xs: [M,K] rows sorted by group; w: [G,K,N]; sizes: [G] rows per group (sum = M). XLA:CPU lowers
+    ragged_dot to a dense product against every group (G× the work); here each work item multiplies
+    one `tile`-row slice by one group's weight, and there are at most ceil(M/tile) + G items, so the
+    work is ~(1 + G·tile/M)× the ideal. Rows outside the item's group are masked.
+    """
+    M, K = xs.shape
+    G, _, N = w.shape
+    if tile is None:  # ~M/G rows per group: tiles of that size keep the G partial tiles cheap
+        tile = int(min(128, max(8, 1 << max(0, (M // max(G, 1)).bit_length() - 1))))
+    n_tiles = -(-M // tile)
+    items = n_tiles + G
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // tile
+    last = jnp.maximum(ends - 1, starts) // tile
+    span = jnp.where(sizes > 0, last - first + 1, 0)
+    cum = jnp.cumsum(span) - span
+    item_group = jnp.repeat(jnp.arange(G), span, total_repeat_length=items)
+    pos = jnp.arange(items)
+    valid = pos < span.sum()
+    item_tile = jnp.clip(first[item_group] + pos - cum[item_group], 0, n_tiles - 1)
+    pad = n_tiles * tile - M
+    xp = jnp.pad(xs, ((0, pad), (0, 0)))
+    prec = precision(xs.dtype)
+
+    def body(out, it):
+        g, t, ok = it
+        rows = jax.lax.dynamic_slice_in_dim(xp, t * tile, tile, 0)
+        y = jnp.dot(rows, w[g].astype(xs.dtype), precision=prec, preferred_element_type=jnp.float32)
+        r = t * tile + jnp.arange(tile)
+        mask = ok & (r >= starts[g]) & (r < ends[g])
+        cur = jax.lax.dynamic_slice_in_dim(out, t * tile, tile, 0)
+        return jax.lax.dynamic_update_slice_in_dim(out, cur + jnp.where(mask[:, None], y, 0.0), t * tile, 0), None
+
+    out, _ = jax.lax.scan(body, jnp.zeros((n_tiles * tile, N), jnp.float32), (item_group, item_tile, valid))
+    return out[:M].astype(xs.dtype)
+
+
+def grouped_matmul(xs, w, sizes):
+    """Grouped expert matmul: `jax.lax.ragged_dot` (a native grouped GEMM on TPU/GPU), or the tiled
+    scan on CPU where ragged_dot is computed densely against every group."""
+    if jax.default_backend() == "cpu":
+        return grouped_matmul_tiled(xs, w, sizes)
+    return jax.lax.ragged_dot(xs, w.astype(xs.dtype), sizes, precision=precision(xs.dtype)).astype(xs.dtype)
+
+
 def experts_grouped(x, idx, wg, wu, wd, limit):
-    """All routed experts via one sort + `ragged_dot` per projection.
+    """All routed experts via one sort + a grouped matmul per projection.
 
     x: [N,D]; idx: [N,k]; wg, wu: [E,D,I]; wd: [E,I,D]. Returns per-assignment outputs [N,k,D].
     """
@@ -98,8 +147,7 @@ def experts_grouped(x, idx, wg, wu, wd, limit):
     order = jnp.argsort(flat, stable=True)
     xs = x[order // k]
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    prec = precision(x.dtype)
-    dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(a.dtype), sizes, precision=prec).astype(a.dtype)
+    dot = lambda a, w: grouped_matmul(a, w, sizes)
     h = swiglu_act(dot(xs, wg), dot(xs, wu), limit)
     ys = dot(h, wd)
     out = jnp.zeros_like(ys).at[order].set(ys)

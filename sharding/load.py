@@ -184,12 +184,13 @@ def is_param(var) -> bool:
 
 
 def place_constants(flat, mesh, cfg) -> None:
-    """Put the non-parameter Variables of `flat` (concrete values computed by abstract_model, e.g.
-    SwiGLU limits) on `mesh` by the rules. Every process holds the same value."""
+    """Put the non-parameter Variables of `flat` (config-derived constants, e.g. SwiGLU limits, see
+    `ling_jax.checkpoint.load.config_constant`) on `mesh` by the rules. Every process holds the same value."""
     for path, var in flat:
         if is_param(var):
             continue
-        v = np.asarray(var.get_value())
+        from ling_jax.checkpoint.load import config_constant
+        v = np.asarray(config_constant(path, cfg), np.float32)
         sh = NamedSharding(mesh, resolve(path, v.shape, mesh, cfg.num_attention_heads))
         var.set_value(jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx]))
 

@@ -40,20 +40,10 @@ class ShapeOnlyRngs:
 
 
 def abstract_model(cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = True) -> LingForCausalLM:
-    """LingForCausalLM whose parameters (nnx.Param) are ShapeDtypeStructs. Variables that are not
-    parameters (per-layer constants such as SwiGLU limits) are not in the checkpoint, so they get
-    their real values: the constructor is traced once under jit, returning only those constants
-    (XLA drops every parameter initialiser) while the graph and parameter shapes are captured."""
-    box = {}
-
-    def build():
-        m = LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(), with_mtp=with_mtp)
-        box["graphdef"], params, consts = nnx.split(m, nnx.Param, ...)
-        box["params"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        return consts
-
-    consts = jax.jit(build)()
-    return nnx.merge(box["graphdef"], box["params"], consts)
+    """Shape-only LingForCausalLM: every variable a ShapeDtypeStruct. Parameters come from the
+    checkpoint; the few non-parameter variables (SwiGLU limits) from `config_constant`."""
+    return nnx.eval_shape(lambda: LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(),
+                                                  with_mtp=with_mtp))
 
 
 def checkpoint_names(path: tuple, cfg: LingConfig) -> tuple[str, list[str], Callable]:
@@ -109,9 +99,6 @@ def load_params(reader, cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = Tru
     place = place or (lambda path, a: jnp.asarray(a))
     bar = tqdm(flat, desc="loading", unit="param", disable=not progress)
     for path, var in bar:
-        if not isinstance(var, nnx.Param):  # constants computed by abstract_model
-            var.set_value(place(path, np.asarray(var.get_value())))
-            continue
         if not isinstance(var, nnx.Param):  # config-derived constants (SwiGLU limits), not checkpoint tensors
             var.set_value(place(path, np.asarray(config_constant(path, cfg), np.float32)))
             continue
