@@ -38,6 +38,9 @@ def model_tensors(model) -> dict[str, np.ndarray]:
     cfg: LingConfig = model.cfg
     out: dict[str, np.ndarray] = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if str(path[-1]).endswith("_scale"):
+            raise ValueError("export needs a float model: this one keeps FP8 experts (loaded with --keep-fp8); "
+                             "load it without that option")
         _, names, _ = checkpoint_names(path, cfg)
         a = np.asarray(var.get_value(), dtype=np.float32)
         last = str(path[-1])

@@ -247,8 +247,7 @@ def experts_local(x, idx, wts, e0, weights, limit, impl: str, blocks=None):
         xs = x[order // k]
         sizes = jnp.bincount(flat, length=E_l).astype(jnp.int32)
         sc = (None,) * 3 if blocks is None else weights[3:]
-        prec = precision(dt)
-        dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, precision=prec).astype(dt)
+        dot = lambda a, w: grouped_matmul(a, w, sizes)  # rows past sum(sizes) (other devices') come out 0
         h = swiglu_act(dot(xs, deq(wg, sc[0], dequant_in, blocks and blocks[0])),
                        dot(xs, deq(wu, sc[1], dequant_in, blocks and blocks[0])), limit)
         ys = dot(h, deq(wd, sc[2], dequant_out, blocks and blocks[1]))
@@ -281,7 +280,11 @@ def experts_ep(x, idx, wts, weights, limit, plan, impl: str, blocks=None):
 
     tp = P(tok, None)
     lim = jnp.asarray(limit, jnp.float32)  # may be traced (per-layer SwiGLULimit): an explicit replicated input
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(tp, tp, tp, P()) + tuple(plan.specs[:len(weights)]), out_specs=tp)
+    # check_vma=False: the inner kernels (e.g. the tiled grouped matmul's scan) start carries from
+    # fresh zeros, which the varying-manual-axes type check would reject; psum makes the output
+    # replicated over expert/model, as out_specs states.
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tp, tp, tp, P()) + tuple(plan.specs[:len(weights)]), out_specs=tp,
+                       check_vma=False)
     return fn(x, idx, wts, lim, *weights)
 
 

@@ -30,6 +30,20 @@ def load_model(checkpoint: str, dtype: str | None = None, with_mtp: bool = True,
     return load_params(reader, cfg, as_dtype(dtype or default_dtype()), with_mtp=with_mtp, progress=progress)
 
 
+def load_for_args(args, with_mtp: bool):
+    """Model for a CLI command: sharded over `--mesh` (or several processes) when asked, else one device.
+
+    Returns (model, mesh or None). Multi-host: `jax.distributed` is initialised from the flags or the
+    JAX_* environment variables before anything else touches the devices.
+    """
+    import sharding as S
+    multi = S.init_from_args(args)
+    if getattr(args, "mesh", None) or multi:
+        mesh = S.parse_mesh(args.mesh)
+        return S.load_any(args.checkpoint, mesh, as_dtype(args.dtype or default_dtype()), with_mtp=with_mtp), mesh
+    return load_model(args.checkpoint, args.dtype, with_mtp=with_mtp, progress=False), None
+
+
 def check_ids(ids, cfg: LingConfig, what: str = "--input-ids") -> None:
     if len(ids) == 0:
         raise ValueError(f"{what}: empty prompt (need at least one token id)")

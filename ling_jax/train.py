@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -150,9 +149,12 @@ def forward(model: LingForCausalLM, ids, *, mtp: bool, remat: bool = False, poli
             chunk_size: int = 64):
     """Cache-free training forward. Returns (logits [B,T,V], mtp_logits or None, routing {layer: [B,T,k]}).
 
-    Without remat this is `model(ids, mtp=mtp)`. With remat every decoder layer (and the MTP layer)
-    runs under `jax.checkpoint(policy)`: only layer inputs are kept for the backward pass.
+    Without remat this is `model(ids, mtp=mtp)`. With remat the same layer scans as the model's
+    (`layer_stack`) run every decoder layer body under `jax.checkpoint(policy)`, so the backward
+    pass keeps only each layer's input; the MTP layer is checkpointed the same way.
     """
+    from ling_jax.layer_stack import layer_plan, per_layer, stack_params
+
     opts = {"kda_mode": "chunk", "chunk_size": chunk_size}
     if not remat:
         out = model(ids, mtp=mtp, opts=opts)
@@ -163,33 +165,45 @@ def forward(model: LingForCausalLM, ids, *, mtp: bool, remat: bool = False, poli
     n_valid = jnp.full((B,), T, jnp.int32)
     lengths = jnp.zeros((B,), jnp.int32)
 
-    def ckpt(module, fn, *args):
-        gd, st = nnx.split(module)
-        return jax.checkpoint(lambda st, *a: fn(nnx.merge(gd, st), *a), policy=pol)(st, *args)
-
-    def layer_fn(layer, h, lc):
-        h, _, idx, _ = layer(h, lc, lengths, n_valid, opts, None)
-        return h, idx
+    def zero_kda(block, r):
+        lead = (block.repeats, block.runs[r].n)
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), kda_zero_state(cfg, B, model.dtype))
 
     h = model.model.word_embeddings(ids).astype(model.dtype)
     routing = {}
-    for i, layer in enumerate(model.model.layers):
-        lc = kda_zero_state(cfg, B, model.dtype) if layer.attn_type == KDA else None
-        h, idx = ckpt(layer, layer_fn, h, lc)
-        if idx is not None:
-            routing[i] = idx
+    for block in layer_plan(cfg):
+        stacked = stack_params(model.model.layers, block)
+        caches = tuple(zero_kda(block, r) if run.attn == KDA else None for r, run in enumerate(block.runs))
+
+        def group_body(h, xs, stacked=stacked):
+            params_g, caches_g = xs
+            idxs = []
+            for r, (gdef, _) in enumerate(stacked):
+                def layer_body(h, ys, gdef=gdef):
+                    p, c = ys
+                    h, _, idx, _ = nnx.merge(gdef, p)(h, c, lengths, n_valid, opts, None)
+                    return h, idx
+                h, idx = jax.lax.scan(jax.checkpoint(layer_body, policy=pol), h, (params_g[r], caches_g[r]))
+                idxs.append(idx)
+            return h, tuple(idxs)
+
+        h, idxs = jax.lax.scan(group_body, h, (tuple(p for _, p in stacked), caches))
+        for r in range(len(block.runs)):
+            if idxs[r] is not None:
+                routing.update(per_layer(block, r, idxs[r]))
     z = model.model.norm(h)
     logits = model.logits(z)
     mtp_logits = None
     if mtp:
         nxt = jnp.concatenate([ids[:, 1:], jnp.zeros((B, 1), ids.dtype)], axis=1)
         emb = model.model.word_embeddings(nxt).astype(model.dtype)
+        gd, st = nnx.split(model.mtp)
 
-        def mtp_fn(m, emb, z):
-            zm, _, idx = m(emb, z, None, lengths, n_valid, opts, None)
+        def mtp_fn(st, emb, z):
+            zm, _, idx = nnx.merge(gd, st)(emb, z, None, lengths, n_valid, opts, None)
             return zm, idx
 
-        zm, idx = ckpt(model.mtp, mtp_fn, emb, z)
+        zm, idx = jax.checkpoint(mtp_fn, policy=pol)(st, emb, z)
         routing[cfg.num_hidden_layers] = idx
         mtp_logits = model.logits(zm)
     return logits, mtp_logits, routing
@@ -548,7 +562,7 @@ def save_tokenizer(out_dir: str, tok: tuple[str, dict]) -> None:
 
 def default_model_config(vocab_size: int = 4096) -> LingConfig:
     """The small model `ling-jax train` builds without --config: 4 layers (KDA, KDA, KDA, MLA),
-    first layer dense, 8 experts top-2 in 4 groups + 1 shared, MTP on. ~6M parameters at vocab 4096."""
+    first layer dense, 8 experts top-2 in 4 groups + 1 shared, MTP on: 11.2M parameters at vocab 4096."""
     n = 4
     d = {
         "model_type": "bailing_hybrid", "vocab_size": vocab_size, "hidden_size": 256, "num_hidden_layers": n,

@@ -106,7 +106,7 @@ def test_resume_reproduces_next_loss_exactly(trained):
 
 
 def test_remat_forward_equals_model_call(trained):
-    """The remat forward (own layer loop under jax.checkpoint) gives model.__call__'s logits."""
+    """The remat forward (layer scans with jax.checkpoint bodies) gives model.__call__'s logits."""
     from ling_jax.runtime import full_logits
 
     model = trained["trainer"].model()

@@ -24,13 +24,20 @@ def add_parser(sub):
     p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from sharding import add_distributed_args
+    add_distributed_args(p)
     return p
+
+
+def jax_process_count() -> int:
+    import jax
+    return jax.process_count()
 
 
 def run(args) -> int:
     from ling_jax.commands.logits import parse_ids
     from ling_jax.generate import generate
-    from ling_jax.runtime import load_model
+    from ling_jax.runtime import load_for_args
     from ling_jax.sampling import SamplingParams
     from ling_jax.tokenizer import Tokenizer, eos_token_ids, load_generation_config
 
@@ -53,7 +60,9 @@ def run(args) -> int:
         ids = parse_ids(args.input_ids)
     sampling = SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed)
-    model = load_model(args.checkpoint, args.dtype, with_mtp=args.speculative > 0, progress=False)
+    model, mesh = load_for_args(args, with_mtp=args.speculative > 0)
+    if mesh is not None and jax_process_count() > 1:
+        raise ValueError("--mesh: generate runs sharded within one process (use `logits` for multi-process runs)")
     if args.speculative and model.mtp is None:
         raise ValueError(f"--speculative: {args.checkpoint} has no MTP layer")
     if args.stop_ids is not None:

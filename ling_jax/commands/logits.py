@@ -26,7 +26,9 @@ def add_parser(sub):
                    help="compute dtype (default float32 on CPU, bfloat16 on accelerators)")
     p.add_argument("--mtp", action="store_true", help="also write the MTP layer's logits")
     p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
-    p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2")
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2 (or a converted Orbax dir's mesh)")
+    from sharding import add_distributed_args
+    add_distributed_args(p)
     return p
 
 
@@ -46,15 +48,22 @@ def write_npz_atomic(path: str, **arrays) -> None:
 
 
 def run(args) -> int:
-    from ling_jax.runtime import check_ids, full_logits, load_model
+    from ling_jax.runtime import check_ids, full_logits, load_for_args
 
     ids = parse_ids(args.input_ids)
-    model = load_model(args.checkpoint, args.dtype, with_mtp=args.mtp, progress=False)
+    model, mesh = load_for_args(args, with_mtp=args.mtp)
     check_ids(ids, model.cfg)
     if args.mtp and model.mtp is None:
         raise ValueError(f"--mtp: checkpoint {args.checkpoint} has no MTP layer (num_nextn_predict_layers=0)")
-    opts = {} if args.impl is None else {"impl": args.impl}
-    out = full_logits(model, np.asarray([ids], np.int32), mtp=args.mtp, **opts)
+    if mesh is not None:
+        import sharding as S
+        out = S.sharded_logits(model, np.asarray([ids], np.int32), mesh, mtp=args.mtp)
+        out = {"logits": out[0], "mtp_logits": out[1]} if args.mtp else {"logits": out}
+        if not S.is_primary():
+            return 0
+    else:
+        opts = {} if args.impl is None else {"impl": args.impl}
+        out = full_logits(model, np.asarray([ids], np.int32), mtp=args.mtp, **opts)
     arrays = {"logits": np.asarray(out["logits"][0], np.float32)}
     if args.mtp:
         arrays["mtp_logits"] = np.asarray(out["mtp_logits"][0], np.float32)
