@@ -25,7 +25,7 @@ from flax import nnx
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_quant_fp8
 from ling_jax.checkpoint.load import checkpoint_names
-from ling_jax.checkpoint.safetensors_io import DTYPES, ShardWriter, nbytes
+from ling_jax.checkpoint.safetensors_io import replace_dir, DTYPES, ShardWriter, nbytes
 from ling_jax.checkpoint.writer import INDEX_FILE, _write_json, checkpoint_config_dict, plan_shards, shard_file_name
 from ling_jax.config import LingConfig
 
@@ -151,13 +151,7 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
             gen["bos_token_id"] = cfg.bos_token_id
         _write_json(os.path.join(tmp, "generation_config.json"), gen)
         copied = _copy_tokenizer(tokenizer_dir, tmp)
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.rename(out_dir, os.path.join(old, "x"))
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

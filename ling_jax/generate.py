@@ -127,10 +127,11 @@ def _stream(stream_fn, toks, take):
                                      ordered=True)
 
 
-def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_fn, impl):
+def _plain_step(model, stacked, state: DecodeState, sampling, stop_ids, max_new, stream_fn, impl):
     key, sub = jax.random.split(state.key)
     active = ~state.done
-    out = model(state.token[:, None], state.cache, active.astype(jnp.int32), opts={"kda_mode": "recurrent", "impl": impl})
+    out = model(state.token[:, None], state.cache, active.astype(jnp.int32), opts={"kda_mode": "recurrent", "impl": impl},
+                stacked=stacked)
     nxt = sample(out["logits"][:, 0], sub, sampling)
     cache = out["cache"]
     hidden = jnp.where(active[:, None], out["hidden"][:, 0], state.hidden)
@@ -140,7 +141,7 @@ def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_f
                         rounds=state.rounds + active, accepted=state.accepted + take)
 
 
-def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream_fn, impl):
+def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_new, stream_fn, impl):
     cfg = model.cfg
     key, kd, ka = jax.random.split(state.key, 3)
     active = ~state.done
@@ -163,7 +164,7 @@ def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream
     # 2. verify [pending, d_1..d_k] in one forward, keeping every KDA state for rollback
     feed = jnp.concatenate([state.token[:, None], drafts], axis=1)
     out = model(feed, cache._replace(mtp=None), jnp.where(active, k + 1, 0),
-                opts={"kda_all_states": True, "impl": impl})
+                opts={"kda_all_states": True, "impl": impl}, stacked=stacked)
     if sampling.greedy:
         a, nxt = speculative_accept_greedy(drafts, out["logits"])
     else:
@@ -196,10 +197,11 @@ def decode_loop(graphdef, params, state: DecodeState, *, sampling: SamplingParam
                 impl: str | None = None) -> DecodeState:
     """Run decode steps until every sequence is done, all inside one `lax.while_loop`."""
     model = _merge(graphdef, params)
+    stacked = model.stacked_layers()  # loop-invariant: stacked once, not in every step
     if speculative:
-        body = lambda s: _spec_step(model, s, speculative, sampling, stop_ids, max_new, stream_fn, impl)
+        body = lambda s: _spec_step(model, stacked, s, speculative, sampling, stop_ids, max_new, stream_fn, impl)
     else:
-        body = lambda s: _plain_step(model, s, sampling, stop_ids, max_new, stream_fn, impl)
+        body = lambda s: _plain_step(model, stacked, s, sampling, stop_ids, max_new, stream_fn, impl)
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 

@@ -149,8 +149,13 @@ class LingForCausalLM(nnx.Module):
         zm, mtp_cache, _ = self.mtp(emb, hidden.astype(self.dtype), mtp_cache, lengths, n_valid, opts or {})
         return self.logits(zm), zm, mtp_cache
 
+    def stacked_layers(self):
+        """Per block of the layer plan: per run (graphdef, params stacked [repeats, n, ...]). Compute it
+        once outside a decode loop and pass it as `stacked=`, so the loop body does not re-stack."""
+        return [stack_params(self.model.layers, b) for b in layer_plan(self.cfg)]
+
     def __call__(self, input_ids, cache: HybridCache | None = None, n_valid=None, *, mtp: bool = False,
-                 opts: dict | None = None, forced_routing: dict | None = None, mtp_ids=None):
+                 opts: dict | None = None, forced_routing: dict | None = None, mtp_ids=None, stacked=None):
         """Forward over T new tokens per sequence.
 
         input_ids: [B,T] int32. cache: None for a cache-free forward from position 0 (MLA attends
@@ -169,14 +174,14 @@ class LingForCausalLM(nnx.Module):
         h = self.model.word_embeddings(input_ids).astype(self.dtype)
         new_layers, routing, kda_states = [], {}, {}
         for b, block in enumerate(layer_plan(cfg)):
-            stacked = stack_params(self.model.layers, block)
+            run_params = stacked[b] if stacked is not None else stack_params(self.model.layers, block)
             if cache is not None:
                 caches = cache.layers[b]
             else:  # cache-free: zero KDA states, MLA attends to the T new tokens only
                 caches = tuple(_stacked(lambda: kda_zero_state(cfg, B, self.dtype), block, r) if run.attn == KDA
                                else None for r, run in enumerate(block.runs))
             forced = tuple(stack_forced(block, r, forced_routing) for r in range(len(block.runs)))
-            h, new_c, idxs, extras = run_block(block, stacked, h, caches, forced, lengths, n_valid, opts)
+            h, new_c, idxs, extras = run_block(block, run_params, h, caches, forced, lengths, n_valid, opts)
             new_layers.append(new_c)
             for r in range(len(block.runs)):
                 if idxs[r] is not None:

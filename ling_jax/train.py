@@ -526,18 +526,8 @@ def train_tokenizer(texts: Iterable[str], cfg: LingConfig, min_frequency: int = 
     trainer = trainers.BpeTrainer(vocab_size=n_bpe, min_frequency=min_frequency, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
     tok.train_from_iterator(texts, trainer)
-    d = json.loads(tok.to_str())
-    vocab = sorted(d["model"]["vocab"].items(), key=lambda kv: kv[1])
-    free = iter(i for i in range(cfg.vocab_size) if i not in specials)
-    d["model"]["vocab"] = {t: next(free) for t, _ in vocab}
-    added = []
-    for i, s in sorted(specials.items()):
-        d["model"]["vocab"][s] = i
-        added.append({"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                      "normalized": False, "special": True})
-    d["added_tokens"] = added
-    text = json.dumps(d, ensure_ascii=False)
-    Tokenizer.from_str(text)
+    from ling_jax.checkpoint.writer import with_special_ids
+    text, added = with_special_ids(tok, cfg.vocab_size, specials)
     tcfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": specials[int(cfg.eos_token_id[0])],

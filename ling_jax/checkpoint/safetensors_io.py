@@ -367,3 +367,17 @@ def load_file(path: str) -> dict[str, np.ndarray]:
     """Read every tensor of one safetensors file (small files, tests)."""
     with SafetensorsFile(path) as f:
         return {n: f.read(n) for n in f.names()}
+
+
+def replace_dir(tmp: str, out_dir: str) -> None:
+    """Move a finished directory `tmp` to `out_dir`, replacing any existing one only once `tmp` is
+    complete (renames within one parent directory; a reader never sees a half-written checkpoint)."""
+    import shutil
+    import tempfile
+    if os.path.exists(out_dir):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(os.path.abspath(out_dir)))
+        os.rename(out_dir, os.path.join(old, "x"))
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out_dir)

@@ -25,7 +25,7 @@ import numpy as np
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_quant_fp8
-from ling_jax.checkpoint.safetensors_io import DTYPES, ShardWriter, nbytes
+from ling_jax.checkpoint.safetensors_io import replace_dir, DTYPES, ShardWriter, nbytes
 from ling_jax.config import LingConfig
 
 SHARD_TARGET_BYTES = 5_000_000_000  # default shard size (the HF "5GB" convention)
@@ -161,6 +161,28 @@ def _special_tokens(cfg: LingConfig) -> dict[int, str]:
     return sp
 
 
+def with_special_ids(tok, vocab_size: int, specials: dict[int, str]) -> tuple[str, list]:
+    """A trained `tokenizers` BPE re-numbered so the special tokens sit at exactly the config's ids.
+
+    Returns (tokenizer.json text, the added-token entries). Merges refer to tokens by text, so the
+    BPE vocabulary can take the free ids in order.
+    """
+    from tokenizers import Tokenizer
+    d = json.loads(tok.to_str())
+    bpe = sorted(d["model"]["vocab"].items(), key=lambda kv: kv[1])
+    free = (i for i in range(vocab_size) if i not in specials)
+    d["model"]["vocab"] = {t: next(free) for t, _ in bpe}
+    added = []
+    for i, s in sorted(specials.items()):
+        d["model"]["vocab"][s] = i
+        added.append({"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                      "normalized": False, "special": True})
+    d["added_tokens"] = added
+    text = json.dumps(d, ensure_ascii=False)
+    Tokenizer.from_str(text)  # must load
+    return text, added
+
+
 def build_tokenizer(cfg: LingConfig) -> tuple[str, dict]:
     """(tokenizer.json text, tokenizer_config dict): a byte-level BPE trained on a built-in text.
 
@@ -184,19 +206,7 @@ def build_tokenizer(cfg: LingConfig) -> tuple[str, dict]:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
     paragraphs = [p for p in _CORPUS.split("\n\n") if p.strip()]
     tok.train_from_iterator(paragraphs * 4, trainer)
-    d = json.loads(tok.to_str())
-    # Re-number the BPE vocabulary to skip the special ids (merges refer to tokens by text).
-    bpe = sorted(d["model"]["vocab"].items(), key=lambda kv: kv[1])
-    free = (i for i in range(cfg.vocab_size) if i not in specials)
-    d["model"]["vocab"] = {t: next(free) for t, _ in bpe}
-    added = []
-    for i, s in sorted(specials.items()):
-        d["model"]["vocab"][s] = i
-        added.append({"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                      "normalized": False, "special": True})
-    d["added_tokens"] = added
-    text = json.dumps(d, ensure_ascii=False)
-    Tokenizer.from_str(text)  # must load
+    text, added = with_special_ids(tok, cfg.vocab_size, specials)
     eos = specials[int(cfg.eos_token_id[0])]
     tcfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -347,13 +357,7 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
                 f.write(text)
             _write_json(os.path.join(tmp, "tokenizer_config.json"), tcfg)
         # move into place
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.rename(out_dir, os.path.join(old, "x"))
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
