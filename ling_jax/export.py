@@ -25,7 +25,7 @@ from flax import nnx
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_quant_fp8
 from ling_jax.checkpoint.load import checkpoint_names
-from ling_jax.checkpoint.safetensors_io import replace_dir, DTYPES, ShardWriter, nbytes
+from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
 from ling_jax.checkpoint.writer import INDEX_FILE, _write_json, checkpoint_config_dict, plan_shards, shard_file_name
 from ling_jax.config import LingConfig
 
@@ -104,14 +104,7 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
     shards = plan_shards(entries, num_shards)
     total = sum(nbytes(d, s) for _, d, s in entries)
 
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir):
-        if not os.path.isdir(out_dir):
-            raise ValueError(f"{out_dir}: exists and is not a directory")
-        if os.listdir(out_dir) and not overwrite:
-            raise ValueError(f"{out_dir}: directory exists and is not empty (use --overwrite)")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
+    out_dir, parent = prepare_out_dir(out_dir, overwrite, "--overwrite")
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
         mask = os.umask(0)

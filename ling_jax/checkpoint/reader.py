@@ -18,7 +18,7 @@ import numpy as np
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, scale_grid_shape
-from ling_jax.checkpoint.safetensors_io import (CheckpointError, SafetensorsFile, TensorInfo,
+from ling_jax.checkpoint.safetensors_io import (CheckpointError, SafetensorsFile, TensorInfo, read_index,
                                                 _normalize_index)
 from ling_jax.config import ConfigError, LingConfig
 
@@ -71,15 +71,7 @@ class CheckpointReader:
         return self._files[fname]
 
     def _load_index(self, index_path: str) -> None:
-        try:
-            with open(index_path) as f:
-                idx = json.load(f)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{index_path}: not valid JSON ({e})") from None
-        wm = idx.get("weight_map") if isinstance(idx, dict) else None
-        if not isinstance(wm, dict) or not wm:
-            raise CheckpointError(f"{index_path}: no 'weight_map' object")
-        meta = idx.get("metadata") or {}
+        wm, meta = read_index(index_path)
         for fname in {v if isinstance(v, str) else repr(v) for v in wm.values()}:
             if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname or fname in (".", ".."):
                 first = next(n for n, v in wm.items() if v == fname or repr(v) == fname)

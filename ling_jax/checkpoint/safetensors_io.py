@@ -381,3 +381,30 @@ def replace_dir(tmp: str, out_dir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, out_dir)
+
+
+def prepare_out_dir(out_dir: str, overwrite: bool, flag: str = "overwrite") -> tuple[str, str]:
+    """(absolute out_dir, its parent, created): refuses a file or a non-empty directory unless `overwrite`."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise ValueError(f"{out_dir}: exists and is not a directory")
+        if os.listdir(out_dir) and not overwrite:
+            raise ValueError(f"{out_dir}: directory exists and is not empty (use {flag})")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    return out_dir, parent
+
+
+def read_index(index_path: str, error=None) -> tuple[dict, dict]:
+    """(weight_map, metadata) of a `model.safetensors.index.json`; `error` is the exception class raised."""
+    error = error or CheckpointError
+    try:
+        with open(index_path) as f:
+            idx = json.load(f)
+    except json.JSONDecodeError as e:
+        raise error(f"{index_path}: not valid JSON ({e})") from None
+    wm = idx.get("weight_map") if isinstance(idx, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise error(f"{index_path}: no 'weight_map' object")
+    return wm, idx.get("metadata") or {}

@@ -25,7 +25,7 @@ import numpy as np
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_quant_fp8
-from ling_jax.checkpoint.safetensors_io import replace_dir, DTYPES, ShardWriter, nbytes
+from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
 from ling_jax.config import LingConfig
 
 SHARD_TARGET_BYTES = 5_000_000_000  # default shard size (the HF "5GB" convention)
@@ -300,14 +300,7 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     for i in (*cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id):
         if i is not None and not 0 <= int(i) < cfg.vocab_size:
             raise ValueError(f"special token id {i} is not a valid id for vocab_size={cfg.vocab_size}")
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir):
-        if not os.path.isdir(out_dir):
-            raise ValueError(f"{out_dir}: exists and is not a directory")
-        if os.listdir(out_dir) and not overwrite:
-            raise ValueError(f"{out_dir}: directory exists and is not empty (use overwrite)")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
+    out_dir, parent = prepare_out_dir(out_dir, overwrite)
     block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
     specs = L.expected_tensors(cfg, include_mtp)
     entries = L.release_tensors(cfg, dtype, include_mtp, block=block)

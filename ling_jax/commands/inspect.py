@@ -17,7 +17,7 @@ import os
 import sys
 
 from ling_jax import accounting as A
-from ling_jax.checkpoint.safetensors_io import SafetensorsFile
+from ling_jax.checkpoint.safetensors_io import SafetensorsFile, read_index
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -36,22 +36,14 @@ def _shard_files(d: str) -> tuple[list[str], dict | None, dict]:
     """(shard file names, index weight_map or None, index metadata)."""
     index = os.path.join(d, INDEX_FILE)
     if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                idx = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{index}: not valid JSON ({e})") from None
-        wm = idx.get("weight_map") if isinstance(idx, dict) else None
-        if not isinstance(wm, dict) or not wm:
-            raise ValueError(f"{index}: no 'weight_map' object")
+        wm, meta = read_index(index, ValueError)
         files = list(dict.fromkeys(wm.values()))
         for fname in files:
             if not isinstance(fname, str) or not fname or os.path.basename(fname) != fname:
                 raise ValueError(f"{index}: invalid shard file name {fname!r}")
             if not os.path.isfile(os.path.join(d, fname)):
                 raise ValueError(f"{index}: shard {fname} does not exist")
-        meta = idx.get("metadata") if isinstance(idx.get("metadata"), dict) else {}
-        return files, wm, meta
+        return files, wm, meta if isinstance(meta, dict) else {}
     if os.path.isfile(os.path.join(d, SINGLE_FILE)):
         return [SINGLE_FILE], None, {}
     raise ValueError(f"{d}: no {INDEX_FILE} or {SINGLE_FILE} (not a safetensors checkpoint directory)")
