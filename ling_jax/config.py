@@ -307,9 +307,6 @@ def _validate(c: LingConfig, err, d: dict) -> None:
         if not 0 < c.num_experts_per_tok <= c.topk_group * per_group:
             err(f"num_experts_per_tok={c.num_experts_per_tok} must be in 1..topk_group*experts_per_group="
                 f"{c.topk_group * per_group}")
-    if c.num_shared_experts not in (0, 1):
-        # The checkpoint stores one fused shared expert of width moe_shared_expert_intermediate_size.
-        pass
     q = c.quantization_config
     if q is not None:
         if q.get("quant_method") not in ("fp8",):

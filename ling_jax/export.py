@@ -26,7 +26,8 @@ from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_quant_fp8
 from ling_jax.checkpoint.load import checkpoint_names
 from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
-from ling_jax.checkpoint.writer import INDEX_FILE, _write_json, checkpoint_config_dict, plan_shards, shard_file_name
+from ling_jax.checkpoint.writer import (INDEX_FILE, _write_json, checkpoint_config_dict, plan_shards,
+                                       shard_file_name, write_generation_config)
 from ling_jax.config import LingConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -137,12 +138,7 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
             bar.close()
         _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
         _write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp))
-        gen = {"eos_token_id": list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0]}
-        if cfg.pad_token_id is not None:
-            gen["pad_token_id"] = cfg.pad_token_id
-        if cfg.bos_token_id is not None:
-            gen["bos_token_id"] = cfg.bos_token_id
-        _write_json(os.path.join(tmp, "generation_config.json"), gen)
+        write_generation_config(tmp, cfg)
         copied = _copy_tokenizer(tokenizer_dir, tmp)
         replace_dir(tmp, out_dir)
     except BaseException:

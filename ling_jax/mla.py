@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels as pk
 from ling_jax.config import LingConfig
 from ling_jax.linear import Linear
 from ling_jax.norms import RMSNorm
@@ -145,7 +146,6 @@ class MultiheadLatentAttention(nnx.Module):
         if form == "expanded":
             o = mla_expanded_attention(*args)
         else:
-            import pallas_kernels as pk
             core = lambda qh, qp, c, kp, _mask, sc: pk.latent_attention(impl, qh, qp, c, kp, kv_len, pos, sc)
             o = mla_absorbed_attention(*args, core=core)
         gate = jax.nn.sigmoid(linear(x, self.g_proj.weight[...]).astype(jnp.float32)).astype(x.dtype)

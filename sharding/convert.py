@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sharding.distributed import barrier, is_primary
-from sharding.load import (ParamSource, abstract_model, check_keep_fp8, fill_params, is_param, iter_state,
-                           load_sharded, place_constants, resolve_dtype)
+from sharding.load import (ParamSource, abstract_model, fill_params, is_param, iter_state, load_sharded,
+                           open_validated, place_constants, resolve_dtype)
 from sharding.mesh import mesh_spec_string, parse_mesh
 from sharding.place import attach_mesh
 from sharding.rules import resolve
@@ -120,8 +120,6 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
     built sharded on `mesh` (default `parse_mesh(None)`) and every process writes its own blocks.
     Returns the metadata dict. `_after_group(name)` is a test hook.
     """
-    from ling_jax.checkpoint.reader import CheckpointReader
-
     out = os.path.abspath(out)
     if os.path.exists(out) and not overwrite and (not os.path.isdir(out) or os.listdir(out)):
         raise FileExistsError(f"--out: {out} already exists (pass --force / overwrite=True to replace it)")
@@ -130,15 +128,10 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
         raise FileNotFoundError(f"--out: parent directory {parent} does not exist")
     mesh = parse_mesh(None) if mesh is None else mesh
     dtype = resolve_dtype(dtype)
-    reader = CheckpointReader(checkpoint)
+    reader, cfg, with_mtp = open_validated(checkpoint, with_mtp, keep_fp8)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.converting")
     t0 = time.time()
     try:
-        cfg = reader.config
-        with_mtp = with_mtp and cfg.has_mtp
-        reader.validate(include_mtp=with_mtp)
-        if keep_fp8:
-            check_keep_fp8(reader, cfg)
         if is_primary():
             if os.path.exists(tmp):  # left over by an interrupted run
                 shutil.rmtree(tmp)

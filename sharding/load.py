@@ -183,6 +183,24 @@ def is_param(var) -> bool:
     return isinstance(var, nnx.Param)
 
 
+def open_validated(checkpoint_dir: str, with_mtp: bool, keep_fp8: bool):
+    """(CheckpointReader, config, with_mtp) after checking every tensor against config.json (and that
+    the routed experts are FP8 when they are to be kept FP8). The caller closes the reader."""
+    from ling_jax.checkpoint.reader import CheckpointReader
+
+    reader = CheckpointReader(checkpoint_dir)
+    try:
+        cfg = reader.config
+        with_mtp = with_mtp and cfg.has_mtp
+        reader.validate(include_mtp=with_mtp)
+        if keep_fp8:
+            check_keep_fp8(reader, cfg)
+    except BaseException:
+        reader.close()
+        raise
+    return reader, cfg, with_mtp
+
+
 def place_constants(flat, mesh, cfg) -> None:
     """Put the non-parameter Variables of `flat` (config-derived constants, e.g. SwiGLU limits, see
     `ling_jax.checkpoint.load.config_constant`) on `mesh` by the rules. Every process holds the same value."""
@@ -229,19 +247,12 @@ def load_sharded(checkpoint_dir: str, mesh=None, dtype=None, with_mtp: bool = Tr
     dtype: compute/storage dtype of the non-FP8-kept parameters (default: runtime.default_dtype()).
     Each process reads only the blocks of its own devices; a tqdm bar counts stored bytes read.
     """
-    from ling_jax.checkpoint.reader import CheckpointReader
-
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"{checkpoint_dir}: checkpoint directory not found")
     mesh = parse_mesh(None) if mesh is None else mesh
     dtype = resolve_dtype(dtype)
-    reader = CheckpointReader(checkpoint_dir)
+    reader, cfg, with_mtp = open_validated(checkpoint_dir, with_mtp, keep_fp8)
     try:
-        cfg = reader.config
-        with_mtp = with_mtp and cfg.has_mtp
-        reader.validate(include_mtp=with_mtp)
-        if keep_fp8:
-            check_keep_fp8(reader, cfg)
         graphdef, flat = iter_state(abstract_model(cfg, dtype, with_mtp, keep_fp8))
         for _ in fill_params(flat, ParamSource(reader, cfg, mesh, keep_fp8), progress):
             pass

@@ -276,6 +276,16 @@ def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: boo
     return d
 
 
+def write_generation_config(d: str, cfg: LingConfig) -> None:
+    """generation_config.json with the config's eos (int or list), pad and bos ids."""
+    gen = {"eos_token_id": list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0]}
+    if cfg.pad_token_id is not None:
+        gen["pad_token_id"] = cfg.pad_token_id
+    if cfg.bos_token_id is not None:
+        gen["bos_token_id"] = cfg.bos_token_id
+    _write_json(os.path.join(d, "generation_config.json"), gen)
+
+
 def _write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
@@ -338,12 +348,7 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
             index["metadata"]["ling_jax_header_only"] = True
         _write_json(os.path.join(tmp, INDEX_FILE), index)
         _write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp))
-        gen = {"eos_token_id": list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0]}
-        if cfg.pad_token_id is not None:
-            gen["pad_token_id"] = cfg.pad_token_id
-        if cfg.bos_token_id is not None:
-            gen["bos_token_id"] = cfg.bos_token_id
-        _write_json(os.path.join(tmp, "generation_config.json"), gen)
+        write_generation_config(tmp, cfg)
         if tok is not None:
             text, tcfg = tok
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
