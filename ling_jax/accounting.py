@@ -41,11 +41,13 @@ Weight formats (``weight_bytes``):
 
 Which matrices the *release* stores unquantized (spec §12.7, open question §16.4): the tensor
 count forces exactly one BF16 matrix per KDA layer (``b_proj``) and one per MLA layer, either the
-head-wise ``g_proj`` ("Layout B", what `layout.py` and our writer use) or ``kv_a_proj_with_mqa``
-("Layout A"). The spec leaves the choice to whether the published 573,753,281,152-byte total
-counts the safetensors JSON headers; the seed article that measured it says it is the sum of the
-header *tensor* entries, equal to the index's ``total_size`` (no headers; and its 16.9 MB of JSON
-would not close Layout B's gap anyway). With FP32 conv taps:
+head-wise ``g_proj`` ("Layout B", the default of `layout.py` and our writer) or ``kv_a_proj_with_mqa``
+("Layout A"); the split is defined once, in ``layout.BF16_MATRICES``, and used here through
+``layout.expected_tensors(..., fp8_layout=...)`` exactly as the writer uses it. The spec leaves
+the choice to whether the published 573,753,281,152-byte total counts the safetensors JSON headers;
+the seed article that measured it says it is the sum of the header *tensor* entries, equal to the
+index's ``total_size`` (no headers; and its 16.9 MB of JSON would not close Layout B's gap anyway).
+With FP32 conv taps:
 
 * Layout A: 573,753,349,632 B = **534.35 GiB** (68,480 B above the published total);
   MXFP4 experts: 313,151,411,712 B = **291.64 GiB** — both published figures reproduced.
@@ -58,8 +60,10 @@ full-model payload is 534.32 GiB, 33.3 MB short of the published total. The seed
 therefore not all from one layout; we follow the two published, measured-derived totals.
 
 So the release-format defaults here are ``RELEASE_FP8_LAYOUT = "A"`` and
-``RELEASE_CONV_DTYPE = "F32"``; pass ``fp8_layout="B"`` (or ``None`` = exactly what
-``expected_tensors`` says, i.e. our writer's files) to account for the other layout.
+``RELEASE_CONV_DTYPE = "F32"``; pass ``fp8_layout="B"`` (or ``None`` = the writer's default layout,
+``layout.DEFAULT_FP8_LAYOUT``) to account for the other layout. A header-only checkpoint written with
+``ling-jax make-checkpoint --config config.ling-3.1-flash.json --out DIR --header-only
+--fp8-layout A --conv-dtype F32`` makes ``ling-jax inspect DIR`` report the same 534.35 GiB.
 """
 from __future__ import annotations
 
@@ -77,7 +81,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 FORMATS = ("bf16", "fp8", "mxfp4")
-FP8_LAYOUTS = ("A", "B")
+FP8_LAYOUTS = L.FP8_LAYOUTS
 RELEASE_FP8_LAYOUT = "A"
 RELEASE_CONV_DTYPE = "F32"
 MXFP4_GROUP = 32          # inputs sharing one E8M0 scale
@@ -142,25 +146,6 @@ def _check_layout(fp8_layout: Optional[str]) -> Optional[str]:
     return fp8_layout
 
 
-def release_quantized(cfg: LingConfig, name: str, spec: L.TensorSpec, fp8_layout: Optional[str],
-                      _types: Optional[tuple] = None) -> bool:
-    """Whether `name` is stored FP8 in the release under `fp8_layout` (None: as `layout.py` says).
-
-    Layouts A and B differ only in the MLA layers (main and MTP): A stores `kv_a_proj_with_mqa` BF16
-    and the head-wise `g_proj` FP8, B the reverse; every other tensor follows `spec.quantizable`.
-    """
-    if fp8_layout is None or spec.layer is None:
-        return spec.quantizable
-    types = _types if _types is not None else cfg.layer_types
-    if spec.layer < cfg.num_hidden_layers and types[spec.layer] != MLA:
-        return spec.quantizable
-    if name.endswith("attention.kv_a_proj_with_mqa.weight"):
-        return fp8_layout == "B"
-    if name.endswith("attention.g_proj.weight"):
-        return fp8_layout == "A"
-    return spec.quantizable
-
-
 def stored_tensors(cfg: LingConfig, fmt: str = "fp8", include_mtp: bool = True,
                    fp8_layout: Optional[str] = RELEASE_FP8_LAYOUT,
                    conv_dtype: str = RELEASE_CONV_DTYPE) -> list[Stored]:
@@ -168,14 +153,16 @@ def stored_tensors(cfg: LingConfig, fmt: str = "fp8", include_mtp: bool = True,
     _check_format(fmt)
     _check_layout(fp8_layout)
     block = tuple(cfg.weight_block_size or (128, 128))
-    types = cfg.layer_types
     out: list[Stored] = []
-    for name, s in L.expected_tensors(cfg, include_mtp, conv_dtype=conv_dtype).items():
+    # which matrices are FP8: `layout.BF16_MATRICES`, through expected_tensors (the writer's source)
+    specs = L.expected_tensors(cfg, include_mtp, conv_dtype=conv_dtype,
+                               fp8_layout=fp8_layout or L.DEFAULT_FP8_LAYOUT)
+    for name, s in specs.items():
         n = s.numel
         if fmt == "bf16":
             out.append(Stored(name, s.shape, 2 * n, "BF16"))
             continue
-        if not release_quantized(cfg, name, s, fp8_layout, types):
+        if not s.quantizable:
             out.append(Stored(name, s.shape, DTYPE_BYTES[s.dtype] * n, s.dtype))
             continue
         o, i = s.shape
@@ -189,6 +176,30 @@ def stored_tensors(cfg: LingConfig, fmt: str = "fp8", include_mtp: bool = True,
         out.append(Stored(name, s.shape, n, "F8_E4M3"))
         out.append(Stored(L.scale_name(name), grid, 4 * grid[0] * grid[1], "F32", scale=True))
     return out
+
+
+def detect_fp8_layout(tensors: Iterable[Stored]) -> Optional[str]:
+    """Which FP8 layout of spec §12.7 stored tensors follow, read off their dtypes: "A" or "B" when
+    every attention matrix that either layout of ``layout.BF16_MATRICES`` keeps BF16 is FP8 exactly
+    where that layout says (MTP layer included); None when no such matrix is FP8 or neither fits.
+    (For reporting only: the reader dequantises by dtype + ``weight_scale_inv``, never by layout.)"""
+    parsed = [(t, *_split_layer(t.name)) for t in tensors if not t.scale]
+    mla = _mla_layers((t.name, layer, rest) for t, layer, rest in parsed)
+    candidates = {kind: {m for x in FP8_LAYOUTS for m in L.BF16_MATRICES[x][kind]} for kind in (KDA, MLA)}
+    seen = {}  # (kind, module) -> set of "stored FP8" flags over the layers
+    for t, layer, rest in parsed:
+        if layer is None or not rest.startswith("attention.") or not rest.endswith(".weight"):
+            continue
+        kind = MLA if layer in mla else KDA
+        m = rest[len("attention."):-len(".weight")]
+        if m in candidates[kind]:
+            seen.setdefault((kind, m), set()).add(t.dtype.startswith("F8_"))
+    if not any(True in v for v in seen.values()):
+        return None
+    for x in FP8_LAYOUTS:
+        if all(v == {m not in L.BF16_MATRICES[x][kind]} for (kind, m), v in seen.items()):
+            return x
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ling_jax.checkpoint import layout as L
-from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_quant_fp8
+from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_quant_fp8
 from ling_jax.checkpoint.load import checkpoint_names
 from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
 from ling_jax.checkpoint.writer import (INDEX_FILE, _write_json, checkpoint_config_dict, plan_shards,
@@ -39,9 +39,9 @@ def model_tensors(model) -> dict[str, np.ndarray]:
     cfg: LingConfig = model.cfg
     out: dict[str, np.ndarray] = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if str(path[-1]).endswith("_scale"):
-            raise ValueError("export needs a float model: this one keeps FP8 experts (loaded with --keep-fp8); "
-                             "load it without that option")
+        if str(path[-1]).endswith(("_scale", "_scale_inv")) or np.dtype(var.get_value().dtype) == FP8_NP:
+            raise ValueError("export needs a float model: this one keeps FP8 weights + block scales (loaded "
+                             "with --keep-fp8); load it without that option")
         _, names, _ = checkpoint_names(path, cfg)
         a = np.asarray(var.get_value(), dtype=np.float32)
         last = str(path[-1])

@@ -80,11 +80,11 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, key
     B, T = ids.shape
     start = cache.lengths
     opts = {"kda_mode": "chunk", "chunk_size": chunk_size, "impl": impl}
-    out = model(ids, cache, n_valid, opts=opts)
+    out = model(ids, cache, n_valid, opts={**opts, "skip_logits": True})
     new = out["cache"]
     last = jnp.maximum(n_valid - 1, 0)
-    logits = _take(out["logits"], last)
     hid = _take(out["hidden"], last)
+    logits = model.logits(hid, impl)
     if with_mtp:
         if fresh:  # slot t pairs token t+1 with hidden t; the last real slot waits for the next token
             nxt = jnp.concatenate([ids[:, 1:], jnp.zeros((B, 1), ids.dtype)], axis=1)

@@ -16,7 +16,6 @@ from flax import nnx
 from ling_jax.config import LingConfig
 from ling_jax.linear import Linear
 from ling_jax.norms import gated_rms_norm, l2_normalize
-from ling_jax.ops import linear
 import pallas_kernels as pk
 
 _HI = jax.lax.Precision.HIGHEST
@@ -173,7 +172,8 @@ class KimiDeltaAttention(nnx.Module):
     def __call__(self, x, state: KDAState, n_valid, *, mode: str = "chunk", chunk_size: int = 64,
                  return_all_states: bool = False, impl: str | None = None):
         """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after). mode: chunk|recurrent.
-        impl: "xla" | "pallas" | None (default per backend; see pallas_kernels.default_impl).
+        impl: "xla" | "pallas" | None (default per backend; see pallas_kernels.default_impl): the KDA
+        kernels and, for projections kept FP8 (`FP8Linear`), the FP8 matmul.
 
         Returns (out [B,T,D], new KDAState[, rollback info]). With return_all_states the third value is
         (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs [B,K-1+T,P]) so
@@ -183,15 +183,15 @@ class KimiDeltaAttention(nnx.Module):
         B, T, _ = x.shape
         H, d = cfg.num_attention_heads, cfg.head_dim
         valid = jnp.arange(T)[None, :] < n_valid[:, None]  # [B,T]
-        convs = [short_conv(linear(x, getattr(self, f"{n}_proj").weight[...]), getattr(self, f"{n}_conv1d")[...],
+        convs = [short_conv(getattr(self, f"{n}_proj")(x, impl), getattr(self, f"{n}_conv1d")[...],
                             getattr(state, f"conv_{n}"), n_valid, return_cat=return_all_states) for n in "qkv"]
         (q, cq), (k, ck), (v, cv) = [c[:2] for c in convs]
         q = l2_normalize(q.reshape(B, T, H, d)) * (d ** -0.5)
         k = l2_normalize(k.reshape(B, T, H, d))
         v = v.reshape(B, T, H, d).astype(jnp.float32)
-        g = kda_gate(linear(x, self.f_proj.weight[...]).reshape(B, T, H, d), self.A_log[...], self.dt_bias[...],
+        g = kda_gate(self.f_proj(x, impl).reshape(B, T, H, d), self.A_log[...], self.dt_bias[...],
                      cfg.kda_lower_bound)
-        beta = jax.nn.sigmoid(linear(x, self.b_proj.weight[...]).astype(jnp.float32))
+        beta = jax.nn.sigmoid(self.b_proj(x, impl).astype(jnp.float32))
         g = jnp.where(valid[..., None, None], g, 0.0)
         beta = jnp.where(valid[..., None], beta, 0.0)
         if x.dtype == jnp.bfloat16:  # the chunked reference kernel stores normalised q/k in bf16
@@ -204,9 +204,9 @@ class KimiDeltaAttention(nnx.Module):
         else:
             o, s = pk.kda_chunk_scan(impl, q, k, v, g, beta, state.recurrent, chunk_size)
         o = o.astype(x.dtype)
-        gate = linear(x, self.g_proj.weight[...]).reshape(B, T, H, d)
+        gate = self.g_proj(x, impl).reshape(B, T, H, d)
         y = gated_rms_norm(o, gate, self.o_norm[...], cfg.rms_norm_eps).astype(x.dtype)
-        out = linear(y.reshape(B, T, H * d), self.o_proj.weight[...])
+        out = self.o_proj(y.reshape(B, T, H * d), impl)
         new = KDAState(s, cq, ck, cv)
         if return_all_states:
             return out, new, (all_states, tuple(c[2] for c in convs))

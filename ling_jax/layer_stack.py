@@ -112,6 +112,60 @@ def run_block(block: Block, stacked, h, caches, forced, lengths, n_valid, opts):
     return h, new_c, idxs, extras
 
 
+#: `layer_loop="auto"` unrolls schedules of at most UNROLL_MAX_LAYERS layers whose hidden size is at
+#: least UNROLL_MIN_HIDDEN. Why both: the copies a scan makes of each layer's weight slices (see
+#: `run_block_unrolled`) cost in proportion to the weight bytes, while unrolling costs compile time in
+#: proportion to the layer count; small test models compile faster scanned and lose nothing.
+UNROLL_MAX_LAYERS = 24
+UNROLL_MIN_HIDDEN = 512
+
+
+def unrolled(cfg: LingConfig, opts: dict) -> bool:
+    """Whether to run the layers unrolled: opts['layer_loop'] is 'scan', 'unroll' or 'auto'."""
+    mode = opts.get("layer_loop", "auto")
+    if mode not in ("auto", "scan", "unroll"):
+        raise ValueError(f"layer_loop must be 'auto', 'scan' or 'unroll', got {mode!r}")
+    return mode == "unroll" or (mode == "auto" and cfg.num_hidden_layers <= UNROLL_MAX_LAYERS
+                                and cfg.hidden_size >= UNROLL_MIN_HIDDEN)
+
+
+def run_block_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, opts):
+    """`run_block` with every layer applied in turn to its own (unstacked) parameters.
+
+    Same inputs and outputs as `run_block` except `layers` (the model's layer list) replaces the
+    stacked parameters. Why: inside a scan each layer's weights are dynamic slices of the stacked
+    arrays, and XLA:CPU copies every slice before the matmul, so a decode step moves each weight
+    three times (read, write, read) instead of once. Unrolled, the matmuls read the parameters in
+    place; the caches stay stacked and are updated in place slot by slot.
+    """
+    new_c, idxs, extras = [], [], []
+    per_run = [dict() for _ in block.runs]
+    for g in range(block.repeats):
+        for r, run in enumerate(block.runs):
+            for i, li in enumerate(block.layer_grid(r)[g]):
+                c = None if caches[r] is None else jax.tree.map(lambda x: x[g, i], caches[r])
+                f = None if forced[r] is None else forced[r][g, i]
+                h, c, idx, extra = layers[li](h, c, lengths, n_valid, opts, f)
+                per_run[r][(g, i)] = (c, idx, extra)
+    for r, run in enumerate(block.runs):
+        outs = per_run[r]
+
+        def restack(k, base=None):
+            vals = [outs[(g, i)][k] for g in range(block.repeats) for i in range(run.n)]
+            if vals[0] is None:
+                return None
+            if base is not None:  # in-place slot updates of the incoming stacked cache
+                for (g, i), v in zip(((g, i) for g in range(block.repeats) for i in range(run.n)), vals):
+                    base = jax.tree.map(lambda b, x: b.at[g, i].set(x.astype(b.dtype)), base, v)
+                return base
+            return jax.tree.map(lambda *xs: jnp.stack(xs).reshape((block.repeats, run.n) + xs[0].shape), *vals)
+
+        new_c.append(restack(0, caches[r]) if caches[r] is not None else restack(0))
+        idxs.append(restack(1))
+        extras.append(restack(2))
+    return h, tuple(new_c), tuple(idxs), tuple(extras)
+
+
 def per_layer(block: Block, r: int, stacked_value):
     """{layer index: value} from a run's stacked [repeats, n, ...] output."""
     grid = block.layer_grid(r)

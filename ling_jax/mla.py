@@ -119,11 +119,11 @@ class MultiheadLatentAttention(nnx.Module):
         B, T, _ = x.shape
         H, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
-            q = linear(self.q_a_layernorm(linear(x, self.q_a_proj.weight[...])), self.q_b_proj.weight[...])
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, impl)), impl)
         else:
-            q = linear(x, self.q_proj.weight[...])
+            q = self.q_proj(x, impl)
         q = q.reshape(B, T, H, dn + dr)
-        kv = linear(x, self.kv_a_proj_with_mqa.weight[...])
+        kv = self.kv_a_proj_with_mqa(x, impl)
         c_new = self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank])
         pos = lengths[:, None] + jnp.arange(T)[None, :]  # [B,T]
         q_pe = apply_rope(q[..., dn:], pos, self.inv_freq, self.rope_factor)
@@ -141,13 +141,15 @@ class MultiheadLatentAttention(nnx.Module):
                 form = "absorbed"
         kv_len = lengths + n_valid
         mask = attention_mask(pos, c_all.shape[1], kv_len)
-        args = (q[..., :dn], q_pe, c_all.astype(x.dtype), kpe_all.astype(x.dtype), self.kv_b_proj.weight[...],
+        # kv_b_proj is read as a matrix (split into W_UK / W_UV by the absorbed form): an FP8-kept one is
+        # dequantised here, in-graph (a transient of one layer), like the XLA twin of the FP8 matmul.
+        args = (q[..., :dn], q_pe, c_all.astype(x.dtype), kpe_all.astype(x.dtype), self.kv_b_proj.matrix(x.dtype),
                 mask, self.scale, x.dtype)
         if form == "expanded":
             o = mla_expanded_attention(*args)
         else:
             core = lambda qh, qp, c, kp, _mask, sc: pk.latent_attention(impl, qh, qp, c, kp, kv_len, pos, sc)
             o = mla_absorbed_attention(*args, core=core)
-        gate = jax.nn.sigmoid(linear(x, self.g_proj.weight[...]).astype(jnp.float32)).astype(x.dtype)
+        gate = jax.nn.sigmoid(self.g_proj(x, impl).astype(jnp.float32)).astype(x.dtype)
         o = o * gate[..., None]
-        return linear(o.reshape(B, T, -1), self.dense.weight[...]), new_cache
+        return self.dense(o.reshape(B, T, -1), impl), new_cache

@@ -14,12 +14,12 @@ from flax import nnx
 
 from ling_jax.config import KDA, LingConfig
 from ling_jax.kda import KimiDeltaAttention, kda_zero_state
-from ling_jax.layer_stack import layer_plan, per_layer, run_block, stack_forced, stack_params
+from ling_jax.layer_stack import (layer_plan, per_layer, run_block, run_block_unrolled, stack_forced, stack_params,
+                                  unrolled)
 from ling_jax.linear import Linear
 from ling_jax.mla import MLACache, MultiheadLatentAttention, mla_zero_cache
 from ling_jax.moe import MoE, SwiGLU
 from ling_jax.norms import RMSNorm
-from ling_jax.ops import linear
 
 
 class HybridCache(NamedTuple):
@@ -83,7 +83,7 @@ class DecoderLayer(nnx.Module):
         extra = None
         if self.attn_type == KDA:
             if opts.get("kda_all_states"):
-                a, cache, extra = self.attention(a_in, cache, n_valid, return_all_states=True)
+                a, cache, extra = self.attention(a_in, cache, n_valid, return_all_states=True, impl=opts.get("impl"))
             else:
                 a, cache = self.attention(a_in, cache, n_valid, mode=opts.get("kda_mode", "chunk"),
                                           chunk_size=opts.get("chunk_size", 64), impl=opts.get("impl"))
@@ -94,9 +94,10 @@ class DecoderLayer(nnx.Module):
         m_in = self.post_attention_layernorm(u)
         idx = None
         if self.is_moe:
-            m, idx = self.mlp(m_in, forced_idx=forced_idx, impl=opts.get("moe_impl", "auto"))
+            m, idx = self.mlp(m_in, forced_idx=forced_idx, impl=opts.get("moe_impl", "auto"),
+                              kernel_impl=opts.get("impl"))
         else:
-            m = self.mlp(m_in)
+            m = self.mlp(m_in, opts.get("impl"))
         return u + m, cache, idx, extra
 
 
@@ -114,7 +115,7 @@ class MTPLayer(nnx.Module):
     def __call__(self, emb, hidden_normed, cache, lengths, n_valid, opts, forced_idx=None):
         """emb: embeddings of the *next* tokens [B,T,D]; hidden_normed: main final-normed hidden at the
         same slots. Returns (final-normed MTP hidden [B,T,D], new MLA cache, expert ids)."""
-        m = linear(jnp.concatenate([self.enorm(emb), self.hnorm(hidden_normed)], axis=-1), self.eh_proj.weight[...])
+        m = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(hidden_normed)], axis=-1), opts.get("impl"))
         r, cache, idx, _ = self.block(m, cache, lengths, n_valid, opts, forced_idx)
         return self.final_layernorm(r), cache, idx
 
@@ -137,8 +138,8 @@ class LingForCausalLM(nnx.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
         self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs) if (with_mtp and cfg.has_mtp) else None
 
-    def logits(self, z):
-        return linear(z, self.lm_head.weight[...]).astype(jnp.float32)
+    def logits(self, z, impl: str | None = None):
+        return self.lm_head(z, impl).astype(jnp.float32)
 
     def mtp_forward(self, next_ids, hidden, mtp_cache, lengths, n_valid, opts: dict | None = None):
         """MTP layer alone: slot t pairs token next_ids[t] with main hidden[t] at position lengths+t.
@@ -147,11 +148,14 @@ class LingForCausalLM(nnx.Module):
         """
         emb = self.model.word_embeddings(next_ids).astype(self.dtype)
         zm, mtp_cache, _ = self.mtp(emb, hidden.astype(self.dtype), mtp_cache, lengths, n_valid, opts or {})
-        return self.logits(zm), zm, mtp_cache
+        return self.logits(zm, (opts or {}).get("impl")), zm, mtp_cache
 
-    def stacked_layers(self):
+    def stacked_layers(self, opts: dict | None = None):
         """Per block of the layer plan: per run (graphdef, params stacked [repeats, n, ...]). Compute it
-        once outside a decode loop and pass it as `stacked=`, so the loop body does not re-stack."""
+        once outside a decode loop and pass it as `stacked=`, so the loop body does not re-stack.
+        None when the layers run unrolled (they read their own parameters)."""
+        if unrolled(self.cfg, opts or {}):
+            return None
         return [stack_params(self.model.layers, b) for b in layer_plan(self.cfg)]
 
     def __call__(self, input_ids, cache: HybridCache | None = None, n_valid=None, *, mtp: bool = False,
@@ -162,7 +166,7 @@ class LingForCausalLM(nnx.Module):
         to the T tokens only), else a HybridCache holding `cache.lengths[b]` tokens per sequence.
         n_valid: [B] real tokens (default T). mtp: also run the MTP layer; its ids default to the
         inputs shifted left with a 0 fill (spec §11), or `mtp_ids` [B,T] when given.
-        Returns dict: logits [B,T,V] f32, hidden [B,T,D] (final-normed), cache, routing {layer: [B,T,k]},
+        Returns dict: logits [B,T,V] f32 (absent with opts['skip_logits']), hidden [B,T,D] (final-normed), cache, routing {layer: [B,T,k]},
         mtp_logits [B,T,V] (if mtp), kda_states {(block, run): stacked rollback info} (if
         opts['kda_all_states'], for `kda_rollback`).
         """
@@ -173,15 +177,21 @@ class LingForCausalLM(nnx.Module):
         lengths = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
         h = self.model.word_embeddings(input_ids).astype(self.dtype)
         new_layers, routing, kda_states = [], {}, {}
+        unroll = unrolled(cfg, opts)
         for b, block in enumerate(layer_plan(cfg)):
-            run_params = stacked[b] if stacked is not None else stack_params(self.model.layers, block)
+            if not unroll:
+                run_params = stacked[b] if stacked is not None else stack_params(self.model.layers, block)
             if cache is not None:
                 caches = cache.layers[b]
             else:  # cache-free: zero KDA states, MLA attends to the T new tokens only
                 caches = tuple(_stacked(lambda: kda_zero_state(cfg, B, self.dtype), block, r) if run.attn == KDA
                                else None for r, run in enumerate(block.runs))
             forced = tuple(stack_forced(block, r, forced_routing) for r in range(len(block.runs)))
-            h, new_c, idxs, extras = run_block(block, run_params, h, caches, forced, lengths, n_valid, opts)
+            if unroll:
+                h, new_c, idxs, extras = run_block_unrolled(block, self.model.layers, h, caches, forced, lengths,
+                                                            n_valid, opts)
+            else:
+                h, new_c, idxs, extras = run_block(block, run_params, h, caches, forced, lengths, n_valid, opts)
             new_layers.append(new_c)
             for r in range(len(block.runs)):
                 if idxs[r] is not None:
@@ -189,7 +199,9 @@ class LingForCausalLM(nnx.Module):
                 if extras[r] is not None:
                     kda_states[(b, r)] = extras[r]
         z = self.model.norm(h)
-        out = {"logits": self.logits(z), "hidden": z, "routing": routing}
+        out = {"hidden": z, "routing": routing}
+        if not opts.get("skip_logits"):  # prefill only needs the last position's logits
+            out["logits"] = self.logits(z, opts.get("impl"))
         if kda_states:
             out["kda_states"] = kda_states
         mtp_cache = None if cache is None else cache.mtp
@@ -203,7 +215,7 @@ class LingForCausalLM(nnx.Module):
             emb = self.model.word_embeddings(mtp_ids).astype(self.dtype)
             forced = None if forced_routing is None else forced_routing.get(cfg.num_hidden_layers)
             zm, mtp_cache, idx = self.mtp(emb, z, mtp_cache, lengths, n_valid, opts, forced)
-            out["mtp_logits"] = self.logits(zm)
+            out["mtp_logits"] = self.logits(zm, opts.get("impl"))
             routing[cfg.num_hidden_layers] = idx
         if cache is not None:
             out["cache"] = HybridCache(tuple(new_layers), mtp_cache, lengths + n_valid)

@@ -10,7 +10,8 @@ an `ep_plan` to the block (or `impl="ep"` runs under a context mesh), the routed
 `jax.shard_map`: every device computes its own experts (and its slice of their intermediate width)
 for all tokens of its data shard and one `psum` over the `expert`/`model` axes combines them; no
 expert weight ever leaves its device (design note: sharding/README.md). `FP8Experts` keeps routed
-experts as float8_e4m3fn + float32 block scales and dequantises inside the expert matmuls.
+experts as float8_e4m3fn + float32 block scales and dequantises inside the expert matmuls (XLA;
+the dense FP8 projections, `linear.FP8Linear`, can use the Pallas FP8 kernel).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from flax import nnx
 
 from ling_jax.config import LingConfig
 from ling_jax.linear import Linear, init_normal
-from ling_jax.ops import einsum, linear, precision
+from ling_jax.ops import einsum, precision
 
 
 class SwiGLULimit(nnx.Variable):
@@ -53,10 +54,10 @@ class SwiGLU(nnx.Module):
         self.down_proj = Linear(inter, d, dtype=dtype, rngs=rngs)
         self.limit = SwiGLULimit(jnp.asarray(limit, jnp.float32)) if limit is not None else None
 
-    def __call__(self, x):
-        h = swiglu_act(linear(x, self.gate_proj.weight[...]), linear(x, self.up_proj.weight[...]),
-                       0.0 if self.limit is None else self.limit[...])
-        return linear(h, self.down_proj.weight[...])
+    def __call__(self, x, impl: str | None = None):
+        """impl: kernel implementation of FP8-kept projections (`FP8Linear`), see ling_jax/linear.py."""
+        h = swiglu_act(self.gate_proj(x, impl), self.up_proj(x, impl), 0.0 if self.limit is None else self.limit[...])
+        return self.down_proj(h, impl)
 
 
 def route(x: jax.Array, w: jax.Array, bias: jax.Array, cfg: LingConfig):
@@ -128,11 +129,56 @@ def grouped_matmul_tiled(xs: jax.Array, w: jax.Array, sizes: jax.Array, tile: in
     return out[:M].astype(xs.dtype)
 
 
-def grouped_matmul(xs, w, sizes):
-    """Grouped expert matmul: `jax.lax.ragged_dot` (a native grouped GEMM on TPU/GPU), or the tiled
-    scan on CPU where ragged_dot is computed densely against every group."""
-    if jax.default_backend() == "cpu":
+def capacity_levels(M: int, G: int) -> tuple[int, ...]:
+    """Static per-group row capacities tried by `grouped_matmul_capacity`, smallest first: powers of
+    two from twice the mean group size (at least 4), at most two, each below M."""
+    c = max(4, 1 << max(0, -(-2 * M // max(G, 1)) - 1).bit_length())
+    out = []
+    while c < M and len(out) < 2:
+        out.append(c)
+        c *= 2
+    return tuple(out)
+
+
+def grouped_matmul_capacity(xs: jax.Array, w: jax.Array, sizes: jax.Array, capacity: int) -> jax.Array:
+    """`ragged_dot(xs, w, sizes)` as one batched matmul over groups padded to `capacity` rows.
+
+    xs: [M,K] rows sorted by group; w: [G,K,N]; sizes: [G] (sum ≤ M; rows past the sum come out 0).
+    Exact only when every group has ≤ capacity rows (the caller checks). Why: a batched matmul
+    [G,C,K]×[G,K,N] reads every weight once, in place, with large dense inner products, where the
+    tiled scan copies a weight slice per work item.
+    """
+    M, K = xs.shape
+    G = w.shape[0]
+    ends = jnp.cumsum(sizes)
+    r = jnp.arange(M)
+    grp = jnp.minimum(jnp.searchsorted(ends, r, side="right"), G - 1)
+    rank = r - (ends - sizes)[grp]
+    rank = jnp.where(r < ends[-1], rank, capacity)  # rows in no group: dropped below, read back as 0
+    buf = jnp.zeros((G, capacity, K), xs.dtype).at[grp, rank].set(xs, mode="drop")
+    y = jnp.einsum("gck,gkn->gcn", buf, w.astype(xs.dtype), precision=precision(xs.dtype),
+                   preferred_element_type=jnp.float32)
+    return y.at[grp, rank].get(mode="fill", fill_value=0).astype(xs.dtype)
+
+
+def grouped_matmul_cpu(xs: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """Exact grouped matmul for XLA:CPU: the smallest capacity level that holds the largest group
+    (`grouped_matmul_capacity`, ~2× the useful FLOPs as dense batched GEMMs), else the tiled scan.
+    `lax.switch` runs only the chosen branch, so skewed routing costs time, never correctness."""
+    levels = capacity_levels(xs.shape[0], w.shape[0])
+    if not levels:
         return grouped_matmul_tiled(xs, w, sizes)
+    need = jnp.max(sizes)
+    branch = jnp.sum(need > jnp.asarray(levels))  # index of the first level ≥ need; len(levels) = tiled
+    fns = [lambda a, b, c, cap=cap: grouped_matmul_capacity(a, b, c, cap) for cap in levels]
+    return jax.lax.switch(branch, fns + [grouped_matmul_tiled], xs, w, sizes)
+
+
+def grouped_matmul(xs, w, sizes):
+    """Grouped expert matmul: `jax.lax.ragged_dot` (a native grouped GEMM on TPU/GPU), or on CPU,
+    where ragged_dot is computed densely against every group, `grouped_matmul_cpu`."""
+    if jax.default_backend() == "cpu":
+        return grouped_matmul_cpu(xs, w, sizes)
     return jax.lax.ragged_dot(xs, w.astype(xs.dtype), sizes, precision=precision(xs.dtype)).astype(xs.dtype)
 
 
@@ -301,8 +347,14 @@ class MoE(nnx.Module):
                                       dtype=dtype, rngs=rngs, limit=shared_limit)
                                if cfg.num_shared_experts else None)
 
-    def __call__(self, x, forced_idx=None, impl: str = "auto"):
-        """x: [B,T,D] → (y [B,T,D], expert ids [B,T,k]). `forced_idx` pins the routing decisions."""
+    def __call__(self, x, forced_idx=None, impl: str = "auto", kernel_impl: str | None = None):
+        """x: [B,T,D] → (y [B,T,D], expert ids [B,T,k]). `forced_idx` pins the routing decisions.
+
+        impl: routed-expert path ("auto" | "gather" | "grouped" | "ep"). kernel_impl: "xla" | "pallas" |
+        None for the shared expert's FP8-kept projections. FP8 routed experts (`FP8Experts`) always
+        dequantise in XLA inside `experts_local`: the grouped path is a ragged matmul over tokens sorted
+        by expert, for which there is no FP8-scale kernel (`fp8_linear_pallas` is a dense-linear kernel).
+        """
         B, T, D = x.shape
         xf = x.reshape(B * T, D)
         if forced_idx is None:
@@ -319,7 +371,9 @@ class MoE(nnx.Module):
             from sharding.rules import context_ep_plan  # the mesh set with jax.set_mesh / sharding.use_mesh
             plan = context_ep_plan(self.cfg, fp8)
         inner = impl if impl in ("gather", "grouped") else (
-            "gather" if B * T * idx.shape[1] <= self.cfg.num_experts else "grouped")
+            # gather copies each assignment's expert weights before reading them (3 passes per
+            # assignment); the grouped path reads each expert once: gather wins while 3·N·k ≤ E.
+            "gather" if 3 * B * T * idx.shape[1] <= self.cfg.num_experts else "grouped")
         if plan is not None or fp8:
             weights = ex.weights() if fp8 else (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
             blocks = (ex.block_in, ex.block_out) if fp8 else None
@@ -334,5 +388,5 @@ class MoE(nnx.Module):
             y = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), wts,
                            precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(xf)
+            y = y + self.shared_experts(xf, kernel_impl)
         return y.reshape(B, T, D), idx.reshape(B, T, -1)

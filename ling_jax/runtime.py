@@ -16,13 +16,25 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def load_model(checkpoint: str, dtype: str | None = None, with_mtp: bool = True, progress: bool = True):
-    """Read, validate and load a checkpoint directory (HF release layout). Returns the model."""
+def load_model(checkpoint: str, dtype: str | None = None, with_mtp: bool = True, progress: bool = True,
+               keep_fp8: bool = False):
+    """Read, validate and load a checkpoint directory (HF release layout). Returns the model.
+
+    keep_fp8: every F8_E4M3-stored matrix stays float8_e4m3fn + float32 block scales on device
+    (`FP8Linear` / `FP8Experts`, dequantised inside the matmul) instead of being dequantised to
+    `dtype`; loaded through the sharded loader on a one-device mesh (also reads converted dirs).
+    """
     from ling_jax.checkpoint.load import load_params
     from ling_jax.checkpoint.reader import CheckpointReader
 
     if not os.path.isdir(checkpoint):
         raise FileNotFoundError(f"{checkpoint}: checkpoint directory not found")
+    if keep_fp8:
+        import sharding as S
+        one = S.make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1])
+        model = S.load_any(checkpoint, one, as_dtype(dtype or default_dtype()), with_mtp=with_mtp, keep_fp8=True,
+                           progress=progress)
+        return S.attach_mesh(model, None)  # single device: the plain (non expert-parallel) MoE path
     reader = CheckpointReader(checkpoint)
     cfg = reader.config
     with_mtp = with_mtp and cfg.has_mtp
@@ -38,10 +50,12 @@ def load_for_args(args, with_mtp: bool):
     """
     import sharding as S
     multi = S.init_from_args(args)
+    keep = bool(getattr(args, "keep_fp8", False))
     if getattr(args, "mesh", None) or multi:
         mesh = S.parse_mesh(args.mesh)
-        return S.load_any(args.checkpoint, mesh, as_dtype(args.dtype or default_dtype()), with_mtp=with_mtp), mesh
-    return load_model(args.checkpoint, args.dtype, with_mtp=with_mtp, progress=False), None
+        return S.load_any(args.checkpoint, mesh, as_dtype(args.dtype or default_dtype()), with_mtp=with_mtp,
+                          keep_fp8=keep or None), mesh
+    return load_model(args.checkpoint, args.dtype, with_mtp=with_mtp, progress=False, keep_fp8=keep), None
 
 
 def check_ids(ids, cfg: LingConfig, what: str = "--input-ids") -> None:

@@ -27,7 +27,7 @@ from flax import nnx
 
 from sharding.distributed import barrier, is_primary
 from sharding.load import (ParamSource, abstract_model, fill_params, is_param, iter_state, load_sharded,
-                           open_validated, place_constants, resolve_dtype)
+                           open_validated, place_constants, reader_fp8, resolve_dtype)
 from sharding.mesh import mesh_spec_string, parse_mesh
 from sharding.place import attach_mesh
 from sharding.rules import resolve
@@ -116,7 +116,8 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
     """Convert an HF checkpoint directory into a ling-jax Orbax directory `out` (see module doc).
 
     dtype: storage dtype of the parameters that are not kept FP8 (bfloat16 default, or float32).
-    keep_fp8: store routed experts as float8_e4m3fn + scales (`FP8Experts`). The parameters are
+    keep_fp8: store every F8_E4M3-stored matrix as float8_e4m3fn + float32 scales (`FP8Experts`,
+    `FP8Linear`; the converted metadata records each parameter's dtype). The parameters are
     built sharded on `mesh` (default `parse_mesh(None)`) and every process writes its own blocks.
     Returns the metadata dict. `_after_group(name)` is a test hook.
     """
@@ -137,7 +138,7 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
                 shutil.rmtree(tmp)
             os.makedirs(os.path.join(tmp, "params"))
         barrier("ling_jax_convert_start")
-        _, flat = iter_state(abstract_model(cfg, dtype, with_mtp, keep_fp8))
+        _, flat = iter_state(abstract_model(cfg, dtype, with_mtp, keep_fp8, reader_fp8(reader, cfg)))
         source = ParamSource(reader, cfg, mesh, keep_fp8)
         groups: dict[str, list] = {}
         for path, var in flat:  # only parameters are stored; constants are recomputed from config.json
@@ -189,8 +190,8 @@ def load_converted(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep
                    progress: bool = True):
     """A converted directory → sharded LingForCausalLM on `mesh` (any mesh; Orbax reshards on read).
 
-    Parameters stored in another float dtype are cast to `dtype`; FP8-kept experts stay FP8
-    (keep_fp8=None: as stored; True/False must match what was stored).
+    Parameters stored in another float dtype are cast to `dtype`; FP8-kept matrices stay FP8 (which
+    ones: the per-parameter dtypes in the metadata; keep_fp8=None: as stored; True/False must match).
     """
     from tqdm.auto import tqdm
 
@@ -210,7 +211,9 @@ def load_converted(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep
         raise ValueError(f"{path}: converted without the MTP layer (load with with_mtp=False)")
     mesh = parse_mesh(None) if mesh is None else mesh
     dtype = resolve_dtype(dtype)
-    graphdef, flat = iter_state(abstract_model(cfg, dtype, with_mtp, stored_fp8))
+    f8 = str(jnp.dtype(jnp.float8_e4m3fn))
+    stored = lambda p: meta["params"].get(key_of(p), {}).get("dtype") == f8  # noqa: E731
+    graphdef, flat = iter_state(abstract_model(cfg, dtype, with_mtp, stored_fp8, stored))
     groups: dict[str, list] = {}
     for p, v in flat:
         if not is_param(v):

@@ -11,10 +11,11 @@ Host memory is bounded by one parameter at a time: the distinct blocks this proc
 parameter being built (at most the full parameter on a single host; for Ling-3.1-flash the largest
 is one layer's stacked routed-expert projection, 512 x 4096 x 1280). Nothing else is held.
 
-`keep_fp8=True` keeps the routed experts as float8_e4m3fn + float32 scales on device
-(`ling_jax.moe.FP8Experts`, dequantised inside the expert matmuls). Every other FP8 matrix
-(attention, dense FFN, shared expert, eh_proj) is dequantised to `dtype` at load: their matmuls live
-in kda.py / mla.py / model.py, which call `ops.linear` on a plain weight (see sharding/README.md).
+`keep_fp8=True` keeps every matrix the checkpoint stores as F8_E4M3 (with its `weight_scale_inv`)
+as float8_e4m3fn + float32 block scales on device, decided per tensor from the header dtype: routed
+experts as `ling_jax.moe.FP8Experts`, every other projection as `ling_jax.linear.FP8Linear`
+(dequantised inside the matmul; `impl="pallas"` uses the FP8 Pallas kernel). Tensors stored in a
+float dtype load as `dtype` as usual, so one model holds a mix (see sharding/README.md).
 """
 from __future__ import annotations
 
@@ -55,17 +56,106 @@ def resolve_dtype(dtype):
     return as_dtype(dtype or default_dtype())
 
 
-def abstract_model(cfg, dtype, with_mtp: bool = True, keep_fp8: bool = False):
-    """Shape-only LingForCausalLM (routed experts as FP8Experts when keep_fp8)."""
+def release_fp8(cfg) -> Callable:
+    """`stored_fp8` predicate of a release checkpoint of `cfg` (what its header would say: the
+    matrices `checkpoint.layout.release_tensors(cfg, "fp8")` stores as F8_E4M3). For shape planning
+    without a checkpoint; loading always asks the checkpoint itself (`reader_fp8`)."""
+    from ling_jax.checkpoint.layout import release_tensors
+
+    f8 = {n for n, dt, _ in release_tensors(cfg, "fp8") if dt == FP8}
+    return lambda path: all(n in f8 for n in _param_names(path, cfg))
+
+
+def reader_fp8(reader, cfg) -> Callable:
+    """`stored_fp8(path)`: every checkpoint tensor of the parameter at `path` is stored F8_E4M3 with a
+    `weight_scale_inv` beside it (read from the safetensors headers)."""
+    from ling_jax.checkpoint.layout import scale_name
+
+    def stored(path) -> bool:
+        names = _param_names(path, cfg)
+        return all(n in reader and reader.info(n).dtype == FP8 and scale_name(n) in reader for n in names)
+    return stored
+
+
+def _param_names(path, cfg) -> list[str]:
+    from ling_jax.checkpoint.load import checkpoint_names
+    return checkpoint_names(tuple(path), cfg)[1]
+
+
+def _scan_group(path, cfg) -> tuple:
+    """Layers scanned together (ling_jax.layer_stack) must have the same structure: the key of the
+    set of modules at the same place in every layer of one run of the layer plan."""
+    from ling_jax.layer_stack import layer_plan
+
+    p = [str(x) for x in path]
+    if p[0] == "model" and p[1] == "layers":
+        i = int(p[2])
+        for b, block in enumerate(layer_plan(cfg)):
+            for r in range(len(block.runs)):
+                if any(i in row for row in block.layer_grid(r)):
+                    return ("run", b, r) + tuple(p[3:])
+    return tuple(p)
+
+
+def fp8_modules(model, cfg, stored_fp8: Callable) -> tuple[list, list]:
+    """(paths of `Linear` modules, paths of `MoE` blocks) of a (shape-only) model to keep FP8.
+
+    A Linear is kept FP8 iff its weight is stored FP8; a MoE block's routed experts iff all their
+    gate/up/down matrices are. Layers of one scanned run must agree (same structure): a module kept
+    FP8 in only some of them is dequantised in all of them (never the case for a release checkpoint).
+    """
+    from ling_jax.linear import Linear
+    from ling_jax.moe import MoE
+
+    cand = {}
+    for path, m in nnx.iter_graph(model):
+        path = tuple(path)
+        if isinstance(m, Linear):
+            cand[path] = ("linear", stored_fp8(path + ("weight",)))
+        elif isinstance(m, MoE):
+            cand[path] = ("moe", all(stored_fp8(path + ("experts", n)) for n in _EXPERT_PROJ))
+    ok: dict = {}
+    for path, (_, f) in cand.items():
+        g = _scan_group(path, cfg)
+        ok[g] = ok.get(g, True) and f
+    keep = [p for p in cand if ok[_scan_group(p, cfg)]]
+    return [p for p in keep if cand[p][0] == "linear"], [p for p in keep if cand[p][0] == "moe"]
+
+
+def _node(model, path):
+    for k in path:
+        model = getattr(model, k) if isinstance(k, str) else model[k]
+    return model
+
+
+def abstract_model(cfg, dtype, with_mtp: bool = True, keep_fp8: bool = False, stored_fp8: Callable | None = None):
+    """Shape-only LingForCausalLM. keep_fp8: every module whose matrices `stored_fp8(param_path)` says
+    are stored FP8 is swapped for its FP8 twin (Linear → `FP8Linear`, routed experts → `FP8Experts`);
+    stored_fp8 default: the release layout (`release_fp8`)."""
+    from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK
     from ling_jax.checkpoint.load import abstract_model as base
-    from ling_jax.moe import FP8Experts, MoE
+    from ling_jax.linear import FP8Linear
+    from ling_jax.moe import FP8Experts
 
     m = base(cfg, dtype, with_mtp)
     if keep_fp8:
-        fp8 = nnx.eval_shape(lambda: FP8Experts(cfg))
-        for moe in [x for _, x in nnx.iter_graph(m) if isinstance(x, MoE)]:
-            moe.experts = nnx.clone(fp8)
+        linears, moes = fp8_modules(m, cfg, stored_fp8 or release_fp8(cfg))
+        block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
+        for path in linears:
+            out_f, in_f = _node(m, path).weight.get_value().shape
+            setattr(_node(m, path[:-1]), str(path[-1]),
+                    nnx.eval_shape(lambda i=in_f, o=out_f: FP8Linear(i, o, block)))
+        if moes:
+            fp8 = nnx.eval_shape(lambda: FP8Experts(cfg))
+            for path in moes:
+                _node(m, path).experts = nnx.clone(fp8)
     return m
+
+
+def is_scale_param(path) -> bool:
+    """An FP8 scale grid (`FP8Experts.*_scale`, `FP8Linear.weight_scale_inv`)."""
+    last = str(path[-1])
+    return last.endswith("_scale") or last == "weight_scale_inv"
 
 
 def is_expert_param(path) -> bool:
@@ -138,8 +228,13 @@ class ParamSource:
     def read_block(self, path, index, want_dtype) -> np.ndarray:
         from ling_jax.checkpoint.load import read_param
 
-        if self.keep_fp8 and is_expert_param(path):
+        fp8 = jnp.dtype(want_dtype) == jnp.float8_e4m3fn or is_scale_param(path)  # an FP8-kept module's
+        if fp8 and is_expert_param(path):
             return read_fp8_expert(self.reader, path, self.cfg, index)
+        if fp8:  # FP8Linear: the stored float8 block as is, or (a block of) its float32 scale grid
+            name = _param_names(path, self.cfg)[0]
+            raw = self.reader.get_raw(name, index=index)
+            return np.ascontiguousarray(raw if not is_scale_param(path) else raw.astype(np.float32))
         # each tensor is cast to the target dtype as it is read (before stacking experts): the float32
         # dequantised copy of a block never exists beyond one checkpoint tensor at a time
         return np.asarray(read_param(self.reader, path, self.cfg, index, np_dtype(want_dtype)))
@@ -148,7 +243,7 @@ class ParamSource:
         """Stored bytes this process reads for the parameter (its distinct local blocks)."""
         sh = self.sharding(path, shape)
         keys = {_index_key(i, shape): i for i in sh.addressable_devices_indices_map(tuple(shape)).values()}
-        if str(path[-1]).endswith("_scale"):
+        if is_scale_param(path):
             return 0
         return sum(_block_numel(i, shape) for i in keys.values()) * _stored_itemsize(self.reader, path, self.cfg)
 
@@ -157,7 +252,7 @@ class ParamSource:
         shape = tuple(shape)
         sh = self.sharding(path, shape)
         memo: dict = {}
-        itemsize = None if str(path[-1]).endswith("_scale") else _stored_itemsize(self.reader, path, self.cfg)
+        itemsize = None if is_scale_param(path) else _stored_itemsize(self.reader, path, self.cfg)
         want = sh.shard_shape(shape)
 
         def cb(index):
@@ -184,8 +279,8 @@ def is_param(var) -> bool:
 
 
 def open_validated(checkpoint_dir: str, with_mtp: bool, keep_fp8: bool):
-    """(CheckpointReader, config, with_mtp) after checking every tensor against config.json (and that
-    the routed experts are FP8 when they are to be kept FP8). The caller closes the reader."""
+    """(CheckpointReader, config, with_mtp) after checking every tensor against config.json (and, to
+    keep FP8, that the checkpoint stores some F8_E4M3 tensor). The caller closes the reader."""
     from ling_jax.checkpoint.reader import CheckpointReader
 
     reader = CheckpointReader(checkpoint_dir)
@@ -230,13 +325,9 @@ def fill_params(flat, source: ParamSource, progress: bool = True, desc: str = "l
 
 
 def check_keep_fp8(reader, cfg) -> None:
-    from ling_jax.checkpoint.load import checkpoint_names
-
-    probe = checkpoint_names(("model", "layers", next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)),
-                              "mlp", "experts", "gate_proj"), cfg)[1][0]
-    if reader.info(probe).dtype != FP8:
-        raise ValueError(f"--keep-fp8: routed experts of {reader.dir} are stored {reader.info(probe).dtype}, "
-                         f"not {FP8} (nothing to keep; load without --keep-fp8)")
+    if not any(reader.info(n).dtype == FP8 for n in reader.names()):
+        raise ValueError(f"--keep-fp8: {reader.dir} stores no {FP8} tensor (nothing to keep; "
+                         f"load without --keep-fp8)")
 
 
 def load_sharded(checkpoint_dir: str, mesh=None, dtype=None, with_mtp: bool = True, keep_fp8: bool = False,
@@ -245,6 +336,7 @@ def load_sharded(checkpoint_dir: str, mesh=None, dtype=None, with_mtp: bool = Tr
     by the partition rules (default mesh: `parse_mesh(None)`), MoE blocks in expert-parallel mode.
 
     dtype: compute/storage dtype of the non-FP8-kept parameters (default: runtime.default_dtype()).
+    keep_fp8: every F8_E4M3-stored matrix stays float8_e4m3fn + float32 scales (see module doc).
     Each process reads only the blocks of its own devices; a tqdm bar counts stored bytes read.
     """
     if not os.path.isdir(checkpoint_dir):
@@ -253,7 +345,7 @@ def load_sharded(checkpoint_dir: str, mesh=None, dtype=None, with_mtp: bool = Tr
     dtype = resolve_dtype(dtype)
     reader, cfg, with_mtp = open_validated(checkpoint_dir, with_mtp, keep_fp8)
     try:
-        graphdef, flat = iter_state(abstract_model(cfg, dtype, with_mtp, keep_fp8))
+        graphdef, flat = iter_state(abstract_model(cfg, dtype, with_mtp, keep_fp8, reader_fp8(reader, cfg)))
         for _ in fill_params(flat, ParamSource(reader, cfg, mesh, keep_fp8), progress):
             pass
         place_constants(flat, mesh, cfg)

@@ -66,20 +66,21 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-@nnx.jit(static_argnames=("mtp",))
-def _logits(model, ids, n_valid, mtp: bool):
-    out = model(ids, n_valid=n_valid, mtp=mtp)
+@nnx.jit(static_argnames=("mtp", "opts_items"))
+def _logits(model, ids, n_valid, mtp: bool, opts_items: tuple = ()):
+    out = model(ids, n_valid=n_valid, mtp=mtp, opts=dict(opts_items))
     return (out["logits"], out["mtp_logits"]) if mtp else (out["logits"],)
 
 
-def sharded_logits(model, ids, mesh, mtp: bool = False, n_valid=None):
-    """Cache-free forward of host `ids` [B,T] on `mesh` (inputs batch-split over `data`).
+def sharded_logits(model, ids, mesh, mtp: bool = False, n_valid=None, **opts):
+    """Cache-free forward of host `ids` [B,T] on `mesh` (inputs batch-split over `data`); `opts` are
+    the model's forward options (e.g. impl="xla").
 
     Returns numpy (logits [B,T,V] f32[, mtp_logits]) on every process.
     """
     ids = np.asarray(ids, np.int32)
     nv = np.full((ids.shape[0],), ids.shape[1], np.int32) if n_valid is None else np.asarray(n_valid, np.int32)
-    outs = _logits(model, global_batch(ids, mesh), global_batch(nv, mesh), mtp)
+    outs = _logits(model, global_batch(ids, mesh), global_batch(nv, mesh), mtp, tuple(sorted(opts.items())))
     outs = tuple(to_host(o) for o in outs)
     return outs if mtp else outs[0]
 

@@ -71,6 +71,15 @@ RULES: tuple[tuple[str, Any], ...] = (
     (rf"{_L}/mlp/(?:routed_limit|(?:shared_experts/)?limit)", REPLICATED),
     # MTP input projection [D, 2D]: input columns over `model`
     (r"mtp/eh_proj/weight", (None, "model")),
+    # FP8-kept projections (`--keep-fp8`, ling_jax.linear.FP8Linear): the float8 weight is split by the
+    # rule of its `.../weight` above; its block-scale grid [ceil(out/128), ceil(in/128)] is REPLICATED.
+    # It is 1/4096 of the weight's bytes, and a split of the weight need not fall on 128-row/column
+    # block boundaries (12 heads x 192 rows over model=4: 576 rows = 4.5 blocks each); inside jit,
+    # GSPMD uses the slice of the expanded scale that matches each device's weight block.
+    (rf"{_L}/attention/(?:(?:q|k|v|f|g|b|o|q_a|q_b|kv_b)_proj|kv_a_proj_with_mqa|dense)/weight_scale_inv",
+     REPLICATED),
+    (rf"{_L}/mlp/(?:shared_experts/)?(?:gate|up|down)_proj/weight_scale_inv", REPLICATED),
+    (r"mtp/eh_proj/weight_scale_inv", REPLICATED),
     # ---- caches: batch over `data`; KDA state and conv states by head; MLA latent replicated over `model`.
     # `...`: per-layer caches may be stacked with leading [repeats, n] dims (replicated).
     (r"cache/layers/(?:\d+/)+recurrent", (..., "data", "model:heads", None, None)),    # [B, H, dk, dv]

@@ -95,6 +95,18 @@ def test_stored_tensors_consistent_with_layout(real_cfg):
     assert ours == [(n, d, tuple(s)) for n, d, s in L.release_tensors(real_cfg, "fp8")]
 
 
+@pytest.mark.parametrize("layout", ["A", "B"])
+@pytest.mark.parametrize("conv", ["F32", "BF16"])
+def test_stored_tensors_use_the_writers_layout_table(real_cfg, layout, conv):
+    """plan's byte rules and the writer's files come from the same table (layout.BF16_MATRICES)."""
+    ours = [(t.name, t.dtype, tuple(t.shape)) for t in A.stored_tensors(real_cfg, "fp8", fp8_layout=layout,
+                                                                           conv_dtype=conv)]
+    assert ours == [(n, d, tuple(s)) for n, d, s in L.release_tensors(real_cfg, "fp8", fp8_layout=layout,
+                                                                         conv_dtype=conv)]
+    assert A.detect_fp8_layout(A.stored_tensors(real_cfg, "fp8", fp8_layout=layout, conv_dtype=conv)) == layout
+    assert A.detect_fp8_layout(A.stored_tensors(real_cfg, "bf16")) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # plan
 # ---------------------------------------------------------------------------------------------
@@ -207,6 +219,8 @@ def test_inspect_real_header_only(capsys, real_header_only, real_cfg):
     # same grouping as the config-level accounting
     ref = A.summary(real_cfg, "fp8", fp8_layout=None, conv_dtype=L.DEFAULT_CONV_DTYPE)
     assert r["bytes"] == ref["bytes"] and r["params"]["by_group"] == ref["params"]["by_group"]
+    assert r["bytes"]["total"] == 573_719_996_928 and round(r["bytes"]["total"] / GiB, 2) == 534.32
+    assert r["fp8_layout"] == "B"
     assert r["bytes"]["total"] == r["index_total_size"] == sum(r["dtype_bytes"].values())
     assert r["bytes"]["total"] == sum(v for k, v in r["bytes"].items() if k != "total")
     assert r["bytes_by_part"]["main"] + r["bytes_by_part"]["mtp"] == r["bytes"]["total"]
@@ -214,6 +228,42 @@ def test_inspect_real_header_only(capsys, real_header_only, real_cfg):
     # text table (what `ling-jax inspect DIR` prints)
     out = format_table(r)
     assert "563,946,483,520" in out and "24,250,707,776" in out and "Routed experts" in out
+
+
+@pytest.mark.parametrize("layout,conv,total", [
+    ("A", "F32", 573_753_349_632),  # the published 573,753,281,152 B (534.35 GiB) to within 0.1 MB
+    ("B", "F32", 573_732_383_232),  # spec §12.7's layout-B payload
+])
+def test_inspect_real_header_only_cli_layouts(capsys, tmp_path, real_cfg, layout, conv, total):
+    """`ling-jax make-checkpoint --header-only --fp8-layout A --conv-dtype F32` + `ling-jax inspect
+    --json` reproduce the published release size; both layouts agree with `ling-jax plan`."""
+    import time
+    d = tmp_path / f"real-{layout}"
+    t0 = time.monotonic()
+    assert main(["make-checkpoint", "--config", REAL, "--out", str(d), "--header-only", "--fp8-layout", layout,
+                 "--conv-dtype", conv, "--no-tokenizer", "--quiet"]) == 0
+    assert f"(layout {layout}, conv taps {conv})" in capsys.readouterr().out
+    assert time.monotonic() - t0 < 120  # headers only: no tensor bytes generated
+    assert sum(f.stat().st_size for f in d.iterdir()) < 64 << 20
+    r = run_json(["inspect", str(d), "--json"], capsys)
+    p = r["params"]
+    assert (p["main"], p["mtp"], p["total"]) == (MAIN, MTP, MAIN + MTP)
+    assert r["bytes"]["total"] == r["index_total_size"] == total
+    assert r["header_only"] and r["num_tensors"] == 214_025 and r["num_scale_tensors"] == 106_632
+    assert r["fp8_layout"] == layout
+    if layout == "A":
+        assert round(r["bytes"]["total"] / GiB, 2) == 534.35
+        assert abs(r["bytes"]["total"] - 573_753_281_152) < 100_000
+    # the same bytes, by group, as `ling-jax plan` (whose default is layout A with FP32 taps)
+    plan = run_json(["plan", "--config", REAL, "--weights", "fp8", "--fp8-layout", layout, "--json"], capsys)
+    assert plan["weight_bytes"] == total and plan["weight_bytes_by_group"] == {
+        k: v for k, v in r["bytes"].items() if k != "total"}
+    with open(d / "config.json") as f:
+        mods = json.load(f)["quantization_config"]["modules_to_not_convert"]
+    assert mods == L.modules_to_not_convert(real_cfg, fp8_layout=layout)
+    assert ("model.layers.72.attention.kv_a_proj_with_mqa" in mods) == (layout == "A")
+    assert ("model.layers.72.attention.g_proj" in mods) == (layout == "B")
+    CheckpointReader(str(d)).validate()
 
 
 def test_inspect_real_header_only_no_mtp(capsys, tmp_path, real_cfg):

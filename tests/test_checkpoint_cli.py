@@ -62,6 +62,8 @@ def test_tools_wrapper(tmp_path):
     (["--experts", "1"], "--experts"),
     (["--experts", "-3"], "--experts"),
     (["--shards", "0"], "--shards"),
+    (["--fp8-layout", "C"], "--fp8-layout"),
+    (["--conv-dtype", "F16"], "--conv-dtype"),
 ])
 def test_cli_bad_input(tmp_path, capsys, argv, needle):
     rc = main(["make-checkpoint", "--config", MID, "--out", str(tmp_path / "ck"), *SMALL[:0], *argv])
@@ -130,3 +132,21 @@ def test_overrides_written_config_is_consistent(tmp_path):
     assert "model.layers.9.mlp.gate" in mods and "model.layers.71.mlp.gate" not in mods
     assert "model.layers.9.attention.g_proj" in mods and "model.layers.8.attention.g_proj" in mods
     CheckpointReader(str(out)).validate()
+
+
+def test_cli_fp8_layout_and_conv_dtype(tmp_path, capsys):
+    out = tmp_path / "ck"
+    assert main(["make-checkpoint", "--config", MID, "--out", str(out), *SMALL[2:], "--layers", "9",
+                 "--fp8-layout", "a", "--conv-dtype", "f32", "--no-tokenizer"]) == 0
+    assert "(layout A, conv taps F32)" in capsys.readouterr().out
+    r = CheckpointReader(str(out))
+    r.validate()
+    mods = r.config.quantization_config["modules_to_not_convert"]
+    mla = [i for i, t in enumerate(r.config.layer_types) if t == "mla"] + [r.config.num_hidden_layers]
+    assert "kda" in r.config.layer_types and len(mla) == 3
+    assert all(f"model.layers.{i}.attention.kv_a_proj_with_mqa" in mods for i in mla)
+    assert not any(m.endswith("attention.g_proj") for m in mods)
+    for i in mla:
+        assert r.spec(f"model.layers.{i}.attention.kv_a_proj_with_mqa.weight")[1] == "BF16"
+        assert r.is_quantized(f"model.layers.{i}.attention.g_proj.weight")
+    assert r.spec("model.layers.0.attention.q_conv1d.weight")[1] == "F32"

@@ -75,6 +75,72 @@ def test_modules_to_not_convert_matches_release_configs(path):
     assert unq == set(want)
 
 
+# spec §12.7: Layout B payload with FP32 conv taps / A_log / dt_bias / expert_bias, BF16 norms/router
+LAYOUT_B_F32 = 573_732_383_232
+PUBLISHED = 573_753_281_152
+
+
+def _payload(cfg, **kw):
+    item = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
+    return sum(math.prod(s) * item[d] for _, d, s in L.release_tensors(cfg, "fp8", **kw))
+
+
+def test_real_layout_a(real):
+    """Layout A: same tensor count and names; per MLA layer (9 main + MTP) kv_a_proj_with_mqa BF16
+    and the head-wise g_proj FP8 with a [1, 32] grid; the payload lands on the published total."""
+    ra = L.release_tensors(real, "fp8", fp8_layout="A")
+    rb = L.release_tensors(real, "fp8", fp8_layout="B")
+    assert len(ra) == 214_025 and {n for n, _, _ in ra} != {n for n, _, _ in rb}
+    d = {n: (dt, s) for n, dt, s in ra}
+    for i in (7, 15, 71, 72):
+        p = f"model.layers.{i}.attention."
+        assert d[p + "kv_a_proj_with_mqa.weight"] == ("BF16", (576, 4096))
+        assert p + "kv_a_proj_with_mqa.weight_scale_inv" not in d
+        assert d[p + "g_proj.weight"] == ("F8_E4M3", (64, 4096))
+        assert d[p + "g_proj.weight_scale_inv"] == ("F32", (1, 32))
+    assert d["model.layers.0.attention.b_proj.weight"][0] == "BF16"
+    assert d["model.layers.0.attention.g_proj.weight"][0] == "F8_E4M3"
+    # independent of the writer: B's spec figure, then per MLA layer kv_a BF16 instead of FP8 + [5, 32]
+    # scales, g_proj FP8 + [1, 32] scales instead of BF16
+    per_layer = (576 * 4096 * 2 - (576 * 4096 + 5 * 32 * 4)) + ((64 * 4096 + 1 * 32 * 4) - 64 * 4096 * 2)
+    assert _payload(real, fp8_layout="B", conv_dtype="F32") == LAYOUT_B_F32
+    a = _payload(real, fp8_layout="A", conv_dtype="F32")
+    assert a == LAYOUT_B_F32 + 10 * per_layer == 573_753_349_632
+    assert abs(a - PUBLISHED) < 100_000 and round(a / 2**30, 2) == round(PUBLISHED / 2**30, 2) == 534.35
+    # BF16 conv taps: 3 x 63 x 8192 x 4 taps x 2 bytes less
+    assert a - _payload(real, fp8_layout="A", conv_dtype="BF16") == 3 * 63 * 8192 * 4 * 2
+
+
+@pytest.mark.parametrize("layout", L.FP8_LAYOUTS)
+def test_modules_to_not_convert_follow_layout(real, layout):
+    mods = L.modules_to_not_convert(real, fp8_layout=layout)
+    t = L.expected_tensors(real, fp8_layout=layout)
+    unq = {L.module_of(n) for n, s in t.items() if s.kind in (L.LINEAR, L.ROUTER, L.EMBEDDING) and not s.quantizable}
+    assert len(mods) == len(set(mods)) and set(mods) == unq
+    mla = [i for i, k in enumerate(real.layer_types) if k == "mla"] + [real.num_hidden_layers]
+    kept, fp8 = ("kv_a_proj_with_mqa", "g_proj") if layout == "A" else ("g_proj", "kv_a_proj_with_mqa")
+    assert all(f"model.layers.{i}.attention.{kept}" in mods for i in mla)
+    assert not any(m.endswith(f"attention.{fp8}") for m in mods)  # KDA g_proj is FP8 in both
+    assert mods[: 2 + 69 + 63] == L.modules_to_not_convert(real, fp8_layout="B")[: 2 + 69 + 63]
+    assert L.quantization_config(real, fp8_layout=layout)["modules_to_not_convert"] == mods
+    # names, shapes and parameter counts do not depend on the layout
+    tb = L.expected_tensors(real)
+    assert [(n, s.shape, s.kind) for n, s in t.items()] == [(n, s.shape, s.kind) for n, s in tb.items()]
+
+
+def test_layout_and_conv_dtype_arguments(real):
+    assert L.DEFAULT_FP8_LAYOUT == "B" and L.DEFAULT_CONV_DTYPE == "BF16"
+    assert L.release_tensors(real, "fp8") == L.release_tensors(real, "fp8", fp8_layout="B", conv_dtype="BF16")
+    assert L.check_fp8_layout("a") == "A" and L.check_conv_dtype("fp32") == "F32"
+    for bad in ("C", "", None, 1):
+        with pytest.raises(ValueError, match="fp8 layout"):
+            L.expected_tensors(real, fp8_layout=bad)
+    with pytest.raises(ValueError, match="conv tap dtype"):
+        L.expected_tensors(real, conv_dtype="F16")
+    # bf16 release: no FP8 at all, whatever the layout
+    assert L.release_tensors(real, "bf16", fp8_layout="A") == L.release_tensors(real, "bf16")
+
+
 def test_q_lora_null_uses_single_q_proj():
     c = tiny_config(q_lora_rank=None)
     t = L.expected_tensors(c)

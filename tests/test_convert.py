@@ -70,15 +70,27 @@ def test_convert_then_restore_on_another_mesh(ckpt, tmp_path):
 
 
 def test_convert_keep_fp8(ckpt, tmp_path):
+    """convert --keep-fp8 (float32 for the rest) → restore on other meshes: the FP8 matrices (experts
+    and FP8Linear projections) come back float8 + scales, equal to a direct keep_fp8 load, and the
+    logits equal the dequantising single-device load."""
+    from ling_jax.runtime import full_logits, load_model
+    from test_sharding import IDS
+
     out = tmp_path / "fp8"
-    S.convert(ckpt, str(out), S.parse_mesh("expert=8"), keep_fp8=True, progress=False)
+    S.convert(ckpt, str(out), S.parse_mesh("expert=8"), dtype="float32", keep_fp8=True, progress=False)
     mesh = S.parse_mesh("expert=4,model=2")
     restored = S.load_any(str(out), mesh, "bfloat16", progress=False)
     direct = S.load_sharded(ckpt, mesh, "bfloat16", keep_fp8=True, progress=False)
     assert_same_params(restored, direct, mesh)
     assert restored.model.layers[1].mlp.experts.up_proj[...].dtype == jnp.float8_e4m3fn
+    assert restored.model.layers[0].attention.q_proj.weight[...].dtype == jnp.float8_e4m3fn
+    assert restored.mtp.eh_proj.weight_scale_inv[...].dtype == jnp.float32
     with pytest.raises(ValueError, match="converted with --keep-fp8"):
         S.load_any(str(out), mesh, "bfloat16", keep_fp8=False, progress=False)
+    mesh = S.parse_mesh("data=2,model=4")
+    got = S.sharded_logits(S.load_any(str(out), mesh, "float32", progress=False), IDS, mesh)
+    ref = full_logits(load_model(ckpt, "float32", progress=False), IDS)["logits"]
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
 
 
 def _partial_run(ckpt, out, code):

@@ -163,3 +163,32 @@ def test_cli_generate(tmp_path, capsys):
     assert "no tokenizer" in capsys.readouterr().err
     assert cli_main(["generate", "--checkpoint", d2, "--input-ids", "1,999", "--max-new-tokens", "2"]) != 0
     assert "outside the vocabulary" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_scanned_layers_equal_unrolled_layers(monkeypatch):
+    """The two layer loops (scan over stacked layers, used for deep or narrow schedules; unrolled,
+    the default for shallow wide ones, see `layer_stack.unrolled`) give the same logits and the same generated tokens, with and
+    without speculative decoding (whose verify step returns the per-position KDA states)."""
+    import jax
+
+    from ling_jax import layer_stack
+    n = 6  # [KDA KDA KDA MLA][MLA MLA]: a dense and an MoE run, and a trailing all-MLA group
+    cfg = R.tiny_config(num_hidden_layers=n, expert_swiglu_limit_list=[0.0] * (n - 1) + [0.6],
+                        share_expert_swiglu_limit_list=[0.0] * (n - 1) + [0.8])
+    model = load_from_dict(cfg, _predictable_params(cfg, 0.5, 3))
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 19)).astype(np.int32)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [42, 3]]
+    out = {}
+    for mode, limit in (("unroll", 10_000), ("scan", 0)):
+        monkeypatch.setattr(layer_stack, "UNROLL_MAX_LAYERS", limit)
+        monkeypatch.setattr(layer_stack, "UNROLL_MIN_HIDDEN", 0)
+        jax.clear_caches()  # the jitted prefill/decode were traced under the other setting
+        assert layer_stack.unrolled(cfg, {}) == (mode == "unroll")
+        logits = np.asarray(full_logits(model, ids, n_valid=np.array([19, 11]))["logits"])
+        plain = generate(model, prompts, 8, stop_ids=())
+        spec = generate(model, prompts, 8, stop_ids=(), speculative=2)
+        out[mode] = (logits, plain.tokens, spec.tokens)
+    jax.clear_caches()
+    np.testing.assert_allclose(out["scan"][0], out["unroll"][0], rtol=1e-5, atol=1e-5)
+    assert out["scan"][1] == out["unroll"][1] == out["unroll"][2] == out["scan"][2]

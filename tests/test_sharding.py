@@ -102,6 +102,7 @@ def test_rules_cover_the_real_model_and_split_it():
     assert by["model/layers/5/mlp/experts/gate_proj"] == ("expert", None, "model")
     assert by["model/layers/5/mlp/experts/down_proj"] == ("expert", "model", None)
     assert by["model/layers/5/mlp/experts/down_proj_scale"] == ("expert", "model", None)
+    assert by["model/layers/0/attention/q_proj/weight_scale_inv"][:2] == (None, None)  # FP8Linear scales
     assert by["model/layers/0/attention/q_proj/weight"][:2] == ("model", None)
     assert by["model/layers/0/attention/o_proj/weight"][:2] == (None, "model")
     assert by["model/layers/0/attention/q_conv1d"][:2] == ("model", None)
@@ -231,18 +232,28 @@ def test_sharded_logits_match_single_device(ckpt, reference, spec):
     assert rel_err(logits, ref) < TOL
 
 
-def test_keep_fp8_experts(ckpt, reference):
-    """--keep-fp8: routed experts stay float8 (+ scales) on device, sharded; the dequantise-in-matmul
-    result equals the dequantised model."""
+def test_keep_fp8_on_mesh(ckpt, reference):
+    """--keep-fp8: every FP8-stored matrix stays float8 (+ float32 scales) on device, sharded by the
+    rules (FP8Linear weights like their float twins, their scale grids replicated); the
+    dequantise-in-matmul result equals the dequantised single-device model."""
     mesh = S.parse_mesh("expert=4,model=2")
     model = S.load_sharded(ckpt, mesh, "float32", keep_fp8=True, progress=False)
-    ex = model.model.layers[2].mlp.experts
+    L = model.model.layers
+    ex = L[2].mlp.experts
     assert type(ex).__name__ == "FP8Experts"
     assert ex.gate_proj[...].dtype == jnp.float8_e4m3fn and ex.down_proj_scale[...].dtype == jnp.float32
     assert spec_of(ex.gate_proj[...]) == ("expert", None, "model")
     assert spec_of(ex.gate_proj_scale[...]) == ("expert", None, "model")
     assert spec_of(ex.down_proj_scale[...]) == ("expert", "model", None)
-    assert model.model.layers[0].attention.q_proj.weight[...].dtype == jnp.float32  # dequantised at load
+    for lin, want in [(L[0].attention.q_proj, ("model", None)), (L[0].attention.o_proj, (None, "model")),
+                      (L[3].attention.kv_b_proj, ("model", None)), (L[3].attention.dense, (None, "model")),
+                      (L[3].attention.q_a_proj, (None, None)), (L[0].mlp.gate_proj, ("model", None)),
+                      (L[1].mlp.shared_experts.down_proj, (None, "model")), (model.mtp.eh_proj, (None, "model"))]:
+        assert type(lin).__name__ == "FP8Linear", lin
+        w, s = lin.weight[...], lin.weight_scale_inv[...]
+        assert w.dtype == jnp.float8_e4m3fn and s.dtype == jnp.float32
+        assert spec_of(w) == want and spec_of(s) == (None, None)
+    assert L[0].attention.b_proj.weight[...].dtype == jnp.float32  # stored BF16: loaded as dtype
     logits = S.sharded_logits(model, IDS, mesh)
     assert rel_err(logits, reference[0]) < TOL
 

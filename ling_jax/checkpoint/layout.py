@@ -3,10 +3,22 @@
 `expected_tensors(cfg)` is the single source of tensor names and shapes: the checkpoint writer
 generates exactly these, the reader validates against them, and parameter accounting sums them.
 
-Quantization follows the preferred "Layout B" of spec §12.7: every linear matrix is stored FP8
-E4M3 with a `<module>.weight_scale_inv` float32 block-scale grid, except embeddings, `lm_head`,
-routers (`mlp.gate.weight`), KDA `attention.b_proj` and the MLA head-wise `attention.g_proj`
-(both 64-row matrices). The MTP `eh_proj` is FP8.
+Quantization follows one of the two layouts of spec §12.7 (`fp8_layout`, "A" or "B"): every linear
+matrix is stored FP8 E4M3 with a `<module>.weight_scale_inv` float32 block-scale grid, except
+embeddings, `lm_head`, routers (`mlp.gate.weight`) and exactly one matrix per attention layer,
+given by `BF16_MATRICES`:
+
+* Layout B (`DEFAULT_FP8_LAYOUT`): KDA `attention.b_proj` and the MLA head-wise `attention.g_proj`
+  (the two 64-row matrices). The spec calls it preferred: it is what the release config's
+  `modules_to_not_convert` lists and what both serving engines' loaders build.
+* Layout A: KDA `attention.b_proj` and MLA `attention.kv_a_proj_with_mqa`; the head-wise `g_proj`
+  is FP8 with a `[1, 32]`-style scale grid (one partial 64-row block row). With FP32 conv taps its
+  tensor payload for the real config is the published 573.75 GB (534.35 GiB) total.
+
+The MTP layer's MLA attention follows the same rule; the MTP `eh_proj` is FP8 in both layouts.
+`BF16_MATRICES` is the only place the split is defined: the writer, `modules_to_not_convert`
+and `ling_jax.accounting` (`ling-jax plan`) all read it through `expected_tensors`. The reader never
+uses it: it recognises a quantised tensor by its stored dtype and sibling `weight_scale_inv`.
 """
 from __future__ import annotations
 
@@ -18,9 +30,41 @@ from ling_jax.config import KDA, MLA, LingConfig
 SCALE_SUFFIX = ".weight_scale_inv"
 
 # Storage dtype of the unquantized tensors (safetensors dtype strings). A_log, dt_bias and
-# expert_bias are FP32 (spec §12.3/§12.5 [I]); conv taps are BF16 here (spec: BF16 or FP32 [?]).
+# expert_bias are FP32 (spec §12.3/§12.5 [I]). Conv taps: BF16 or FP32 (spec §12.3 [?]); the default
+# stays BF16 (what the writer has always written; FP32 is the one the published byte total implies).
 PARAM_F32 = ("attention.A_log", "attention.dt_bias", "mlp.gate.expert_bias")
+CONV_DTYPES = ("BF16", "F32")
 DEFAULT_CONV_DTYPE = "BF16"
+
+# The FP8 layouts of spec §12.7: per attention type, the linear matrices (attention sub-module
+# names) stored BF16 instead of FP8. Everything else about the two layouts is identical.
+FP8_LAYOUTS = ("A", "B")
+BF16_MATRICES = {
+    "A": {KDA: ("b_proj",), MLA: ("kv_a_proj_with_mqa",)},
+    "B": {KDA: ("b_proj",), MLA: ("g_proj",)},
+}
+# Layout B stays the default of the writer (and of everything that describes "our" files): the
+# spec prefers it and the release config.json's modules_to_not_convert encodes it. Layout A is
+# opt-in (`fp8_layout="A"`, `make-checkpoint --fp8-layout A`); `ling-jax plan` defaults to A
+# because only A reproduces the published byte total (see `ling_jax.accounting`).
+DEFAULT_FP8_LAYOUT = "B"
+
+
+def check_fp8_layout(fp8_layout) -> str:
+    """`fp8_layout` ("A"/"B", any case) normalised, or ValueError."""
+    v = str(fp8_layout).upper() if isinstance(fp8_layout, str) else fp8_layout
+    if v not in FP8_LAYOUTS:
+        raise ValueError(f"unknown fp8 layout {fp8_layout!r} (expected one of: {', '.join(FP8_LAYOUTS)})")
+    return v
+
+
+def check_conv_dtype(conv_dtype) -> str:
+    """`conv_dtype` ("BF16"/"F32", any case; "FP32"/"float32"/"bfloat16" accepted) normalised."""
+    v = str(conv_dtype).upper() if isinstance(conv_dtype, str) else conv_dtype
+    v = {"FP32": "F32", "FLOAT32": "F32", "BFLOAT16": "BF16"}.get(v, v)
+    if v not in CONV_DTYPES:
+        raise ValueError(f"unknown conv tap dtype {conv_dtype!r} (expected one of: {', '.join(CONV_DTYPES)})")
+    return v
 
 # tensor kinds
 EMBEDDING = "embedding"   # word embeddings and lm_head (never FP8)
@@ -33,7 +77,7 @@ PARAM = "param"           # other 1-D parameters (A_log, dt_bias, expert_bias)
 
 class TensorSpec(NamedTuple):
     shape: tuple[int, ...]
-    #: stored FP8 (+ weight_scale_inv) in the release (Layout B)
+    #: stored FP8 (+ weight_scale_inv) in the release (under the `fp8_layout` it was built for)
     quantizable: bool
     kind: str = LINEAR
     #: storage dtype when not quantized ("BF16" or "F32")
@@ -68,29 +112,43 @@ def module_of(weight_name: str) -> str:
     return weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
 
 
-def _mla(p: str, c: LingConfig, t: dict, layer: int) -> None:
+def _attention_matrix_setter(p: str, t: dict, layer: int, kind: str, fp8_layout: str):
+    """put(n, shape): add the linear `attention.{n}.weight`, FP8 unless `BF16_MATRICES` lists it."""
+    bf16 = BF16_MATRICES[fp8_layout][kind]
+
+    def put(n: str, shape) -> None:
+        t[p + f"attention.{n}.weight"] = TensorSpec(tuple(shape), n not in bf16, LINEAR, "BF16", layer)
+    return put
+
+
+def _mla(p: str, c: LingConfig, t: dict, layer: int, fp8_layout: str) -> None:
     D, H = c.hidden_size, c.num_attention_heads
-    lin = lambda shape, q=True: TensorSpec(tuple(shape), q, LINEAR, "BF16", layer)  # noqa: E731
+    put = _attention_matrix_setter(p, t, layer, MLA, fp8_layout)
+
+    def norm(n: str, width: int) -> None:
+        t[p + f"attention.{n}.weight"] = TensorSpec((width,), False, NORM, "BF16", layer)
+
     if c.q_lora_rank is None:
-        t[p + "attention.q_proj.weight"] = lin((H * c.qk_head_dim, D))
+        put("q_proj", (H * c.qk_head_dim, D))
     else:
-        t[p + "attention.q_a_proj.weight"] = lin((c.q_lora_rank, D))
-        t[p + "attention.q_a_layernorm.weight"] = TensorSpec((c.q_lora_rank,), False, NORM, "BF16", layer)
-        t[p + "attention.q_b_proj.weight"] = lin((H * c.qk_head_dim, c.q_lora_rank))
-    t[p + "attention.kv_a_proj_with_mqa.weight"] = lin((c.kv_lora_rank + c.qk_rope_head_dim, D))
-    t[p + "attention.kv_a_layernorm.weight"] = TensorSpec((c.kv_lora_rank,), False, NORM, "BF16", layer)
-    t[p + "attention.kv_b_proj.weight"] = lin((H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank))
-    t[p + "attention.g_proj.weight"] = lin((H, D), q=False)  # head-wise gate: BF16 (Layout B)
-    t[p + "attention.dense.weight"] = lin((D, H * c.v_head_dim))
+        put("q_a_proj", (c.q_lora_rank, D))
+        norm("q_a_layernorm", c.q_lora_rank)
+        put("q_b_proj", (H * c.qk_head_dim, c.q_lora_rank))
+    put("kv_a_proj_with_mqa", (c.kv_lora_rank + c.qk_rope_head_dim, D))
+    norm("kv_a_layernorm", c.kv_lora_rank)
+    put("kv_b_proj", (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank))
+    put("g_proj", (H, D))  # head-wise gate
+    put("dense", (D, H * c.v_head_dim))
 
 
-def _kda(p: str, c: LingConfig, t: dict, layer: int, conv_dtype: str) -> None:
+def _kda(p: str, c: LingConfig, t: dict, layer: int, conv_dtype: str, fp8_layout: str) -> None:
     D, H, P, K = c.hidden_size, c.num_attention_heads, c.kda_width, c.short_conv_kernel_size
-    lin = lambda shape, q=True: TensorSpec(tuple(shape), q, LINEAR, "BF16", layer)  # noqa: E731
+    put = _attention_matrix_setter(p, t, layer, KDA, fp8_layout)
+
     for n in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj"):
-        t[p + f"attention.{n}.weight"] = lin((P, D))
-    t[p + "attention.o_proj.weight"] = lin((D, P))
-    t[p + "attention.b_proj.weight"] = lin((H, D), q=False)  # beta: BF16 (Layout B)
+        put(n, (P, D))
+    put("o_proj", (D, P))
+    put("b_proj", (H, D))  # beta
     for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
         t[p + f"attention.{n}.weight"] = TensorSpec((P, 1, K), False, CONV, conv_dtype, layer)
     t[p + "attention.A_log"] = TensorSpec((H,), False, PARAM, "F32", layer)
@@ -122,13 +180,16 @@ def _ffn(p: str, c: LingConfig, t: dict, layer: int) -> None:
         swiglu(p + "mlp.shared_experts.", shared)
 
 
-def expected_tensors(cfg: LingConfig, include_mtp: bool = True,
-                     conv_dtype: str = DEFAULT_CONV_DTYPE) -> dict[str, TensorSpec]:
+def expected_tensors(cfg: LingConfig, include_mtp: bool = True, conv_dtype: str = DEFAULT_CONV_DTYPE,
+                     fp8_layout: str = DEFAULT_FP8_LAYOUT) -> dict[str, TensorSpec]:
     """Every weight tensor of the release for `cfg` (no scale tensors), in file order.
 
     Order: embeddings, layers 0..N-1, the MTP layer (index N, if `cfg.has_mtp` and
-    `include_mtp`), final norm, lm_head.
+    `include_mtp`), final norm, lm_head. Names and shapes do not depend on `conv_dtype` or
+    `fp8_layout`; only `TensorSpec.dtype` (conv taps) and `TensorSpec.quantizable` do.
     """
+    conv_dtype = check_conv_dtype(conv_dtype)
+    fp8_layout = check_fp8_layout(fp8_layout)
     c = cfg
     D = c.hidden_size
     t: dict[str, TensorSpec] = {}
@@ -138,10 +199,10 @@ def expected_tensors(cfg: LingConfig, include_mtp: bool = True,
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = TensorSpec((D,), False, NORM, "BF16", i)
         if types[i] == MLA:
-            _mla(p, c, t, i)
+            _mla(p, c, t, i, fp8_layout)
         else:
             assert types[i] == KDA
-            _kda(p, c, t, i, conv_dtype)
+            _kda(p, c, t, i, conv_dtype, fp8_layout)
         t[p + "post_attention_layernorm.weight"] = TensorSpec((D,), False, NORM, "BF16", i)
         _ffn(p, c, t, i)
     if c.has_mtp and include_mtp:
@@ -151,7 +212,7 @@ def expected_tensors(cfg: LingConfig, include_mtp: bool = True,
         t[p + "hnorm.weight"] = TensorSpec((D,), False, NORM, "BF16", n)
         t[p + "eh_proj.weight"] = TensorSpec((D, 2 * D), True, LINEAR, "BF16", n)
         t[p + "input_layernorm.weight"] = TensorSpec((D,), False, NORM, "BF16", n)
-        _mla(p, c, t, n)
+        _mla(p, c, t, n, fp8_layout)
         t[p + "post_attention_layernorm.weight"] = TensorSpec((D,), False, NORM, "BF16", n)
         _ffn(p, c, t, n)
         t[p + "final_layernorm.weight"] = TensorSpec((D,), False, NORM, "BF16", n)
@@ -161,11 +222,12 @@ def expected_tensors(cfg: LingConfig, include_mtp: bool = True,
 
 
 def release_tensors(cfg: LingConfig, dtype: str = "fp8", include_mtp: bool = True,
-                    conv_dtype: str = DEFAULT_CONV_DTYPE, block=None) -> list[tuple[str, str, tuple[int, ...]]]:
+                    conv_dtype: str = DEFAULT_CONV_DTYPE, block=None, fp8_layout: str = DEFAULT_FP8_LAYOUT
+                    ) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every stored tensor, scales included, in file order.
 
-    dtype='fp8': quantizable matrices are F8_E4M3, each followed by its F32 scale grid.
-    dtype='bf16': quantizable matrices are BF16 and there are no scales.
+    dtype='fp8': the matrices quantizable under `fp8_layout` are F8_E4M3, each followed by its F32
+    scale grid. dtype='bf16': quantizable matrices are BF16 and there are no scales.
     """
     if dtype not in ("fp8", "bf16"):
         raise ValueError(f"dtype must be 'fp8' or 'bf16', got {dtype!r}")
@@ -173,7 +235,7 @@ def release_tensors(cfg: LingConfig, dtype: str = "fp8", include_mtp: bool = Tru
     out = []
     grids: dict = {}
     fp8 = dtype == "fp8"
-    for name, s in expected_tensors(cfg, include_mtp, conv_dtype).items():
+    for name, s in expected_tensors(cfg, include_mtp, conv_dtype, fp8_layout).items():
         if s.quantizable and fp8:
             g = grids.get(s.shape)
             if g is None:
@@ -185,26 +247,31 @@ def release_tensors(cfg: LingConfig, dtype: str = "fp8", include_mtp: bool = Tru
     return out
 
 
-def modules_to_not_convert(cfg: LingConfig, include_mtp: bool = True) -> list[str]:
-    """The `quantization_config.modules_to_not_convert` list of Layout B, in the release's order:
-    lm_head, embeddings, routers (MoE layers incl. MTP), KDA b_proj, MLA head-wise g_proj."""
+def modules_to_not_convert(cfg: LingConfig, include_mtp: bool = True,
+                           fp8_layout: str = DEFAULT_FP8_LAYOUT) -> list[str]:
+    """The `quantization_config.modules_to_not_convert` list of `fp8_layout`, in the release's order:
+    lm_head, embeddings, routers (MoE layers incl. MTP), then the BF16 matrices of `BF16_MATRICES`:
+    KDA `b_proj`, then MLA (incl. MTP) `g_proj` (layout B, the release config's list) or
+    `kv_a_proj_with_mqa` (layout A)."""
+    fp8_layout = check_fp8_layout(fp8_layout)
     n = cfg.num_hidden_layers + (1 if cfg.has_mtp and include_mtp else 0)
     types = list(cfg.layer_types) + [MLA] * (n - cfg.num_hidden_layers)
     out = ["lm_head", "model.word_embeddings"]
     out += [f"model.layers.{i}.mlp.gate" for i in range(n) if cfg.is_moe(i)]
-    out += [f"model.layers.{i}.attention.b_proj" for i in range(n) if types[i] == KDA]
-    out += [f"model.layers.{i}.attention.g_proj" for i in range(n) if types[i] == MLA]
+    for kind in (KDA, MLA):
+        for m in BF16_MATRICES[fp8_layout][kind]:
+            out += [f"model.layers.{i}.attention.{m}" for i in range(n) if types[i] == kind]
     return out
 
 
-def quantization_config(cfg: LingConfig, include_mtp: bool = True) -> dict:
+def quantization_config(cfg: LingConfig, include_mtp: bool = True, fp8_layout: str = DEFAULT_FP8_LAYOUT) -> dict:
     """The release's `quantization_config` (fp8, e4m3, dynamic activations, 128×128 blocks)."""
     return {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": list(cfg.weight_block_size or DEFAULT_BLOCK),
-        "modules_to_not_convert": modules_to_not_convert(cfg, include_mtp),
+        "modules_to_not_convert": modules_to_not_convert(cfg, include_mtp, fp8_layout),
     }
 
 

@@ -1,4 +1,4 @@
-"""Write a synthetic, seeded checkpoint in the release format (spec §12, Layout B of §12.7).
+"""Write a synthetic, seeded checkpoint in the release format (spec §12; FP8 layout A or B of §12.7).
 
 The output directory looks like the Hugging Face release: `config.json` (with the release
 `quantization_config` for fp8), `generation_config.json`, `model.safetensors.index.json`,
@@ -10,6 +10,11 @@ N(0, 1/fan_in) (activations stay O(1)), norm weights 1 + 0.1·N, embeddings N(0,
 larger gain so sigmoid scores spread, A_log = log U(1, 16), small dt_bias / expert_bias.
 Each tensor has its own generator seeded by (seed, crc32(name)), so its values do not depend on
 sharding, chunking or which other tensors exist (see `generate_tensor`).
+
+Which matrices are FP8 is `layout.BF16_MATRICES[fp8_layout]` (the table `ling-jax plan` uses too);
+the default stays layout B with BF16 conv taps (`layout.DEFAULT_FP8_LAYOUT`/`DEFAULT_CONV_DTYPE`).
+Values do not depend on the layout: a layout-A and a layout-B checkpoint of the same seed differ
+only in how MLA `kv_a_proj_with_mqa` and `g_proj` are rounded (BF16 vs FP8 blocks).
 """
 from __future__ import annotations
 
@@ -262,8 +267,10 @@ def plan_shards(entries: list[tuple[str, str, tuple[int, ...]]], num_shards: Opt
 # ---------------------------------------------------------------------------------------------
 # writer
 # ---------------------------------------------------------------------------------------------
-def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: bool = True) -> dict:
-    """The config.json content for a checkpoint of `cfg` in `dtype`."""
+def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: bool = True,
+                           fp8_layout: str = L.DEFAULT_FP8_LAYOUT) -> dict:
+    """The config.json content for a checkpoint of `cfg` in `dtype` (fp8: `fp8_layout`'s
+    `quantization_config.modules_to_not_convert`)."""
     d = cfg.to_dict()
     d.pop("quantization_config", None)
     for k in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
@@ -272,7 +279,7 @@ def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: boo
     if not include_mtp:
         d["num_nextn_predict_layers"] = 0
     if dtype == "fp8":
-        d["quantization_config"] = L.quantization_config(cfg, include_mtp)
+        d["quantization_config"] = L.quantization_config(cfg, include_mtp, fp8_layout)
     return d
 
 
@@ -294,10 +301,17 @@ def _write_json(path: str, obj) -> None:
 
 def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: int = 0,
                      num_shards: Optional[int] = None, header_only: bool = False, tokenizer: bool = True,
-                     include_mtp: bool = True, overwrite: bool = False, progress: bool = True) -> dict:
+                     include_mtp: bool = True, overwrite: bool = False, progress: bool = True,
+                     fp8_layout: str = L.DEFAULT_FP8_LAYOUT, conv_dtype: str = L.DEFAULT_CONV_DTYPE) -> dict:
     """Write a seeded random checkpoint of `cfg` to `out_dir`; returns a summary dict.
 
-    dtype: 'fp8' (Layout B: FP8 E4M3 + float32 block scales) or 'bf16' (no quantization).
+    dtype: 'fp8' (FP8 E4M3 + float32 block scales) or 'bf16' (no quantization).
+    fp8_layout: which matrices fp8 keeps BF16 (spec §12.7, `layout.BF16_MATRICES`): 'B' (default:
+    KDA b_proj + MLA head-wise g_proj, the spec's preferred layout and the one the release config's
+    modules_to_not_convert encodes) or 'A' (KDA b_proj + MLA kv_a_proj_with_mqa; with
+    conv_dtype='F32' its byte total is the published 534.35 GiB). Ignored for dtype='bf16'.
+    conv_dtype: storage dtype of the KDA conv taps, 'BF16' (default, unchanged behaviour) or 'F32'
+    (the spec leaves it open).
     header_only: write shard headers and the index with the real shapes and offsets but no tensor
     bytes (each shard is truncated right after its header and marked in its metadata).
     Everything is written into a temporary directory next to `out_dir` and renamed into place at
@@ -310,10 +324,12 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     for i in (*cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id):
         if i is not None and not 0 <= int(i) < cfg.vocab_size:
             raise ValueError(f"special token id {i} is not a valid id for vocab_size={cfg.vocab_size}")
+    fp8_layout = L.check_fp8_layout(fp8_layout)
+    conv_dtype = L.check_conv_dtype(conv_dtype)
     out_dir, parent = prepare_out_dir(out_dir, overwrite)
     block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
-    specs = L.expected_tensors(cfg, include_mtp)
-    entries = L.release_tensors(cfg, dtype, include_mtp, block=block)
+    specs = L.expected_tensors(cfg, include_mtp, conv_dtype, fp8_layout)
+    entries = L.release_tensors(cfg, dtype, include_mtp, conv_dtype, block, fp8_layout)
     shards = plan_shards(entries, num_shards)
     n = len(shards)
     total = sum(nbytes(d, s) for _, d, s in entries)
@@ -347,7 +363,7 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
         if header_only:
             index["metadata"]["ling_jax_header_only"] = True
         _write_json(os.path.join(tmp, INDEX_FILE), index)
-        _write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp))
+        _write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp, fp8_layout))
         write_generation_config(tmp, cfg)
         if tok is not None:
             text, tcfg = tok
@@ -360,7 +376,8 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out_dir": out_dir, "num_tensors": len(entries), "total_size": total, "num_shards": n,
-            "dtype": dtype, "header_only": header_only}
+            "dtype": dtype, "header_only": header_only,
+            "fp8_layout": fp8_layout if dtype == "fp8" else None, "conv_dtype": conv_dtype}
 
 
 def _write_tensor(w: ShardWriter, name: str, dt: str, spec: L.TensorSpec, seed: int, block, bar) -> None:

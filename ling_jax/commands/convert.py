@@ -18,7 +18,7 @@ def add_parser(sub):
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="HF checkpoint directory (release layout)")
     p.add_argument("--out", required=True, metavar="DIR2", help="output directory (must not exist unless --force)")
     p.add_argument("--keep-fp8", action="store_true",
-                   help="store routed experts as float8_e4m3fn + scales (dequantised inside the matmul)")
+                   help="store every FP8-stored matrix as float8_e4m3fn + scales (dequantised inside the matmul)")
     p.add_argument("--mesh", default=None, metavar="SPEC",
                    help="mesh the parameters are built on while converting, e.g. expert=8 (default: all "
                         "devices on expert); the result can be restored onto any mesh")
@@ -45,6 +45,6 @@ def run(args) -> int:
                             progress=not args.quiet and sys.stderr.isatty())
     n = len(meta["params"])
     primary_print(f"converted {args.checkpoint} -> {args.out}: {n} parameters in {len(meta['groups'])} groups, "
-                  f"dtype {meta['dtype']}{', routed experts FP8' if meta['keep_fp8'] else ''}, "
+                  f"dtype {meta['dtype']}{', FP8 matrices kept FP8' if meta['keep_fp8'] else ''}, "
                   f"mesh {meta['mesh']}, {meta['seconds']:.1f}s")
     return 0

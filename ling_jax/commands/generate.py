@@ -22,6 +22,9 @@ def add_parser(sub):
     p.add_argument("--stop-ids", default=None, help="comma-separated stop token ids (default: EOS ids)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
+    p.add_argument("--keep-fp8", action="store_true",
+                   help="keep FP8-stored matrices as float8 + block scales on device, dequantised inside the "
+                        "matmul (the Pallas FP8 kernel with --impl pallas)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     from sharding import add_distributed_args

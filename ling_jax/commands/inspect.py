@@ -9,6 +9,16 @@ data, file size matches), as by the checkpoint reader.
 Groups, the MTP rule (every tensor of layer index N = num_hidden_layers) and the definition of
 active parameters are those of `ling_jax.accounting` (its module docstring documents them).
 Without config.json the MTP layer is the layer holding `eh_proj`, and active counts are omitted.
+`fp8_layout` names the spec §12.7 layout ("A"/"B") the stored dtypes follow (None: neither / no FP8).
+
+The published release total (534.35 GiB) is reproduced from a header-only checkpoint in layout A
+with FP32 conv taps:
+
+    ling-jax make-checkpoint --config config.ling-3.1-flash.json --out DIR --header-only \
+        --fp8-layout A --conv-dtype F32 --no-tokenizer
+    ling-jax inspect DIR --json      # bytes.total 573,753,349,632 = 534.35 GiB
+
+(the writer's default, layout B with BF16 conv taps, gives 534.32 GiB).
 """
 from __future__ import annotations
 
@@ -119,6 +129,7 @@ def inspect_dir(d: str) -> dict:
         "num_hidden_layers": n_layers,
         "num_experts_per_tok": k,
         "dtype_bytes": dict(sorted(dtype_bytes.items())),
+        "fp8_layout": A.detect_fp8_layout(tensors),
     })
     return out
 
@@ -155,6 +166,8 @@ def format_table(r: dict) -> str:
                  + (f"; index total_size: {r['index_total_size']:,} B" if r["index_total_size"] is not None
                     else ""))
     lines.append("Stored dtypes: " + ", ".join(f"{k} {v / A.GiB:.2f} GiB" for k, v in r["dtype_bytes"].items()))
+    if r.get("fp8_layout"):
+        lines.append(f"FP8 layout (spec §12.7): {r['fp8_layout']}")
     return "\n".join(lines)
 
 

@@ -26,6 +26,9 @@ def add_parser(sub):
                    help="compute dtype (default float32 on CPU, bfloat16 on accelerators)")
     p.add_argument("--mtp", action="store_true", help="also write the MTP layer's logits")
     p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
+    p.add_argument("--keep-fp8", action="store_true",
+                   help="keep FP8-stored matrices as float8 + block scales on device, dequantised inside the "
+                        "matmul (the Pallas FP8 kernel with --impl pallas)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2 (or a converted Orbax dir's mesh)")
     from sharding import add_distributed_args
     add_distributed_args(p)
@@ -57,7 +60,8 @@ def run(args) -> int:
         raise ValueError(f"--mtp: checkpoint {args.checkpoint} has no MTP layer (num_nextn_predict_layers=0)")
     if mesh is not None:
         import sharding as S
-        out = S.sharded_logits(model, np.asarray([ids], np.int32), mesh, mtp=args.mtp)
+        opts = {} if args.impl is None else {"impl": args.impl}
+        out = S.sharded_logits(model, np.asarray([ids], np.int32), mesh, mtp=args.mtp, **opts)
         out = {"logits": out[0], "mtp_logits": out[1]} if args.mtp else {"logits": out}
         if not S.is_primary():
             return 0

@@ -1,8 +1,21 @@
 """`ling-jax make-checkpoint`: write a seeded random checkpoint in the release format.
 
     ling-jax make-checkpoint --config FILE --out DIR [--layers N] [--experts E]
-                             [--dtype fp8|bf16] [--seed S] [--header-only]
+                             [--dtype fp8|bf16] [--fp8-layout A|B] [--conv-dtype BF16|F32]
+                             [--seed S] [--header-only]
                              [--vocab V] [--hidden H] [--shards K] [--no-mtp] [--no-tokenizer] [--force]
+
+Storage layout (spec §12.7; the table is `ling_jax.checkpoint.layout.BF16_MATRICES`, shared with
+`ling-jax plan`): `--fp8-layout B` (default) keeps KDA b_proj and the MLA head-wise g_proj BF16, as
+the release config's modules_to_not_convert says and the spec prefers; `--fp8-layout A` keeps KDA
+b_proj and MLA kv_a_proj_with_mqa BF16 and stores g_proj FP8. `--conv-dtype` is the KDA conv taps'
+storage dtype (default BF16; the spec allows BF16 or F32). The published release size is reproduced by
+
+    ling-jax make-checkpoint --config config.ling-3.1-flash.json --out DIR --header-only \
+        --fp8-layout A --conv-dtype F32 --no-tokenizer
+    ling-jax inspect DIR --json      # 573,753,349,632 tensor bytes = 534.35 GiB
+
+(the defaults give 573,719,996,928 B = 534.32 GiB; layout B with F32 taps 573,732,383,232 B).
 
 Size overrides (applied by `apply_overrides`, re-validated by the config parser):
 
@@ -25,6 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ling_jax.checkpoint import layout as L
 from ling_jax.config import LingConfig
 
 
@@ -38,6 +52,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, metavar="V", help="override vocab_size")
     p.add_argument("--hidden", type=int, metavar="H", help="override hidden_size")
     p.add_argument("--dtype", choices=("fp8", "bf16"), default="fp8", help="weight format (default fp8)")
+    p.add_argument("--fp8-layout", metavar="A|B", default=L.DEFAULT_FP8_LAYOUT,
+                   help="which matrices fp8 keeps BF16 (spec §12.7): B = KDA b_proj + MLA head-wise g_proj "
+                        "(default; the release config's modules_to_not_convert), A = KDA b_proj + MLA "
+                        "kv_a_proj_with_mqa (with --conv-dtype F32: the published 534.35 GiB)")
+    p.add_argument("--conv-dtype", metavar="BF16|F32", default=L.DEFAULT_CONV_DTYPE,
+                   help=f"storage dtype of the KDA conv taps (default {L.DEFAULT_CONV_DTYPE})")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--header-only", action="store_true",
                    help="write headers/index with real shapes but no tensor bytes (parameter accounting)")
@@ -101,6 +121,16 @@ def apply_overrides(cfg: LingConfig, layers=None, experts=None, vocab=None, hidd
 def run(args) -> int:
     from ling_jax.checkpoint.writer import write_checkpoint
 
+    fp8_layout = getattr(args, "fp8_layout", L.DEFAULT_FP8_LAYOUT)
+    conv_dtype = getattr(args, "conv_dtype", L.DEFAULT_CONV_DTYPE)
+    try:
+        fp8_layout = L.check_fp8_layout(fp8_layout)
+    except ValueError:
+        raise ValueError(f"unknown --fp8-layout {fp8_layout!r} (expected A or B)") from None
+    try:
+        conv_dtype = L.check_conv_dtype(conv_dtype)
+    except ValueError:
+        raise ValueError(f"unknown --conv-dtype {conv_dtype!r} (expected BF16 or F32)") from None
     cfg = LingConfig.from_json(args.config)
     cfg = apply_overrides(cfg, layers=args.layers, experts=args.experts,
                           vocab=getattr(args, "vocab", None), hidden=getattr(args, "hidden", None))
@@ -115,8 +145,10 @@ def run(args) -> int:
                          tokenizer=tokenizer,
                          include_mtp=not getattr(args, "no_mtp", False),
                          overwrite=getattr(args, "force", False),
-                         progress=not getattr(args, "quiet", False) and sys.stderr.isatty())
+                         progress=not getattr(args, "quiet", False) and sys.stderr.isatty(),
+                         fp8_layout=fp8_layout, conv_dtype=conv_dtype)
     kind = "header-only " if s["header_only"] else ""
+    fmt = f"layout {s['fp8_layout']}, " if s["fp8_layout"] else ""
     print(f"wrote {kind}{s['dtype']} checkpoint {s['out_dir']}: {s['num_tensors']} tensors, "
-          f"{s['total_size']:,} tensor bytes in {s['num_shards']} shards")
+          f"{s['total_size']:,} tensor bytes in {s['num_shards']} shards ({fmt}conv taps {s['conv_dtype']})")
     return 0

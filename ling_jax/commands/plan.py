@@ -8,7 +8,10 @@ release format (FP8 matrices + one float32 scale per 128x128 block, the rest BF1
 mxfp4 = routed experts at 4.25 bits per weight, everything else as fp8. For the real config
 (MTP included) these are 1,065.66 / 534.35 / 291.64 GiB. The release's fp8 layout is taken to be
 "Layout A" of spec §12.7 (MLA kv_a_proj_with_mqa BF16, FP32 conv taps), the one that reproduces the
-published byte total; --fp8-layout B gives the layout our checkpoint writer uses (534.33 GiB).
+published byte total; --fp8-layout B gives the writer's default layout (534.33 GiB with FP32 taps).
+Both layouts come from one table, `ling_jax.checkpoint.layout.BF16_MATRICES`, which `ling-jax
+make-checkpoint --fp8-layout A|B --conv-dtype BF16|F32` writes, so `ling-jax inspect` on a header-only
+checkpoint written with `--fp8-layout A --conv-dtype F32` reports the same bytes as this command.
 
 Sharding rule over `--mesh data=D,expert=E,model=M` (missing axes are 1):
   * routed experts (main and MTP, with their scales): experts over the `expert` axis
@@ -56,7 +59,7 @@ def add_parser(subparsers):
     p.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer's weights and cache")
     p.add_argument("--fp8-layout", metavar="A|B", default=A.RELEASE_FP8_LAYOUT,
                    help="which MLA matrix the release keeps BF16: A = kv_a_proj_with_mqa (reproduces the "
-                        "published byte total; default), B = head-wise g_proj (what our writer writes)")
+                        "published byte total; default), B = head-wise g_proj (make-checkpoint's default)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 

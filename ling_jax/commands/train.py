@@ -18,7 +18,7 @@ def add_parser(sub):
     p.add_argument("--text", required=True, help="text file, or directory searched recursively (see --pattern)")
     p.add_argument("--pattern", default="*", help="file-name glob inside a --text directory (default: all files)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--config", default=None, help="model config.json (default: a 4-layer ~6M-parameter model)")
+    p.add_argument("--config", default=None, help="model config.json (default: the 6-layer 4M-parameter demo architecture)")
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size without --config")
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
@@ -30,6 +30,8 @@ def add_parser(sub):
     p.add_argument("--mtp-weight", type=float, default=0.3,
                    help="MTP loss weight when the config's mtp_loss_scaling_factor is 0")
     p.add_argument("--bias-rate", type=float, default=1e-3, help="expert_bias update rate (aux-loss-free balance)")
+    p.add_argument("--chunk-size", type=int, default=16,
+                   help="KDA chunk length (any value gives the same result; 16 is fastest for CPU training)")
     p.add_argument("--remat", action="store_true", help="rematerialise each decoder layer (less memory)")
     p.add_argument("--save-every", type=int, default=100, help="Orbax save interval in steps")
     p.add_argument("--seed", type=int, default=0)
@@ -120,7 +122,7 @@ def run(args) -> int:
     stream = BatchStream(tokens, args.batch, args.seq, args.seed)
     warm = args.warmup if args.warmup is not None else min(100, args.steps // 10)
     tcfg = TrainConfig(lr=args.lr, warmup_steps=warm, total_steps=args.steps, weight_decay=args.weight_decay,
-                       clip_norm=args.clip, mtp_weight=args.mtp_weight, remat=args.remat, bias_rate=args.bias_rate,
+                       clip_norm=args.clip, mtp_weight=args.mtp_weight, remat=args.remat, bias_rate=args.bias_rate, chunk_size=args.chunk_size,
                        seed=args.seed)
     trainer = Trainer(init_model(cfg, args.seed), tcfg)
     n_params = sum(int(np.prod(v.shape)) for v in trainer.state["params"].values())
