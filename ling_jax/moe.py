@@ -130,14 +130,11 @@ def grouped_matmul_tiled(xs: jax.Array, w: jax.Array, sizes: jax.Array, tile: in
 
 
 def capacity_levels(M: int, G: int) -> tuple[int, ...]:
-    """Static per-group row capacities tried by `grouped_matmul_capacity`, smallest first: powers of
-    two from twice the mean group size (at least 4), at most two, each below M."""
-    c = max(4, 1 << max(0, -(-2 * M // max(G, 1)) - 1).bit_length())
-    out = []
-    while c < M and len(out) < 2:
-        out.append(c)
-        c *= 2
-    return tuple(out)
+    """Static per-group row capacity tried by `grouped_matmul_capacity`: the power of two ≥ twice the
+    mean group size (at least 8), if below M. One level: each extra level is another compiled copy
+    of the expert matmuls in every MoE layer, and for balanced routing one suffices."""
+    c = max(8, 1 << max(0, -(-2 * M // max(G, 1)) - 1).bit_length())
+    return (c,) if c < M else ()
 
 
 def grouped_matmul_capacity(xs: jax.Array, w: jax.Array, sizes: jax.Array, capacity: int) -> jax.Array:
@@ -162,7 +159,7 @@ def grouped_matmul_capacity(xs: jax.Array, w: jax.Array, sizes: jax.Array, capac
 
 
 def grouped_matmul_cpu(xs: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """Exact grouped matmul for XLA:CPU: the smallest capacity level that holds the largest group
+    """Exact grouped matmul for XLA:CPU: the capacity level when it holds the largest group
     (`grouped_matmul_capacity`, ~2× the useful FLOPs as dense batched GEMMs), else the tiled scan.
     `lax.switch` runs only the chosen branch, so skewed routing costs time, never correctness."""
     levels = capacity_levels(xs.shape[0], w.shape[0])
