@@ -101,8 +101,6 @@ def test_params_differ_only_by_layout_rounding(ckpts):
 
 
 def test_logits_equal_dequantized_reference_in_both_layouts(ckpts):
-    import jax.numpy as jnp
-
     cfg, out = ckpts
     ids = np.random.default_rng(4).integers(0, cfg.vocab_size, size=19)
     got, models = {}, {}
