@@ -129,6 +129,13 @@ def unrolled(cfg: LingConfig, opts: dict) -> bool:
                                 and cfg.hidden_size >= UNROLL_MIN_HIDDEN)
 
 
+def _stack(vals: list, repeats: int, n: int):
+    """Per-layer values (pytrees, or all None) in (repeat, layer) order → stacked [repeats, n, ...]."""
+    if vals[0] is None:
+        return None
+    return jax.tree.map(lambda *xs: jnp.stack(xs).reshape((repeats, n) + xs[0].shape), *vals)
+
+
 def run_block_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, opts):
     """`run_block` with every layer applied in turn to its own (unstacked) parameters.
 
@@ -148,21 +155,15 @@ def run_block_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid
                 h, c, idx, extra = layers[li](h, c, lengths, n_valid, opts, f)
                 per_run[r][(g, i)] = (c, idx, extra)
     for r, run in enumerate(block.runs):
-        outs = per_run[r]
-
-        def restack(k, base=None):
-            vals = [outs[(g, i)][k] for g in range(block.repeats) for i in range(run.n)]
-            if vals[0] is None:
-                return None
-            if base is not None:  # in-place slot updates of the incoming stacked cache
-                for (g, i), v in zip(((g, i) for g in range(block.repeats) for i in range(run.n)), vals):
-                    base = jax.tree.map(lambda b, x: b.at[g, i].set(x.astype(b.dtype)), base, v)
-                return base
-            return jax.tree.map(lambda *xs: jnp.stack(xs).reshape((block.repeats, run.n) + xs[0].shape), *vals)
-
-        new_c.append(restack(0, caches[r]) if caches[r] is not None else restack(0))
-        idxs.append(restack(1))
-        extras.append(restack(2))
+        slots = [(g, i) for g in range(block.repeats) for i in range(run.n)]
+        c, idx, extra = (list(v) for v in zip(*(per_run[r][s] for s in slots)))
+        cache = caches[r]
+        if cache is not None:  # in-place slot updates of the incoming stacked cache
+            for (g, i), v in zip(slots, c):
+                cache = jax.tree.map(lambda b, x: b.at[g, i].set(x.astype(b.dtype)), cache, v)
+        new_c.append(cache if cache is not None else _stack(c, block.repeats, run.n))
+        idxs.append(_stack(idx, block.repeats, run.n))
+        extras.append(_stack(extra, block.repeats, run.n))
     return h, tuple(new_c), tuple(idxs), tuple(extras)
 
 
