@@ -8,7 +8,7 @@ are stored FP8 E4M3 + float32 `weight_scale_inv` per 128×128 block (dtype='fp8'
 copied from `tokenizer_dir` when given. The directory is written under a temporary name next to
 `out_dir` and renamed into place, so a failure never leaves a partial checkpoint.
 
-The inverse of `checkpoint.load.checkpoint_names`: stacked experts `[E, in, out]` become per-expert
+The inverse of `checkpoint.load.checkpoint_names`: stacked experts `[E, out, in]` become per-expert
 `[out, in]` matrices, conv taps `[P, K]` become `[P, 1, K]`, the MTP layer's `mtp.*` / `mtp.block.*`
 becomes `model.layers.{N}.*`.
 """
@@ -49,7 +49,7 @@ def model_tensors(model) -> dict[str, np.ndarray]:
             if a.shape[0] != len(names):
                 raise ValueError(f"{'.'.join(map(str, path))}: {a.shape[0]} stacked experts, config has {len(names)}")
             for e, n in enumerate(names):
-                out[n] = np.ascontiguousarray(a[e].T)
+                out[n] = np.ascontiguousarray(a[e])
         elif last in ("q_conv1d", "k_conv1d", "v_conv1d"):
             out[names[0]] = a.reshape(a.shape[0], 1, a.shape[1])
         else:
@@ -167,7 +167,7 @@ def quantize_like_export(model, dtype: str = "fp8"):
         a = np.asarray(var.get_value(), np.float32)
         last = str(path[-1])
         expert = len(path) >= 2 and str(path[-2]) == "experts" and last in ("gate_proj", "up_proj", "down_proj")
-        parts = [a[e].T for e in range(a.shape[0])] if expert else [a]
+        parts = [a[e] for e in range(a.shape[0])] if expert else [a]
 
         def rnd(x, n):
             s = specs[n]
@@ -176,7 +176,7 @@ def quantize_like_export(model, dtype: str = "fp8"):
             return x.astype(DTYPES[s.dtype]).astype(np.float32) if s.dtype != "F32" else x
 
         if expert:
-            r = np.stack([rnd(p, n).T for p, n in zip(parts, names)])
+            r = np.stack([rnd(p, n) for p, n in zip(parts, names)])
         elif last in ("q_conv1d", "k_conv1d", "v_conv1d"):
             r = rnd(a.reshape(a.shape[0], 1, -1), names[0]).reshape(a.shape)
         else:

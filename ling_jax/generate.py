@@ -69,7 +69,7 @@ def _is_stop(tok, stop_ids):
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "with_mtp", "fresh", "chunk_size", "impl"),
                    donate_argnames=("cache",))
 def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, key, *, sampling: SamplingParams,
-            with_mtp: bool, fresh: bool, chunk_size: int = 64, impl: str | None = None):
+            with_mtp: bool, fresh: bool, chunk_size: int | None = None, impl: str | None = None):
     """Feed [B,T] right-padded tokens (n_valid[b] real) into the cache.
 
     Returns (cache, logits at each row's last real token [B,V], sampled next token [B], last hidden
@@ -227,7 +227,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.n
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              sampling: SamplingParams = SamplingParams(), speculative: int = 0,
              stop_ids: Sequence[int] | None = None, max_len: int | None = None,
-             stream: Callable[[np.ndarray, np.ndarray], None] | None = None, chunk_size: int = 64,
+             stream: Callable[[np.ndarray, np.ndarray], None] | None = None, chunk_size: int | None = None,
              impl: str | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids of any lengths).
 

@@ -86,7 +86,7 @@ class DecoderLayer(nnx.Module):
                 a, cache, extra = self.attention(a_in, cache, n_valid, return_all_states=True, impl=opts.get("impl"))
             else:
                 a, cache = self.attention(a_in, cache, n_valid, mode=opts.get("kda_mode", "chunk"),
-                                          chunk_size=opts.get("chunk_size", 64), impl=opts.get("impl"))
+                                          chunk_size=opts.get("chunk_size"), impl=opts.get("impl"))
         else:
             a, cache = self.attention(a_in, cache, lengths, n_valid, form=opts.get("mla_form", "auto"),
                                       impl=opts.get("impl"))

@@ -173,9 +173,9 @@ def _expert_names(path, cfg) -> list[str]:
 def read_fp8_expert(reader, path, cfg, index) -> np.ndarray:
     """Block `index` of an FP8Experts parameter: raw float8 weights, or scales expanded along I.
 
-    Weight [E, a, b] = transposed checkpoint [b, a] matrices (raw float8_e4m3fn, no dequantisation).
+    Weight [E, out, in] = the checkpoint's per-expert matrices (raw float8_e4m3fn, no dequantisation).
     Scale: the checkpoint grid with its I axis (gate/up: rows, block bo; down: columns, block bi)
-    repeated per element, then transposed like the weight: gate/up [E, ceil(D/bi), I], down [E, I, ceil(D/bo)].
+    repeated per element: gate/up [E, I, ceil(D/bi)], down [E, ceil(D/bo), I].
     """
     names = _expert_names(path, cfg)
     e_sl, a_sl, b_sl = index if index is not None else (slice(None),) * 3
@@ -184,7 +184,7 @@ def read_fp8_expert(reader, path, cfg, index) -> np.ndarray:
     for e in range(len(names))[e_sl]:
         n = names[e]
         if not proj.endswith("_scale"):
-            out.append(reader.get_raw(n, index=(b_sl, a_sl)).T)
+            out.append(reader.get_raw(n, index=(a_sl, b_sl)))
             continue
         s = reader.get_scale(n)
         o, i = reader.info(n).shape
@@ -193,7 +193,7 @@ def read_fp8_expert(reader, path, cfg, index) -> np.ndarray:
             s = np.repeat(s, bi, axis=1)[:, :i]
         else:                        # checkpoint [I, D]: I is the row axis
             s = np.repeat(s, bo, axis=0)[:o, :]
-        out.append(s[b_sl, a_sl].T)
+        out.append(s[a_sl, b_sl])
     return np.ascontiguousarray(np.stack(out))
 
 

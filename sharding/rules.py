@@ -59,11 +59,11 @@ RULES: tuple[tuple[str, Any], ...] = (
     (rf"{_L}/attention/(?:q_a_proj|kv_a_proj_with_mqa)/weight", REPLICATED),
     (rf"{_L}/attention/(?:q_b_proj|kv_b_proj)/weight", ("model:heads", None)),
     (rf"{_L}/attention/dense/weight", (None, "model:heads")),
-    # MoE: router replicated (every token scores every expert); routed experts [E, D, I] / [E, I, D]
+    # MoE: router replicated (every token scores every expert); routed experts [E, I, D] / [E, D, I]
     # split over `expert`, their intermediate width I over `model` (FP8 scales likewise).
     (rf"{_L}/mlp/gate/(?:weight|expert_bias)", REPLICATED),
-    (rf"{_L}/mlp/experts/(?:gate_proj|up_proj)(?:_scale)?", ("expert", None, "model")),
-    (rf"{_L}/mlp/experts/down_proj(?:_scale)?", ("expert", "model", None)),
+    (rf"{_L}/mlp/experts/(?:gate_proj|up_proj)(?:_scale)?", ("expert", "model", None)),
+    (rf"{_L}/mlp/experts/down_proj(?:_scale)?", ("expert", None, "model")),
     # dense FFN and shared expert: intermediate width over `model`
     (rf"{_L}/mlp/(?:shared_experts/)?(?:gate_proj|up_proj)/weight", ("model", None)),
     (rf"{_L}/mlp/(?:shared_experts/)?down_proj/weight", (None, "model")),
@@ -222,11 +222,11 @@ class EPPlan:
 
 def expert_shapes(cfg, fp8: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    out = [("gate_proj", (E, D, I)), ("up_proj", (E, D, I)), ("down_proj", (E, I, D))]
+    out = [("gate_proj", (E, I, D)), ("up_proj", (E, I, D)), ("down_proj", (E, D, I))]
     if fp8:
         bo, bi = cfg.weight_block_size
-        out += [("gate_proj_scale", (E, -(-D // bi), I)), ("up_proj_scale", (E, -(-D // bi), I)),
-                ("down_proj_scale", (E, I, -(-D // bo)))]
+        out += [("gate_proj_scale", (E, I, -(-D // bi))), ("up_proj_scale", (E, I, -(-D // bi))),
+                ("down_proj_scale", (E, -(-D // bo), I))]
     return out
 
 

@@ -59,7 +59,7 @@ def test_convert_then_restore_on_another_mesh(ckpt, tmp_path):
     direct = S.load_any(ckpt, mesh, "float32", progress=False)  # HF directory → load_sharded
     assert_same_params(restored, direct, mesh)
     g = restored.model.layers[1].mlp.experts.gate_proj[...]
-    assert tuple(g.sharding.spec) == (None, None, "model") and restored.model.layers[1].mlp.ep_plan is not None
+    assert tuple(g.sharding.spec) == (None, "model", None) and restored.model.layers[1].mlp.ep_plan is not None
     # stored float32, restored as bfloat16: a plain cast
     bf = S.load_any(str(out), S.parse_mesh("expert=8"), "bfloat16", progress=False)
     x = bf.model.layers[2].mlp.experts.down_proj[...]
@@ -180,4 +180,4 @@ def test_conversion_host_memory_is_bounded(ckpt, tmp_path):
     growth = r["peak_rss"] - r["base_rss"]
     assert growth <= 64 * 2**20 + 3 * r["largest_group_bytes"], r
     assert growth < 0.5 * r["param_bytes"], r
-    assert r["tracemalloc_peak"] < r["largest_group_bytes"], r
+    assert r["tracemalloc_peak"] < 1.5 * r["largest_group_bytes"], r

@@ -144,41 +144,62 @@ def tiny_model_for(cfg, params, dtype):
     return _MODELS[key]
 
 
-@pytest.mark.parametrize("M,G,tile", [(37, 5, None), (64, 8, 8), (200, 16, 16), (9, 12, None)])
-def test_grouped_matmul_tiled_equals_ragged_dot(M, G, tile):
-    """The CPU tiled grouped matmul equals jax.lax.ragged_dot, empty groups included."""
-    from ling_jax.moe import grouped_matmul_tiled
-    rng = np.random.default_rng(M + G)
-    sizes = rng.multinomial(M, rng.dirichlet(np.ones(G) * 0.5))
-    xs = jnp.asarray(rng.standard_normal((M, 24)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((G, 24, 10)), jnp.float32)
-    ref = jax.lax.ragged_dot(xs, w, jnp.asarray(sizes, jnp.int32), precision=jax.lax.Precision.HIGHEST)
-    got = grouped_matmul_tiled(xs, w, jnp.asarray(sizes, jnp.int32), tile)
-    assert rel_err(got, ref) < 1e-6
-
-
-@pytest.mark.parametrize("M,G,top", [(1024, 64, 0.0), (64, 64, 0.0), (69, 8, 0.3), (69, 8, 1.0), (30, 4, 1.0)])
-def test_grouped_matmul_cpu_every_branch(M, G, top):
-    """The CPU grouped matmul (capacity levels, tiled fallback) equals a float64 per-group product.
-
-    `top` puts that share of the rows on group 0, so the largest group moves past the capacity
-    level (tiled fallback); 3 trailing rows are in no group and must come out 0."""
-    from ling_jax.moe import capacity_levels, grouped_matmul_cpu
-    rng = np.random.default_rng(M + G)
-    p = np.full(G, 1.0 / G) if top == 0 else np.r_[top, np.full(G - 1, (1 - top) / (G - 1))]
-    sizes = rng.multinomial(M - 3, p)
-    levels = capacity_levels(M, G)
-    branch = int(np.sum(sizes.max() > np.asarray(levels)))
-    xs = rng.standard_normal((M, 24))
-    w = rng.standard_normal((G, 24, 10))
-    ref = np.zeros((M, 10))
-    ends = np.cumsum(sizes)
-    for g in range(G):
-        ref[ends[g] - sizes[g]:ends[g]] = xs[ends[g] - sizes[g]:ends[g]] @ w[g]
-    got = jax.jit(grouped_matmul_cpu)(jnp.asarray(xs, jnp.float32), jnp.asarray(w, jnp.float32),
-                                      jnp.asarray(sizes, jnp.int32))
+@pytest.mark.parametrize("N,E,k,top,capacity", [(128, 64, 8, 0.0, None), (69, 8, 2, 0.6, 16), (30, 4, 2, 1.0, 3),
+                                                (8, 64, 8, 0.0, None), (5, 6, 3, 0.5, 1)])
+def test_routed_expert_paths_equal_float64(N, E, k, top, capacity):
+    """The CPU capacity path (one round, or several `while` rounds when an expert overflows its
+    capacity), the ragged_dot_general path (TPU/GPU) and the gather path equal a float64 per-assignment
+    product. `top` sends that share of the tokens to expert 0 (skewed routing); one assignment in
+    seven goes to no expert (id E, as on other devices' experts) and must come out 0."""
+    from ling_jax.moe import expert_capacity, experts_capacity, experts_gathered, experts_ragged
+    rng = np.random.default_rng(N + E)
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(N)])
+    idx[rng.random(N) < top, 0] = 0
+    flat = idx.reshape(-1).copy()
+    flat[::7] = E
+    D, I, lim = 24, 10, 0.7
+    x = rng.standard_normal((N, D))
+    wg, wu, wd = rng.standard_normal((E, I, D)), rng.standard_normal((E, I, D)), rng.standard_normal((E, D, I))
+    ref = np.zeros((N * k, D))
+    for m, e in enumerate(flat):
+        if e < E:
+            xv = x[m // k]
+            a = np.minimum(R.silu(wg[e] @ xv), lim) * np.clip(wu[e] @ xv, -lim, lim)
+            ref[m] = wd[e] @ a
+    cap = capacity or expert_capacity(N, k, E)
+    sizes = np.bincount(flat[flat < E], minlength=E)
+    assert (sizes.max() > cap) == (top > 0), (sizes.max(), cap)  # skewed cases really take several rounds
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    fl = jnp.asarray(flat, jnp.int32)
+    got = jax.jit(lambda *a: experts_capacity(*a[:2], k, *a[2:], lim, cap))(f32(x), fl, f32(wg), f32(wu), f32(wd))
     assert rel_err(got, ref) < 1e-5
-    assert np.all(np.asarray(got[M - 3:]) == 0)
-    expected = {(1024, 64, 0.0): 0, (64, 64, 0.0): 0, (69, 8, 0.3): 0, (69, 8, 1.0): "tiled", (30, 4, 1.0): "tiled"}
-    want = expected[(M, G, top)]
-    assert branch == (len(levels) if want == "tiled" else want), (sizes.max(), levels)
+    assert np.all(np.asarray(got)[flat == E] == 0)
+    got = jax.jit(lambda *a: experts_ragged(*a[:2], k, *a[2:], lim))(f32(x), fl, f32(wg), f32(wu), f32(wd))
+    assert rel_err(got, ref) < 1e-5
+    ok = flat < E
+    gi = jnp.asarray(np.where(ok, flat, 0).reshape(N, k), jnp.int32)
+    got = np.asarray(experts_gathered(f32(x), gi, f32(wg), f32(wu), f32(wd), lim)).reshape(N * k, D)
+    assert rel_err(got[ok], ref[ok]) < 1e-5
+
+
+def test_spilled_expert_gradients_equal_ragged():
+    """Gradients through the CPU capacity path with spilled rows (custom VJP over the `while` spill
+    loop) equal those through ragged_dot_general, for inputs, all three expert weights and the limit."""
+    from ling_jax.moe import experts_capacity, experts_ragged
+    rng = np.random.default_rng(7)
+    N, E, k, D, I = 40, 6, 2, 16, 8
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(N)])
+    idx[: N // 2, 0] = 0
+    idx[: N // 2, 1] = np.where(idx[: N // 2, 1] == 0, 1, idx[: N // 2, 1])  # expert 0 gets ~N/2 rows
+    flat = jnp.asarray(idx.reshape(-1), jnp.int32)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((N, D), (E, I, D), (E, I, D), (E, D, I))]
+    ct = jnp.asarray(rng.standard_normal((N * k, D)), jnp.float32)
+    lim = jnp.asarray(0.8, jnp.float32)
+    cap = 8  # expert 0 holds ~20 rows: two spill rounds of C2 = 8
+    f = lambda x, g, u, d, l: jnp.sum(ct * experts_capacity(x, flat, k, g, u, d, l, cap))
+    r = lambda x, g, u, d, l: jnp.sum(ct * experts_ragged(x, flat, k, g, u, d, l))
+    got = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(*args, lim)
+    ref = jax.jit(jax.grad(r, argnums=(0, 1, 2, 3, 4)))(*args, lim)
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-5
+    assert np.bincount(idx.ravel())[0] > 2 * cap  # rows really spill (two rounds past the capacity)

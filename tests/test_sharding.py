@@ -99,9 +99,9 @@ def test_rules_cover_the_real_model_and_split_it():
     abstract = _abstract(cfg, fp8=True)
     specs = S.param_specs(abstract, mesh, cfg)
     by = {"/".join(map(str, k)): as_tuple(v, 3) for k, v in specs.items()}
-    assert by["model/layers/5/mlp/experts/gate_proj"] == ("expert", None, "model")
-    assert by["model/layers/5/mlp/experts/down_proj"] == ("expert", "model", None)
-    assert by["model/layers/5/mlp/experts/down_proj_scale"] == ("expert", "model", None)
+    assert by["model/layers/5/mlp/experts/gate_proj"] == ("expert", "model", None)
+    assert by["model/layers/5/mlp/experts/down_proj"] == ("expert", None, "model")
+    assert by["model/layers/5/mlp/experts/down_proj_scale"] == ("expert", None, "model")
     assert by["model/layers/0/attention/q_proj/weight_scale_inv"][:2] == (None, None)  # FP8Linear scales
     assert by["model/layers/0/attention/q_proj/weight"][:2] == ("model", None)
     assert by["model/layers/0/attention/o_proj/weight"][:2] == (None, "model")
@@ -146,8 +146,8 @@ def test_divisibility_fallback_replicates_that_dim():
     assert S.resolve("model/layers/0/attention/q_proj/weight", (64, 64), mesh, 8) == P("model", None)
     assert S.resolve("model/layers/0/mlp/up_proj/weight", (96, 64), mesh, 4) == P("model", None)
     mesh = S.parse_mesh("expert=8")
-    assert S.resolve("model/layers/1/mlp/experts/gate_proj", (12, 64, 24), mesh, 4) == P(None, None, None)
-    assert S.resolve("model/layers/1/mlp/experts/gate_proj", (16, 64, 24), mesh, 4) == P("expert", None, None)
+    assert S.resolve("model/layers/1/mlp/experts/gate_proj", (12, 24, 64), mesh, 4) == P(None, None, None)
+    assert S.resolve("model/layers/1/mlp/experts/gate_proj", (16, 24, 64), mesh, 4) == P("expert", None, None)
 
 
 def cache_leaf_specs(specs):
@@ -205,7 +205,7 @@ def test_sharded_logits_match_single_device(ckpt, reference, spec):
     e, m = ("expert" if sizes["expert"] > 1 else None), ("model" if sizes["model"] > 1 else None)
     L = model.model.layers
     checks = [
-        (L[1].mlp.experts.gate_proj, (e, None, m)), (L[2].mlp.experts.down_proj, (e, m, None)),
+        (L[1].mlp.experts.gate_proj, (e, m, None)), (L[2].mlp.experts.down_proj, (e, None, m)),
         (L[0].attention.q_proj.weight, (m, None)), (L[0].attention.o_proj.weight, (None, m)),
         (L[0].attention.q_conv1d, (m, None)), (L[0].attention.dt_bias, (m,)), (L[0].attention.A_log, (m,)),
         (L[3].attention.kv_b_proj.weight, (m, None)), (L[3].attention.dense.weight, (None, m)),
@@ -213,7 +213,7 @@ def test_sharded_logits_match_single_device(ckpt, reference, spec):
         (L[0].mlp.gate_proj.weight, (m, None)), (L[0].mlp.down_proj.weight, (None, m)),
         (L[1].mlp.shared_experts.up_proj.weight, (m, None)),
         (model.model.word_embeddings.weight, (m, None)), (model.lm_head.weight, (m, None)),
-        (model.mtp.block.mlp.experts.up_proj, (e, None, m)), (model.mtp.eh_proj.weight, (None, m)),
+        (model.mtp.block.mlp.experts.up_proj, (e, m, None)), (model.mtp.eh_proj.weight, (None, m)),
     ]
     for var, want in checks:
         x = var[...]
@@ -221,7 +221,7 @@ def test_sharded_logits_match_single_device(ckpt, reference, spec):
         assert x.sharding.mesh.shape == mesh.shape
     # each device really holds only its block
     g = L[1].mlp.experts.gate_proj[...]
-    assert g.addressable_shards[0].data.shape == (8 // sizes["expert"], 64, 24 // sizes["model"])
+    assert g.addressable_shards[0].data.shape == (8 // sizes["expert"], 24 // sizes["model"], 64)
     assert L[1].mlp.ep_plan is not None
     ref, ref_mtp = reference
     if spec == "expert=4,model=2":  # the MTP layer too (once: each variant is a separate compile)
@@ -242,9 +242,9 @@ def test_keep_fp8_on_mesh(ckpt, reference):
     ex = L[2].mlp.experts
     assert type(ex).__name__ == "FP8Experts"
     assert ex.gate_proj[...].dtype == jnp.float8_e4m3fn and ex.down_proj_scale[...].dtype == jnp.float32
-    assert spec_of(ex.gate_proj[...]) == ("expert", None, "model")
-    assert spec_of(ex.gate_proj_scale[...]) == ("expert", None, "model")
-    assert spec_of(ex.down_proj_scale[...]) == ("expert", "model", None)
+    assert spec_of(ex.gate_proj[...]) == ("expert", "model", None)
+    assert spec_of(ex.gate_proj_scale[...]) == ("expert", "model", None)
+    assert spec_of(ex.down_proj_scale[...]) == ("expert", None, "model")
     for lin, want in [(L[0].attention.q_proj, ("model", None)), (L[0].attention.o_proj, (None, "model")),
                       (L[3].attention.kv_b_proj, ("model", None)), (L[3].attention.dense, (None, "model")),
                       (L[3].attention.q_a_proj, (None, None)), (L[0].mlp.gate_proj, ("model", None)),
@@ -286,7 +286,7 @@ def test_expert_parallel_kernel():
     """experts_ep (shard_map + psum) equals the single-device grouped MoE for both inner paths
     (grouped / gather), dense and FP8 (dequantised inside the matmul) weights, a traced SwiGLU limit
     and tokens split over `data`."""
-    from ling_jax.moe import dequant_in, dequant_out, experts_ep, experts_grouped
+    from ling_jax.moe import dequant_cols, dequant_rows, experts_ep, experts_grouped
 
     mesh = S.parse_mesh("data=2,expert=2,model=2")  # all three axes at once
     E, D, I, N, k, b = 8, 64, 24, 6, 3, 16
@@ -295,17 +295,17 @@ def test_expert_parallel_kernel():
     idx = jnp.asarray(np.stack([r.permutation(E)[:k] for _ in range(N)]), jnp.int32)
     wts = jnp.asarray(r.uniform(0.1, 1.0, (N, k)), jnp.float32)
     f8 = [jnp.asarray(np.clip(r.standard_normal(s) * 100, -440, 440), jnp.float32).astype(jnp.float8_e4m3fn)
-          for s in ((E, D, I), (E, D, I), (E, I, D))]
-    sc = [jnp.asarray(r.uniform(1e-3, 2e-3, s), jnp.float32) for s in ((E, D // b, I), (E, D // b, I), (E, I, D // b))]
-    dense = [dequant_in(f8[0], sc[0], b, jnp.float32), dequant_in(f8[1], sc[1], b, jnp.float32),
-             dequant_out(f8[2], sc[2], b, jnp.float32)]
+          for s in ((E, I, D), (E, I, D), (E, D, I))]
+    sc = [jnp.asarray(r.uniform(1e-3, 2e-3, s), jnp.float32) for s in ((E, I, D // b), (E, I, D // b), (E, D // b, I))]
+    dense = [dequant_cols(f8[0], sc[0], b, jnp.float32), dequant_cols(f8[1], sc[1], b, jnp.float32),
+             dequant_rows(f8[2], sc[2], b, jnp.float32)]
     limit = jnp.asarray(0.6, jnp.float32)
     ref = jnp.einsum("nkd,nk->nd", experts_grouped(x, idx, *dense, 0.6), wts, precision="highest")
     names = ["gate_proj", "up_proj", "down_proj", "gate_proj_scale", "up_proj_scale", "down_proj_scale"]
     for fp8 in (False, True):
         ws = f8 + sc if fp8 else dense
         specs = tuple(S.resolve(f"model/layers/1/mlp/experts/{n}", w.shape, mesh, 4) for n, w in zip(names, ws))
-        assert specs[0] == P("expert", None, "model")
+        assert specs[0] == P("expert", "model", None)
         ws = [jax.device_put(w, jax.sharding.NamedSharding(mesh, sp)) for w, sp in zip(ws, specs)]
         plan = S.EPPlan(mesh, specs)
         for impl in ("grouped", "gather"):

@@ -1,7 +1,7 @@
 """Checkpoint tensors → the NNX parameter tree.
 
 The module tree mirrors the checkpoint names, so the mapping is a path join plus three
-structural differences: routed experts are stacked `[E, in, out]`, conv taps drop their middle
+structural differences: routed experts are stacked `[E, out, in]`, conv taps drop their middle
 axis (`[P,1,K]` → `[P,K]`), and the MTP layer (`model.layers.{N}.*`) lives under `mtp` with its
 attention/MLP block under `mtp.block`. Tensors are read one at a time (never the whole checkpoint).
 """
@@ -57,7 +57,7 @@ def checkpoint_names(path: tuple, cfg: LingConfig) -> tuple[str, list[str], Call
     if len(p) >= 2 and p[-2] == "experts" and p[-1] in _EXPERT_PROJ:
         prefix = ".".join(p[:-1])
         names = [f"{prefix}.{e}.{p[-1]}.weight" for e in range(cfg.num_experts)]
-        return name, names, lambda arrs: np.stack([a.T for a in arrs])
+        return name, names, lambda arrs: np.stack(arrs)
     if p[-1] in ("q_conv1d", "k_conv1d", "v_conv1d"):
         return name, [name + ".weight"], lambda arrs: arrs[0].reshape(arrs[0].shape[0], -1)
     if p[-1] == "o_norm":
@@ -69,16 +69,22 @@ def read_param(reader, path: tuple, cfg: LingConfig, index=None, dtype=np.float3
     """One parameter, or the block `index` of it, read straight from the checkpoint (sharded loading).
 
     `index`: a tuple of slices over the *parameter's* shape (what `Sharding.devices_indices_map`
-    gives), None for all of it. Only the bytes of that block are read: stacked experts `[E, in, out]`
-    read just the experts in index[0], each as the transposed sub-block of its `[out, in]` matrix;
+    gives), None for all of it. Only the bytes of that block are read: stacked experts `[E, out, in]`
+    read just the experts in index[0], each as the sub-block of its `[out, in]` matrix;
     conv taps read rows of `[P, 1, K]`. FP8 tensors are dequantized (reader.get).
     """
     _, names, _ = checkpoint_names(path, cfg)
     p = [str(x) for x in path]
     if len(p) >= 2 and p[-2] == "experts" and p[-1] in _EXPERT_PROJ:
         e_sl, a_sl, b_sl = index if index is not None else (slice(None),) * 3
-        return np.stack([reader.get(names[e], dtype=dtype, index=(b_sl, a_sl)).T
-                         for e in range(len(names))[e_sl]])
+        sel = range(len(names))[e_sl]
+        out = None
+        for i, e in enumerate(sel):  # filled in place: one expert's block in flight, never a list + a stacked copy
+            blk = reader.get(names[e], dtype=dtype, index=(a_sl, b_sl))
+            if out is None:
+                out = np.empty((len(sel),) + blk.shape, blk.dtype)
+            out[i] = blk
+        return out
     if p[-1] in ("q_conv1d", "k_conv1d", "v_conv1d"):
         r_sl, k_sl = index if index is not None else (slice(None),) * 2
         a = reader.get(names[0], dtype=dtype, index=(r_sl, slice(None), k_sl))
