@@ -394,7 +394,7 @@ def experts_ep(x, idx, wts, weights, limit, plan, impl: str, blocks=None):
 
     tp = P(tok, None)
     lim = jnp.asarray(limit, jnp.float32)  # may be traced (per-layer SwiGLULimit): an explicit replicated input
-    # check_vma=False: the inner kernels (e.g. the tiled grouped matmul's scan) start carries from
+    # check_vma=False: the inner kernels (e.g. the CPU spill loop) start carries from
     # fresh zeros, which the varying-manual-axes type check would reject; psum makes the output
     # replicated over expert/model, as out_specs states.
     fn = jax.shard_map(body, mesh=mesh, in_specs=(tp, tp, tp, P()) + tuple(plan.specs[:len(weights)]), out_specs=tp,

@@ -34,7 +34,7 @@ from sharding.rules import resolve
 
 META = "ling_jax_orbax.json"
 FORMAT = "ling-jax-orbax"
-VERSION = 1
+VERSION = 2  # v2: routed experts stored [E, out, in] (v1: [E, in, out]); a v1 directory must be reconverted
 SKIP_SUFFIXES = (".safetensors",)
 SKIP_FILES = ("model.safetensors.index.json",)
 
@@ -200,7 +200,10 @@ def load_converted(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"{path}: {META} is not a {FORMAT} v{VERSION} marker")
+        old = meta.get("format") == FORMAT and meta.get("version") == 1
+        raise ValueError(f"{path}: {META} is not a {FORMAT} v{VERSION} marker" + (
+            " (it is v1, written before routed experts moved to the [E, out, in] layout: run "
+            "`ling-jax convert` on the original checkpoint again)" if old else ""))
     stored_fp8 = bool(meta["keep_fp8"])
     if keep_fp8 is not None and bool(keep_fp8) != stored_fp8:
         raise ValueError(f"{path}: converted {'with' if stored_fp8 else 'without'} --keep-fp8; "

@@ -103,6 +103,15 @@ def _partial_run(ckpt, out, code):
     return subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
 
 
+def test_v1_conversion_is_refused_with_the_reason(tmp_path):
+    """A directory converted before the [E, out, in] expert layout (marker v1) is refused by name."""
+    d = tmp_path / "old"
+    d.mkdir()
+    (d / "ling_jax_orbax.json").write_text(json.dumps({"format": "ling-jax-orbax", "version": 1}))
+    with pytest.raises(ValueError, match=r"v1, written before routed experts moved to the \[E, out, in\]"):
+        S.load_converted(str(d), S.parse_mesh("expert=8"))
+
+
 def test_interrupted_conversion_leaves_nothing_complete(ckpt, tmp_path):
     out = str(tmp_path / "conv")
     partial = str(tmp_path / ".conv.converting")

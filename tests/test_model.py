@@ -4,7 +4,6 @@ float32 logits within 1e-4 relative. bfloat16 end to end is compared with the ro
 pinned to the reference's (unpinned, near-tie routing flips make random-checkpoint bf16 logits
 drift; the flip rate is measured by tools/measure_bf16_drift.py and reported in the README).
 """
-import json
 
 import jax.numpy as jnp
 import numpy as np

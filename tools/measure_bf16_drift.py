@@ -26,7 +26,6 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    import jax.numpy as jnp
 
     from ling_jax.checkpoint.writer import tiny_config, write_checkpoint
     from ling_jax.config import LingConfig

@@ -11,7 +11,6 @@ about which modules are quantized. The reader opens files read-only and never wr
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import numpy as np
