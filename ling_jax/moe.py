@@ -115,11 +115,13 @@ def expert_capacity(N: int, k: int, E: int) -> int:
 
 def _expert_block(x, wg, wu, wd, buf, limit):
     """SwiGLU experts over per-expert row buffers: buf [E',C,D], wg/wu [E',I,D], wd [E',D,I] → [E',D,C].
-    The token axis stays last (`eid,ecd->eic`): XLA:CPU's batched GEMMs run 2-3× faster in this
-    orientation than with tokens first, and `h` needs no transpose between the projections."""
+    The token axis stays last (`eid,edc->eic`): XLA:CPU's batched GEMMs run 2-3× faster in this
+    orientation than with tokens first, and `h` needs no transpose between the projections; the
+    small buffer is transposed once to `[E',D,C]` (a further 2-7% on prefill than `eid,ecd->eic`)."""
     prec = precision(x.dtype)
-    g = jnp.einsum("eid,ecd->eic", wg.astype(x.dtype), buf, precision=prec, preferred_element_type=jnp.float32)
-    u = jnp.einsum("eid,ecd->eic", wu.astype(x.dtype), buf, precision=prec, preferred_element_type=jnp.float32)
+    bt = jnp.swapaxes(buf, 1, 2)  # [E',D,C]
+    g = jnp.einsum("eid,edc->eic", wg.astype(x.dtype), bt, precision=prec, preferred_element_type=jnp.float32)
+    u = jnp.einsum("eid,edc->eic", wu.astype(x.dtype), bt, precision=prec, preferred_element_type=jnp.float32)
     h = swiglu_act(g, u, limit).astype(x.dtype)
     return jnp.einsum("edi,eic->edc", wd.astype(x.dtype), h, precision=prec, preferred_element_type=jnp.float32)
 
@@ -127,8 +129,9 @@ def _expert_block(x, wg, wu, wd, buf, limit):
 def experts_capacity(x, flat, k: int, wg, wu, wd, limit, capacity: int, spill: tuple[int, int] | None = None):
     """Routed experts as dense batched matmuls over per-expert buffers of `capacity` rows (XLA:CPU).
 
-    x: [N,D]; flat: [N·k] expert id of each assignment (token = position // k; ids ≥ E: none);
-    wg, wu: [E,I,D]; wd: [E,D,I] (checkpoint `[out, in]` per expert). Returns [N·k, D] per-assignment
+    x: [N,D]; flat: [N·k] expert id of each assignment (token = position // k; ids ≥ E: none; a
+    token's k ids are distinct, as `route` gives them); wg, wu: [E,I,D]; wd: [E,D,I] (checkpoint
+    `[out, in]` per expert). Returns [N·k, D] per-assignment
     outputs (0 for ids ≥ E). Why: XLA:CPU lowers ragged_dot densely (E× the work); a batched matmul
     over all experts reads each weight once, in place.
 
@@ -416,7 +419,8 @@ class MoE(nnx.Module):
                                if cfg.num_shared_experts else None)
 
     def __call__(self, x, forced_idx=None, impl: str = "auto", kernel_impl: str | None = None):
-        """x: [B,T,D] → (y [B,T,D], expert ids [B,T,k]). `forced_idx` pins the routing decisions.
+        """x: [B,T,D] → (y [B,T,D], expert ids [B,T,k]). `forced_idx` pins the routing decisions
+        (k distinct experts per token, as the router picks them).
 
         impl: routed-expert path ("auto" | "gather" | "grouped" | "ep"). kernel_impl: "xla" | "pallas" |
         None for the shared expert's FP8-kept projections. FP8 routed experts (`FP8Experts`) always
