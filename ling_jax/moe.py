@@ -142,13 +142,13 @@ def experts_capacity(x, flat, k: int, wg, wu, wd, limit, capacity: int, spill: t
     routing costs time, never correctness; gradients flow through both parts.
     """
     M = flat.shape[0]
-    rank, _ = expert_ranks(flat, wg.shape[0])
+    E = wg.shape[0]
+    rank, sizes = expert_ranks(flat, E)
     out = _capacity_pass(x, flat, rank, k, wg, wu, wd, limit, capacity, 0)
     if capacity >= M // k:  # a token picks an expert at most once: ≤ N rows per expert, nothing spills
         return out
-    E = wg.shape[0]
     P, C2 = spill or (max(1, min(8, E // 16)), max(8, capacity // 2))
-    return out + _spilled(x, flat, k, wg, wu, wd, limit, capacity, (min(P, E), C2))
+    return out + _spilled(x, flat, rank, sizes, k, wg, wu, wd, limit, capacity, (min(P, E), C2))
 
 
 def _capacity_pass(x, flat, rank, k, wg, wu, wd, limit, capacity, first):
@@ -164,12 +164,12 @@ def _capacity_pass(x, flat, rank, k, wg, wu, wd, limit, capacity, first):
     return jnp.where(ok[:, None], y[e_of, :, jnp.where(ok, local, 0)].astype(x.dtype), 0)
 
 
-def _spill_loop(x, flat, k, wg, wu, wd, limit, capacity, spill):
-    """Outputs of the assignments ranked ≥ capacity (0 elsewhere), P experts × C2 rows per `while` round."""
+def _spill_loop(x, flat, rank, sizes, k, wg, wu, wd, limit, capacity, spill):
+    """Outputs of the assignments ranked ≥ capacity (0 elsewhere), P experts × C2 rows per `while` round.
+    rank, sizes: `expert_ranks(flat, E)`."""
     M = flat.shape[0]
     E, D = wg.shape[0], x.shape[-1]
     P, C2 = spill
-    rank, sizes = expert_ranks(flat, E)
     valid = flat < E
     e_of = jnp.where(valid, flat, 0)
     xa = x[jnp.arange(M) // k]
@@ -191,11 +191,10 @@ def _spill_loop(x, flat, k, wg, wu, wd, limit, capacity, spill):
     return jax.lax.while_loop(lambda c: jnp.any(sizes > c[0]), spill_round, init)[1]
 
 
-def _spill_rounds(x, flat, k, wg, wu, wd, limit, capacity):
+def _spill_rounds(x, flat, rank, sizes, k, wg, wu, wd, limit, capacity):
     """Same values as `_spill_loop`, as a `scan` over the ⌈N/capacity⌉ − 1 possible further full
     passes (each skipped by `cond` when no expert reaches it): reverse-differentiable, unlike `while`."""
     N = flat.shape[0] // k
-    rank, sizes = expert_ranks(flat, wg.shape[0])
     most = jnp.max(sizes)
 
     def body(out, r):
@@ -207,21 +206,22 @@ def _spill_rounds(x, flat, k, wg, wu, wd, limit, capacity):
     return jax.lax.scan(body, out, jnp.arange(1, -(-N // capacity)))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 7, 8))
-def _spilled(x, flat, k, wg, wu, wd, limit, capacity, spill):
-    return _spill_loop(x, flat, k, wg, wu, wd, limit, capacity, spill)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 9, 10))
+def _spilled(x, flat, rank, sizes, k, wg, wu, wd, limit, capacity, spill):
+    return _spill_loop(x, flat, rank, sizes, k, wg, wu, wd, limit, capacity, spill)
 
 
-def _spilled_fwd(x, flat, k, wg, wu, wd, limit, capacity, spill):
-    return _spill_loop(x, flat, k, wg, wu, wd, limit, capacity, spill), (x, flat, wg, wu, wd, limit)
+def _spilled_fwd(x, flat, rank, sizes, k, wg, wu, wd, limit, capacity, spill):
+    out = _spill_loop(x, flat, rank, sizes, k, wg, wu, wd, limit, capacity, spill)
+    return out, (x, flat, rank, sizes, wg, wu, wd, limit)
 
 
 def _spilled_bwd(k, capacity, spill, res, ct):
-    x, flat, wg, wu, wd, limit = res
-    _, vjp = jax.vjp(lambda x, wg, wu, wd, limit: _spill_rounds(x, flat, k, wg, wu, wd, limit, capacity),
+    x, flat, rank, sizes, wg, wu, wd, limit = res
+    _, vjp = jax.vjp(lambda x, wg, wu, wd, limit: _spill_rounds(x, flat, rank, sizes, k, wg, wu, wd, limit, capacity),
                      x, wg, wu, wd, limit)
     gx, gg, gu, gd, gl = vjp(ct)
-    return gx, None, gg, gu, gd, gl
+    return gx, None, None, None, gg, gu, gd, gl
 
 
 _spilled.defvjp(_spilled_fwd, _spilled_bwd)
@@ -362,9 +362,12 @@ def experts_local(x, idx, wts, e0, weights, limit, impl: str, blocks=None):
     bi, bo = blocks if blocks is not None else (None, None)
     if impl == "gather":
         li = jnp.where(mine, loc, 0)
-        sc = (None,) * 3 if blocks is None else tuple(s[li] for s in weights[3:])
-        y = experts_gathered(x, li, deq(wg[li], sc[0], dequant_cols, bi), deq(wu[li], sc[1], dequant_cols, bi),
-                             deq(wd[li], sc[2], dequant_rows, bo), limit, gathered=True)
+        if blocks is None:  # each token gathers its experts inside the per-token loop
+            y = experts_gathered(x, li, wg, wu, wd, limit)
+        else:               # FP8: gather weights + scales, dequantise, then the same per-token loop
+            sg, su, sd = (s[li] for s in weights[3:])
+            y = experts_gathered(x, li, dequant_cols(wg[li], sg, bi, dt), dequant_cols(wu[li], su, bi, dt),
+                                 dequant_rows(wd[li], sd, bo, dt), limit, gathered=True)
     else:
         sc = (None,) * 3 if blocks is None else weights[3:]
         ws = (deq(wg, sc[0], dequant_cols, bi), deq(wu, sc[1], dequant_cols, bi), deq(wd, sc[2], dequant_rows, bo))
@@ -446,19 +449,13 @@ class MoE(nnx.Module):
             # gather copies each assignment's expert weights before reading them (3 passes per
             # assignment); the grouped path reads each expert once: gather wins while 3·N·k ≤ E.
             "gather" if 3 * B * T * idx.shape[1] <= self.cfg.num_experts else "grouped")
-        if plan is not None or fp8:
-            weights = ex.weights() if fp8 else (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
-            blocks = (ex.block_in, ex.block_out) if fp8 else None
-            if plan is not None:
-                y = experts_ep(xf, idx, wts, weights, self.routed_limit[...], plan, inner, blocks)
-            else:
-                y = experts_local(xf, idx, wts, 0, weights, self.routed_limit[...], inner, blocks)
-            y = y.astype(x.dtype)
-        else:
-            fn = experts_gathered if inner == "gather" else experts_grouped
-            y = fn(xf, idx, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...], self.routed_limit[...])
-            y = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), wts,
-                           precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        weights = ex.weights() if fp8 else (ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])
+        blocks = (ex.block_in, ex.block_out) if fp8 else None
+        if plan is not None:
+            y = experts_ep(xf, idx, wts, weights, self.routed_limit[...], plan, inner, blocks)
+        else:  # one device holds every expert: the local kernel with all of them
+            y = experts_local(xf, idx, wts, 0, weights, self.routed_limit[...], inner, blocks)
+        y = y.astype(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf, kernel_impl)
         return y.reshape(B, T, D), idx.reshape(B, T, -1)
