@@ -1,0 +1,110 @@
+"""`ExecConfig`: every execution choice of the model, as named fields of one frozen dataclass.
+
+Why one object: the same parameters run as a cache-free forward, a chunked prefill, a decode
+step, a speculative verification and a training step, on CPU, TPU or GPU, on one device or a
+mesh. Each of those is a *choice of how to compute*, never a change of what is computed, so it
+lives here, outside the parameters. An ExecConfig is hashable and static under `jit`: a jitted
+function that takes one compiles once per distinct value.
+
+`ExecConfig.for_backend(platform, cfg)` is the one place where defaults depend on the backend
+(Pallas on TPU/GPU, XLA on CPU; KDA chunk 16 on CPU, 64 elsewhere; capacity-batched experts on
+XLA:CPU, where `ragged_dot` is dense) or on the model's shape (layer loop). The model carries the
+resolved config as `model.exec`; a call may pass another (usually `dataclasses.replace(model.exec,
+kda_mode="recurrent")`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+KERNELS = ("xla", "pallas")
+EXPERT_PATHS = ("auto", "gather", "grouped")
+GROUPED_MATMULS = ("capacity", "ragged")
+KDA_MODES = ("chunk", "recurrent")
+MLA_FORMS = ("auto", "expanded", "absorbed")
+LAYER_LOOPS = ("scan", "unroll")
+
+#: The layer loop unrolls schedules of at most this many layers whose hidden size is at least
+#: UNROLL_MIN_HIDDEN. Why both: a scan makes XLA:CPU copy each layer's weight slices (cost ∝ weight
+#: bytes), while unrolling costs compile time ∝ layer count; small test models compile faster
+#: scanned and lose nothing, the 72-layer release compiles 6 layer bodies instead of 72.
+UNROLL_MAX_LAYERS = 24
+UNROLL_MIN_HIDDEN = 512
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"ExecConfig.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecConfig:
+    """How to run the model (never what it computes: every choice gives the same numbers).
+
+    kernels: "xla" | "pallas": KDA chunk/step, absorbed-MLA core and FP8 linear kernels
+        (`pallas_kernels`; a Pallas call on CPU runs in interpret mode, for tests).
+    experts: routed-expert path. "gather" reads only the selected experts' weights (few tokens),
+        "grouped" one grouped matmul over tokens sorted by expert, "auto" picks gather while
+        3·N·k ≤ E (gather copies each selected expert; grouped reads every expert once).
+    grouped_matmul: how "grouped" runs: "ragged" (`ragged_dot_general`, a native grouped GEMM on
+        TPU/GPU) or "capacity" (dense batched matmuls over per-expert buffers + spill; XLA:CPU).
+    kda_mode: "chunk" (WY-form chunked scan, prefill) | "recurrent" (token by token, decode).
+    kda_chunk: tokens per KDA chunk.
+    mla_form: "expanded" | "absorbed" | "auto" (expanded when the keys are the new tokens only,
+        absorbed over a cache).
+    layer_loop: "scan" (repeated layer groups scanned: short compiles) | "unroll" (each layer reads
+        its own weights in place: faster on XLA:CPU for shallow, wide models).
+    kda_states: also return every per-token KDA state (speculative verification → `kda_rollback`).
+    skip_logits: do not compute full-sequence logits (prefill needs only the last position's).
+    remat: None, or a `jax.checkpoint_policies` name: every decoder layer body is rematerialised
+        under it in the backward pass (training).
+    mesh: None (one device) or the `jax.sharding.Mesh` the parameters live on; the routed experts
+        then run expert-parallel inside `shard_map` over its `expert`/`model` axes.
+    """
+    kernels: str = "xla"
+    experts: str = "auto"
+    grouped_matmul: str = "ragged"
+    kda_mode: str = "chunk"
+    kda_chunk: int = 64
+    mla_form: str = "auto"
+    layer_loop: str = "scan"
+    kda_states: bool = False
+    skip_logits: bool = False
+    remat: Optional[str] = None
+    mesh: Any = None
+
+    def __post_init__(self):
+        _choice("kernels", self.kernels, KERNELS)
+        _choice("experts", self.experts, EXPERT_PATHS)
+        _choice("grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
+        _choice("kda_mode", self.kda_mode, KDA_MODES)
+        _choice("mla_form", self.mla_form, MLA_FORMS)
+        _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
+        if not isinstance(self.kda_chunk, int) or isinstance(self.kda_chunk, bool) or self.kda_chunk < 1:
+            raise ValueError(f"ExecConfig.kda_chunk must be a positive int, got {self.kda_chunk!r}")
+        if self.remat is not None:
+            import jax
+            if not callable(getattr(jax.checkpoint_policies, str(self.remat), None)):
+                raise ValueError(f"ExecConfig.remat must be None or a jax.checkpoint_policies name, "
+                                 f"got {self.remat!r}")
+
+    @classmethod
+    def for_backend(cls, platform: str | None = None, cfg=None, **overrides) -> "ExecConfig":
+        """Defaults for `platform` ("cpu" | "gpu" | "tpu"; None = `jax.default_backend()`) and, when
+        given, the model config `cfg` (decides the layer loop). `overrides` replace any field;
+        `kernels=None`/`kda_chunk=None`/`layer_loop=None` mean "the default" (handy for CLI flags)."""
+        if platform is None:
+            import jax
+            platform = jax.default_backend()
+        accel = platform in ("tpu", "gpu", "cuda", "rocm")
+        unroll = (cfg is not None and cfg.num_hidden_layers <= UNROLL_MAX_LAYERS
+                  and cfg.hidden_size >= UNROLL_MIN_HIDDEN)
+        base = dict(kernels="pallas" if accel else "xla",
+                    grouped_matmul="ragged" if accel else "capacity",
+                    kda_chunk=64 if accel else 16,
+                    layer_loop="unroll" if unroll else "scan")
+        base.update({k: v for k, v in overrides.items() if v is not None or k in ("remat", "mesh")})
+        return cls(**base)
+
+    def replace(self, **changes) -> "ExecConfig":
+        return dataclasses.replace(self, **changes)

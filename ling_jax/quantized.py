@@ -1,0 +1,68 @@
+"""Quantised weights as their own pytree type, so code dispatches on what a weight *is*.
+
+A parameter (`nnx.Param`) holds either a float array or a `BlockFP8`: the float8_e4m3fn values
+exactly as an FP8 checkpoint stores them plus one float32 scale per block. Whoever reads a weight
+asks `isinstance(w, BlockFP8)` (or calls `dequantize(w, dtype)`, which passes float arrays through),
+so a model holds a mix of both kinds as the checkpoint stores them, with no module swapped.
+
+Block convention: `values` is `[..., R, C]`, `scales` is `[..., ceil(R/br), ceil(C/bc)]` for
+`block = (br, bc)`, and element (r, c) is `values[r, c] · scales[r // br, c // bc]` (the
+checkpoint's `weight_scale_inv` is multiplied, despite its name; spec §13). A dense projection
+`[out, in]` uses the checkpoint's 128×128 blocks. Routed experts keep the checkpoint's blocks
+along the hidden size D but are expanded per element along the intermediate width I (gate/up
+`[E, I, D]` with block (1, 128), down `[E, D, I]` with block (128, 1)), so a mesh axis may split I
+at any divisor (1280 / 4 = 320 is not a multiple of 128); that costs 1/128 of the fp8 bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockFP8:
+    """float8_e4m3fn `values` [..., R, C] with float32 block `scales` [..., ceil(R/br), ceil(C/bc)]."""
+    values: jax.Array
+    scales: jax.Array
+    block: tuple = dataclasses.field(default=(128, 128), metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.values.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.values.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.values.size) * 1 + int(self.scales.size) * 4
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """values × expanded scales, formed in float32, then `dtype`."""
+        br, bc = self.block
+        R, C = self.values.shape[-2:]
+        s = jnp.asarray(self.scales, jnp.float32)
+        if br != 1:
+            s = jnp.repeat(s, br, axis=-2)[..., :R, :]
+        if bc != 1:
+            s = jnp.repeat(s, bc, axis=-1)[..., :C]
+        return (self.values.astype(jnp.float32) * s).astype(dtype)
+
+    def take(self, idx) -> "BlockFP8":
+        """Rows of the leading (expert) axis: `values[idx]`, `scales[idx]` (the gathered decode path)."""
+        return BlockFP8(self.values[idx], self.scales[idx], self.block)
+
+
+def dequantize(w, dtype) -> jax.Array:
+    """A float array as `dtype`, or a BlockFP8 dequantised to `dtype`."""
+    return w.dequantize(dtype) if isinstance(w, BlockFP8) else jnp.asarray(w).astype(dtype)
+
+
+def scale_grid(shape, block) -> tuple:
+    """Scale shape of a `shape` [..., R, C] matrix with `block` (br, bc)."""
+    br, bc = block
+    return tuple(shape[:-2]) + (-(-shape[-2] // br), -(-shape[-1] // bc))
