@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.config import LingConfig
+from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import Linear
 from ling_jax.norms import gated_rms_norm, l2_normalize
 import pallas_kernels as pk
@@ -124,14 +125,6 @@ def _chunk_step(s0, xs):
     return s1, o
 
 
-def default_chunk_size() -> int:
-    """KDA prefill chunk: 16 tokens on CPU, 64 on TPU/GPU. Why: the exact intra-chunk form builds a
-    [C, C, dk] decay tensor per head (work ∝ T·C·dk) and a C×C triangular solve; on XLA:CPU chunk 16
-    made mid-config prefill 1.3-1.7× faster than 64 (tools/bench_generate.py), while accelerators
-    want the larger matmuls of C = 64."""
-    return 16 if jax.default_backend() == "cpu" else 64
-
-
 def kda_chunk_scan(q, k, v, g, beta, state, chunk_size: int = 64):
     """Chunked KDA: `lax.scan` over chunks of `chunk_size` tokens (exactly `kda_recurrent_scan`).
 
@@ -177,49 +170,46 @@ class KimiDeltaAttention(nnx.Module):
         self.dt_bias = nnx.Param(jnp.zeros((P,), jnp.float32))
         self.o_norm = nnx.Param(jnp.ones((d,), dtype))  # gated RMSNorm weight shared by heads
 
-    def __call__(self, x, state: KDAState, n_valid, *, mode: str = "chunk", chunk_size: int | None = None,
-                 return_all_states: bool = False, impl: str | None = None):
-        """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after). mode: chunk|recurrent;
-        chunk_size: None = `default_chunk_size()` for this backend.
-        impl: "xla" | "pallas" | None (default per backend; see pallas_kernels.default_impl): the KDA
-        kernels and, for projections kept FP8 (`FP8Linear`), the FP8 matmul.
+    def __call__(self, x, state: KDAState, n_valid, ex: ExecConfig):
+        """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after).
 
-        Returns (out [B,T,D], new KDAState[, rollback info]). With return_all_states the third value is
-        (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs [B,K-1+T,P]) so
-        a speculative verify can roll back to any accepted prefix (`kda_rollback`).
+        ex: `ex.kda_mode` chunk | recurrent, `ex.kda_chunk` tokens per chunk, `ex.kernels` xla | pallas
+        (the KDA kernels and the FP8 matmul of quantised projections), `ex.kda_states`.
+
+        Returns (out [B,T,D], new KDAState, rollback info or None). With `ex.kda_states` the rollback
+        info is (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs
+        [B,K-1+T,P]) so a speculative verify can roll back to any accepted prefix (`kda_rollback`).
         """
         cfg = self.cfg
         B, T, _ = x.shape
         H, d = cfg.num_attention_heads, cfg.head_dim
         valid = jnp.arange(T)[None, :] < n_valid[:, None]  # [B,T]
-        convs = [short_conv(getattr(self, f"{n}_proj")(x, impl), getattr(self, f"{n}_conv1d")[...],
-                            getattr(state, f"conv_{n}"), n_valid, return_cat=return_all_states) for n in "qkv"]
+        convs = [short_conv(getattr(self, f"{n}_proj")(x, ex), getattr(self, f"{n}_conv1d")[...],
+                            getattr(state, f"conv_{n}"), n_valid, return_cat=ex.kda_states) for n in "qkv"]
         (q, cq), (k, ck), (v, cv) = [c[:2] for c in convs]
         q = l2_normalize(q.reshape(B, T, H, d)) * (d ** -0.5)
         k = l2_normalize(k.reshape(B, T, H, d))
         v = v.reshape(B, T, H, d).astype(jnp.float32)
-        g = kda_gate(self.f_proj(x, impl).reshape(B, T, H, d), self.A_log[...], self.dt_bias[...],
+        g = kda_gate(self.f_proj(x, ex).reshape(B, T, H, d), self.A_log[...], self.dt_bias[...],
                      cfg.kda_lower_bound)
-        beta = jax.nn.sigmoid(self.b_proj(x, impl).astype(jnp.float32))
+        beta = jax.nn.sigmoid(self.b_proj(x, ex).astype(jnp.float32))
         g = jnp.where(valid[..., None, None], g, 0.0)
         beta = jnp.where(valid[..., None], beta, 0.0)
         if x.dtype == jnp.bfloat16:  # the chunked reference kernel stores normalised q/k in bf16
             q, k = q.astype(jnp.bfloat16).astype(jnp.float32), k.astype(jnp.bfloat16).astype(jnp.float32)
         all_states = None
-        if return_all_states:
+        if ex.kda_states:  # every per-token state is materialised anyway: the reference scan
             o, s, all_states = kda_recurrent_scan(q, k, v, g, beta, state.recurrent, return_all_states=True)
-        elif mode == "recurrent":
-            o, s = pk.kda_recurrent_scan(impl, q, k, v, g, beta, state.recurrent)
+        elif ex.kda_mode == "recurrent":
+            o, s = pk.kda_recurrent_scan(ex.kernels, q, k, v, g, beta, state.recurrent)
         else:
-            o, s = pk.kda_chunk_scan(impl, q, k, v, g, beta, state.recurrent, chunk_size or default_chunk_size())
+            o, s = pk.kda_chunk_scan(ex.kernels, q, k, v, g, beta, state.recurrent, ex.kda_chunk)
         o = o.astype(x.dtype)
-        gate = self.g_proj(x, impl).reshape(B, T, H, d)
+        gate = self.g_proj(x, ex).reshape(B, T, H, d)
         y = gated_rms_norm(o, gate, self.o_norm[...], cfg.rms_norm_eps).astype(x.dtype)
-        out = self.o_proj(y.reshape(B, T, H * d), impl)
+        out = self.o_proj(y.reshape(B, T, H * d), ex)
         new = KDAState(s, cq, ck, cv)
-        if return_all_states:
-            return out, new, (all_states, tuple(c[2] for c in convs))
-        return out, new
+        return out, new, ((all_states, tuple(c[2] for c in convs)) if ex.kda_states else None)
 
 
 def kda_rollback(old: KDAState, rollback, n_keep: jax.Array) -> KDAState:

@@ -17,6 +17,7 @@ from flax import nnx
 
 import pallas_kernels as pk
 from ling_jax.config import LingConfig
+from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import Linear
 from ling_jax.norms import RMSNorm
 from ling_jax.ops import einsum, linear
@@ -108,26 +109,28 @@ class MultiheadLatentAttention(nnx.Module):
         # plain floats, not arrays: NNX would otherwise treat them as state
         self.inv_freq, self.rope_factor, self.scale = tuple(map(float, inv_freq)), float(af), softmax_scale(cfg)
 
-    def __call__(self, x, cache: MLACache, lengths, n_valid, *, form: str = "auto", impl: str | None = None):
+    def __call__(self, x, cache: MLACache, lengths, n_valid, ex: ExecConfig):
         """x: [B,T,D]; cache holds `lengths[b]` tokens already; `n_valid[b]` of the T are real.
 
-        form: "expanded" | "absorbed" | "auto" (expanded when the key set is the new tokens only,
-        i.e. a static no-cache prefill; absorbed otherwise). Returns (out [B,T,D], new cache).
+        `ex.mla_form`: "expanded" | "absorbed" | "auto" (expanded when the key set is the new tokens
+        only, i.e. a cache-free forward; absorbed otherwise); `ex.kernels`: the absorbed core and
+        the FP8 matmul of quantised projections. Returns (out [B,T,D], new cache).
         cache=None means a cache-free forward over the T tokens (positions 0..T-1).
         """
         cfg = self.cfg
         B, T, _ = x.shape
         H, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, impl)), impl)
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, ex)), ex)
         else:
-            q = self.q_proj(x, impl)
+            q = self.q_proj(x, ex)
         q = q.reshape(B, T, H, dn + dr)
-        kv = self.kv_a_proj_with_mqa(x, impl)
+        kv = self.kv_a_proj_with_mqa(x, ex)
         c_new = self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank])
         pos = lengths[:, None] + jnp.arange(T)[None, :]  # [B,T]
         q_pe = apply_rope(q[..., dn:], pos, self.inv_freq, self.rope_factor)
         kpe_new = apply_rope(kv[..., cfg.kv_lora_rank:], pos, self.inv_freq, self.rope_factor)
+        form = ex.mla_form
         if cache is None:
             c_all, kpe_all, new_cache = c_new, kpe_new, None
             if form == "auto":
@@ -148,8 +151,8 @@ class MultiheadLatentAttention(nnx.Module):
         if form == "expanded":
             o = mla_expanded_attention(*args)
         else:
-            core = lambda qh, qp, c, kp, _mask, sc: pk.latent_attention(impl, qh, qp, c, kp, kv_len, pos, sc)
+            core = lambda qh, qp, c, kp, _mask, sc: pk.latent_attention(ex.kernels, qh, qp, c, kp, kv_len, pos, sc)
             o = mla_absorbed_attention(*args, core=core)
-        gate = jax.nn.sigmoid(self.g_proj(x, impl).astype(jnp.float32)).astype(x.dtype)
+        gate = jax.nn.sigmoid(self.g_proj(x, ex).astype(jnp.float32)).astype(x.dtype)
         o = o * gate[..., None]
-        return self.dense(o.reshape(B, T, -1), impl), new_cache
+        return self.dense(o.reshape(B, T, -1), ex), new_cache

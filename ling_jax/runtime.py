@@ -66,15 +66,15 @@ def check_ids(ids, cfg: LingConfig, what: str = "--input-ids") -> None:
         raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-@nnx.jit(static_argnames=("mtp", "opts_items"))
-def _forward(model, ids, n_valid, forced_routing, mtp: bool, opts_items: tuple):
-    out = model(ids, n_valid=n_valid, mtp=mtp, opts=dict(opts_items), forced_routing=forced_routing)
+@nnx.jit(static_argnames=("mtp", "exec"))
+def _forward(model, ids, n_valid, forced_routing, mtp: bool, exec):
+    out = model(ids, n_valid=n_valid, mtp=mtp, exec=exec, forced_routing=forced_routing)
     return {k: out[k] for k in ("logits", "mtp_logits", "hidden", "routing") if k in out}
 
 
-def full_logits(model, ids, mtp: bool = False, n_valid=None, forced_routing=None, **opts):
+def full_logits(model, ids, mtp: bool = False, n_valid=None, forced_routing=None, exec=None):
     """Cache-free forward of [B,T] ids (right-padded to n_valid[b]) → dict with logits [B,T,V] f32,
     hidden [B,T,D], routing {layer: [B,T,k]} and mtp_logits when mtp. `forced_routing` pins experts."""
     ids = jnp.asarray(ids, jnp.int32)
     n_valid = jnp.full((ids.shape[0],), ids.shape[1], jnp.int32) if n_valid is None else jnp.asarray(n_valid)
-    return _forward(model, ids, n_valid, forced_routing, mtp, tuple(sorted(opts.items())))
+    return _forward(model, ids, n_valid, forced_routing, mtp, exec)

@@ -8,19 +8,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sharding.rules import cache_shardings, ep_plan, resolve
+from sharding.rules import cache_shardings, resolve
 
 
 def attach_mesh(model, mesh):
-    """Give every MoE block of `model` an EPPlan for `mesh` (selects the expert-parallel path).
+    """Run `model` on `mesh`: its ExecConfig gets the mesh (routed experts then run expert-parallel).
 
-    mesh=None removes the plans (back to the single-device MoE implementations). Returns `model`.
+    mesh=None (or a one-device mesh) goes back to the single-device MoE path. Returns `model`.
     """
-    from ling_jax.moe import FP8Experts, MoE
-
-    for _, m in nnx.iter_graph(model):
-        if isinstance(m, MoE):
-            m.ep_plan = None if mesh is None else ep_plan(mesh, m.cfg, isinstance(m.experts, FP8Experts))
+    one = mesh is None or mesh.devices.size == 1
+    model.exec = model.exec.replace(mesh=None if one else mesh)
     return model
 
 
@@ -66,21 +63,21 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-@nnx.jit(static_argnames=("mtp", "opts_items"))
-def _logits(model, ids, n_valid, mtp: bool, opts_items: tuple = ()):
-    out = model(ids, n_valid=n_valid, mtp=mtp, opts=dict(opts_items))
+@nnx.jit(static_argnames=("mtp", "exec"))
+def _logits(model, ids, n_valid, mtp: bool, exec=None):
+    out = model(ids, n_valid=n_valid, mtp=mtp, exec=exec)
     return (out["logits"], out["mtp_logits"]) if mtp else (out["logits"],)
 
 
-def sharded_logits(model, ids, mesh, mtp: bool = False, n_valid=None, **opts):
-    """Cache-free forward of host `ids` [B,T] on `mesh` (inputs batch-split over `data`); `opts` are
-    the model's forward options (e.g. impl="xla").
+def sharded_logits(model, ids, mesh, mtp: bool = False, n_valid=None, exec=None):
+    """Cache-free forward of host `ids` [B,T] on `mesh` (inputs batch-split over `data`); `exec`:
+    the ExecConfig to run with (default the model's).
 
     Returns numpy (logits [B,T,V] f32[, mtp_logits]) on every process.
     """
     ids = np.asarray(ids, np.int32)
     nv = np.full((ids.shape[0],), ids.shape[1], np.int32) if n_valid is None else np.asarray(n_valid, np.int32)
-    outs = _logits(model, global_batch(ids, mesh), global_batch(nv, mesh), mtp, tuple(sorted(opts.items())))
+    outs = _logits(model, global_batch(ids, mesh), global_batch(nv, mesh), mtp, exec)
     outs = tuple(to_host(o) for o in outs)
     return outs if mtp else outs[0]
 

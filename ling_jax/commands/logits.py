@@ -60,14 +60,14 @@ def run(args) -> int:
         raise ValueError(f"--mtp: checkpoint {args.checkpoint} has no MTP layer (num_nextn_predict_layers=0)")
     if mesh is not None:
         import sharding as S
-        opts = {} if args.impl is None else {"impl": args.impl}
-        out = S.sharded_logits(model, np.asarray([ids], np.int32), mesh, mtp=args.mtp, **opts)
+        out = S.sharded_logits(model, np.asarray([ids], np.int32), mesh, mtp=args.mtp,
+                               exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
         out = {"logits": out[0], "mtp_logits": out[1]} if args.mtp else {"logits": out}
         if not S.is_primary():
             return 0
     else:
-        opts = {} if args.impl is None else {"impl": args.impl}
-        out = full_logits(model, np.asarray([ids], np.int32), mtp=args.mtp, **opts)
+        out = full_logits(model, np.asarray([ids], np.int32), mtp=args.mtp,
+                          exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
     arrays = {"logits": np.asarray(out["logits"][0], np.float32)}
     if args.mtp:
         arrays["mtp_logits"] = np.asarray(out["mtp_logits"][0], np.float32)
