@@ -3,10 +3,11 @@
 `Linear` holds a float weight. `FP8Linear` (`--keep-fp8`) holds what an FP8 checkpoint stores: the
 float8_e4m3fn weight `[out, in]` plus its float32 block-scale grid `weight_scale_inv`
 `[ceil(out/bo), ceil(in/bi)]` (multiplied, despite the checkpoint's `_inv` name; spec §13), and
-dequantises inside the matmul: `impl="pallas"` runs `pallas_kernels.fp8_matmul.fp8_linear_pallas`
-(interpret mode on CPU), `impl="xla"` its twin `fp8_linear_xla`. A model holds either kind per
-matrix, as the checkpoint stores it (`sharding.load.abstract_model`). Both take `(x, impl)` and
-give `matrix(dtype)` for code that needs the weight itself (MLA's absorbed `kv_b_proj`).
+dequantises inside the matmul: `impl="pallas"` runs `pallas_kernels.fp8.kernel.fp8_linear_pallas`
+(interpret mode on CPU), anything else its reference `pallas_kernels.fp8.reference.fp8_linear`.
+A model holds either kind per matrix, as the checkpoint stores it (`sharding.load.abstract_model`).
+Both take `(x, impl)` and give `matrix(dtype)` for code that needs the weight itself (MLA's
+absorbed `kv_b_proj`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.ops import linear
+from pallas_kernels.fp8.kernel import fp8_linear_pallas
+from pallas_kernels.fp8.reference import block_dequant_fp8_jax, fp8_linear
 
 
 def init_normal(rngs: nnx.Rngs, shape, dtype, fan_in: int | None = None):
@@ -47,11 +50,10 @@ class FP8Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, impl: str | None = None) -> jax.Array:
         """`x @ dequant(weight, scale).T` in x's dtype; the dequantised weight is never stored.
-        impl: "pallas" | "xla" | None (per-backend default, see `pallas_kernels.default_impl`)."""
-        import pallas_kernels as pk
-        return pk.fp8_linear(impl, x, self.weight[...], self.weight_scale_inv[...], self.block)
+        impl: "pallas" runs the Pallas kernel; anything else (None, "auto", "xla") the XLA reference."""
+        matmul = fp8_linear_pallas if impl == "pallas" else fp8_linear
+        return matmul(x, self.weight[...], self.weight_scale_inv[...], self.block)
 
     def matrix(self, dtype=None) -> jax.Array:
         """The dequantised weight (float32 product, then `dtype`), exactly what a dequantising load holds."""
-        from ling_jax.checkpoint.fp8 import block_dequant_fp8_jax
         return block_dequant_fp8_jax(self.weight[...], self.weight_scale_inv[...], self.block, dtype)
