@@ -10,9 +10,10 @@ import pytest
 import np_reference as R
 from conftest import load_from_dict, rel_err
 from ling_jax.exec_config import ExecConfig
-from ling_jax.kda import kda_chunk_scan, kda_recurrent_scan, kda_zero_state
+from ling_jax.kda import kda_zero_state
 from ling_jax.mla import mla_zero_cache
 from ling_jax.norms import gated_rms_norm, l2_normalize, rms_norm
+from pallas_kernels.kda.reference import kda_chunk_scan, kda_recurrent_scan
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
