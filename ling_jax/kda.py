@@ -67,6 +67,67 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
     return lower_bound * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32))[:, None] * f32)
 
 
+class KimiDeltaAttention(nnx.Module):
+    """KDA attention block: projections → short convs → gate/beta/L2 → delta rule → gated norm → o_proj."""
+
+    def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs):
+        D, H, d, K = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
+        P = H * d
+        self.cfg = cfg
+        for name in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj"):
+            setattr(self, name, Linear(D, P, dtype=dtype, rngs=rngs))
+        self.b_proj = Linear(D, H, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(P, D, dtype=dtype, rngs=rngs)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            taps = jax.random.normal(rngs.params(), (P, K), jnp.float32) / K
+            setattr(self, name, nnx.Param(taps.astype(dtype)))  # checkpoint [P,1,K] squeezed to [P,K]
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0)))
+        self.dt_bias = nnx.Param(jnp.zeros((P,), jnp.float32))
+        self.o_norm = nnx.Param(jnp.ones((d,), dtype))  # gated RMSNorm weight shared by heads
+
+    def __call__(self, x, state: KDAState, n_valid, ex: ExecConfig):
+        """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after).
+
+        ex: `ex.kda_mode` chunk | recurrent, `ex.kda_chunk` tokens per chunk, `ex.kernels` xla | pallas
+        (the KDA kernels and the FP8 matmul of quantised projections), `ex.kda_states`.
+
+        Returns (out [B,T,D], new KDAState, rollback info or None). With `ex.kda_states` the rollback
+        info is (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs
+        [B,K-1+T,P]) so a speculative verify can roll back to any accepted prefix (`kda_rollback`).
+        """
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, d = cfg.num_attention_heads, cfg.head_dim
+        valid = jnp.arange(T)[None, :] < n_valid[:, None]  # [B,T]
+        convs = [short_conv(getattr(self, f"{n}_proj")(x, ex), getattr(self, f"{n}_conv1d")[...],
+                            getattr(state, f"conv_{n}"), n_valid, return_cat=ex.kda_states) for n in "qkv"]
+        (q, cq), (k, ck), (v, cv) = [c[:2] for c in convs]
+        q = l2_normalize(q.reshape(B, T, H, d)) * (d ** -0.5)
+        k = l2_normalize(k.reshape(B, T, H, d))
+        v = v.reshape(B, T, H, d).astype(jnp.float32)
+        g = kda_gate(self.f_proj(x, ex).reshape(B, T, H, d), self.A_log[...], self.dt_bias[...],
+                     cfg.kda_lower_bound)
+        beta = jax.nn.sigmoid(self.b_proj(x, ex).astype(jnp.float32))
+        g = jnp.where(valid[..., None, None], g, 0.0)
+        beta = jnp.where(valid[..., None], beta, 0.0)
+        if x.dtype == jnp.bfloat16:  # the chunked reference kernel stores normalised q/k in bf16
+            q, k = q.astype(jnp.bfloat16).astype(jnp.float32), k.astype(jnp.bfloat16).astype(jnp.float32)
+        all_states = None
+        pallas = ex.kernels == "pallas"
+        if ex.kda_states:  # every per-token state is materialised anyway: the reference scan
+            o, s, all_states = kda_recurrent_scan(q, k, v, g, beta, state.recurrent, return_all_states=True)
+        elif ex.kda_mode == "recurrent":
+            o, s = (kda_recurrent_scan_pallas if pallas else kda_recurrent_scan)(q, k, v, g, beta, state.recurrent)
+        else:
+            o, s = (kda_chunk_scan_pallas if pallas else kda_chunk_scan)(q, k, v, g, beta, state.recurrent, ex.kda_chunk)
+        o = o.astype(x.dtype)
+        gate = self.g_proj(x, ex).reshape(B, T, H, d)
+        y = gated_rms_norm(o, gate, self.o_norm[...], cfg.rms_norm_eps).astype(x.dtype)
+        out = self.o_proj(y.reshape(B, T, H * d), ex)
+        new = KDAState(s, cq, ck, cv)
+        return out, new, ((all_states, tuple(c[2] for c in convs)) if ex.kda_states else None)
+
+
 def kda_rollback(old: KDAState, rollback, n_keep: jax.Array) -> KDAState:
     """The KDA cache after only the first n_keep[b] of a verify chunk's tokens (0 = unchanged)."""
     all_states, cats = rollback
