@@ -91,8 +91,6 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -303,7 +301,7 @@ _N_OF_INDEX = np.array([0, 1, 2, 3, 4, 6, 8, 12], np.int32)
 _NBITS_OF_INDEX = np.array(_N_OF_INDEX, np.float32).view(np.int32)
 
 
-def dequantize_mxfp4_jax(packed, scales, dtype=jnp.float32):
+def dequantize_mxfp4_jax(packed, scales, dtype=None):
     """jax.numpy decode of `packed [..., K/2]` uint8 + `scales [..., K/32]` uint8 -> `[..., K]`.
 
     Bit-exact with `dequantize_mxfp4` in float32: the result's bits are assembled with integer
@@ -311,8 +309,14 @@ def dequantize_mxfp4_jax(packed, scales, dtype=jnp.float32):
     results below 2^-126: the subnormal significand n · 2^(e + 21) directly; exponent overflow:
     ±inf; scale 0xFF: NaN). No multiplication, so XLA's flush-to-zero cannot change a value.
     Shapes must be static (they are under jit); validation of shapes is done here, NaN bytes are
-    the host's job (`check_scale_bytes`) since a traced value cannot raise.
+    the host's job (`check_scale_bytes`) since a traced value cannot raise. `dtype`: output dtype
+    (default float32; bfloat16 is exact for every normal result).
     """
+    # jax is imported here, not at module level, so the host-only users of this module (layout,
+    # `ling-jax plan` / `inspect` / `quantize`) do not pay for importing it
+    import jax
+    import jax.numpy as jnp
+
     if packed.ndim == 0 or scales.shape != packed.shape[:-1] + (2 * packed.shape[-1] // GROUP,) \
             or packed.shape[-1] % (GROUP // 2):
         raise ValueError(f"dequantize_mxfp4_jax: packed {tuple(packed.shape)} and scales "
@@ -335,4 +339,4 @@ def dequantize_mxfp4_jax(packed, scales, dtype=jnp.float32):
     mag = jnp.where(e == E8M0_NAN, 0x7FC00000, mag)
     bits = mag | ((codes >> 3) << 31)
     out = jax.lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32).reshape(lead + (k,))
-    return out if dtype == jnp.float32 else out.astype(dtype)
+    return out if dtype is None or dtype == jnp.float32 else out.astype(dtype)
