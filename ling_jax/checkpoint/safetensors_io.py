@@ -29,6 +29,7 @@ MAX_HEADER_BYTES = 256 * 1024 * 1024  # sanity bound on the JSON header length
 DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),  # MXFP4 scales (read; we write U8, see checkpoint.mxfp4)
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F16": np.dtype(np.float16),
     "F32": np.dtype(np.float32),

@@ -29,7 +29,8 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ling_jax.checkpoint import layout as L
-from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_quant_fp8
+from ling_jax.checkpoint import mxfp4 as MX
+from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, block_quant_fp8
 from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
 from ling_jax.config import LingConfig
 
@@ -268,9 +269,9 @@ def plan_shards(entries: list[tuple[str, str, tuple[int, ...]]], num_shards: Opt
 # writer
 # ---------------------------------------------------------------------------------------------
 def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: bool = True,
-                           fp8_layout: str = L.DEFAULT_FP8_LAYOUT) -> dict:
+                           fp8_layout: str = L.DEFAULT_FP8_LAYOUT, experts: Optional[str] = None) -> dict:
     """The config.json content for a checkpoint of `cfg` in `dtype` (fp8: `fp8_layout`'s
-    `quantization_config.modules_to_not_convert`)."""
+    `quantization_config.modules_to_not_convert`; experts='mxfp4': plus the MXFP4 expert keys)."""
     d = cfg.to_dict()
     d.pop("quantization_config", None)
     for k in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
@@ -280,6 +281,8 @@ def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: boo
         d["num_nextn_predict_layers"] = 0
     if dtype == "fp8":
         d["quantization_config"] = L.quantization_config(cfg, include_mtp, fp8_layout)
+    if L.check_expert_format(experts) == "mxfp4":
+        d["quantization_config"] = L.mxfp4_quantization_config(cfg, d.get("quantization_config"), include_mtp)
     return d
 
 
@@ -302,7 +305,8 @@ def _write_json(path: str, obj) -> None:
 def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: int = 0,
                      num_shards: Optional[int] = None, header_only: bool = False, tokenizer: bool = True,
                      include_mtp: bool = True, overwrite: bool = False, progress: bool = True,
-                     fp8_layout: str = L.DEFAULT_FP8_LAYOUT, conv_dtype: str = L.DEFAULT_CONV_DTYPE) -> dict:
+                     fp8_layout: str = L.DEFAULT_FP8_LAYOUT, conv_dtype: str = L.DEFAULT_CONV_DTYPE,
+                     experts: Optional[str] = None) -> dict:
     """Write a seeded random checkpoint of `cfg` to `out_dir`; returns a summary dict.
 
     dtype: 'fp8' (FP8 E4M3 + float32 block scales) or 'bf16' (no quantization).
@@ -312,6 +316,9 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     conv_dtype='F32' its byte total is the published 534.35 GiB). Ignored for dtype='bf16'.
     conv_dtype: storage dtype of the KDA conv taps, 'BF16' (default, unchanged behaviour) or 'F32'
     (the spec leaves it open).
+    experts: None (routed experts stored like the other matrices) or 'mxfp4': routed experts (MTP
+    layer's included) as MXFP4 (`checkpoint.mxfp4`), encoded from their values after rounding to
+    `dtype` -- exactly what `ling-jax quantize --experts mxfp4` makes of the `dtype` checkpoint.
     header_only: write shard headers and the index with the real shapes and offsets but no tensor
     bytes (each shard is truncated right after its header and marked in its metadata).
     Everything is written into a temporary directory next to `out_dir` and renamed into place at
@@ -326,10 +333,11 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
             raise ValueError(f"special token id {i} is not a valid id for vocab_size={cfg.vocab_size}")
     fp8_layout = L.check_fp8_layout(fp8_layout)
     conv_dtype = L.check_conv_dtype(conv_dtype)
+    experts = L.check_expert_format(experts)
     out_dir, parent = prepare_out_dir(out_dir, overwrite)
     block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
     specs = L.expected_tensors(cfg, include_mtp, conv_dtype, fp8_layout)
-    entries = L.release_tensors(cfg, dtype, include_mtp, conv_dtype, block, fp8_layout)
+    entries = L.release_tensors(cfg, dtype, include_mtp, conv_dtype, block, fp8_layout, experts)
     shards = plan_shards(entries, num_shards)
     n = len(shards)
     total = sum(nbytes(d, s) for _, d, s in entries)
@@ -356,14 +364,18 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
                     for name, dt, shape in shard:
                         if name.endswith(L.SCALE_SUFFIX):
                             continue  # written together with its weight
-                        _write_tensor(w, name, dt, specs[name], seed, block, bar)
+                        if dt == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
+                            _write_mxfp4_expert(w, name, specs[name], seed, dtype, block, bar)
+                        else:
+                            _write_tensor(w, name, dt, specs[name], seed, block, bar)
         finally:
             bar.close()
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         if header_only:
             index["metadata"]["ling_jax_header_only"] = True
         _write_json(os.path.join(tmp, INDEX_FILE), index)
-        _write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp, fp8_layout))
+        _write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp, fp8_layout,
+                                                                                experts))
         write_generation_config(tmp, cfg)
         if tok is not None:
             text, tcfg = tok
@@ -377,7 +389,7 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
         raise
     return {"out_dir": out_dir, "num_tensors": len(entries), "total_size": total, "num_shards": n,
             "dtype": dtype, "header_only": header_only,
-            "fp8_layout": fp8_layout if dtype == "fp8" else None, "conv_dtype": conv_dtype}
+            "fp8_layout": fp8_layout if dtype == "fp8" else None, "conv_dtype": conv_dtype, "experts": experts}
 
 
 def _write_tensor(w: ShardWriter, name: str, dt: str, spec: L.TensorSpec, seed: int, block, bar) -> None:
@@ -396,6 +408,27 @@ def _write_tensor(w: ShardWriter, name: str, dt: str, spec: L.TensorSpec, seed: 
             c = chunk.astype(DTYPES[dt])
             w.write(name, c)
             bar.update(c.nbytes)
+
+
+def _write_mxfp4_expert(w: ShardWriter, name: str, spec: L.TensorSpec, seed: int, dtype: str, block,
+                        bar) -> None:
+    """A routed expert as MXFP4: its values rounded to `dtype` first (FP8 blocks or BF16), as the
+    release stores them, then encoded; codes, then the E8M0 `weight_scale_inv`. One expert matrix
+    ([I, D] or [D, I]) is in memory at a time."""
+    x = generate_tensor_from_spec(name, spec, seed)
+    if dtype == "fp8":
+        x = block_dequant_fp8(*block_quant_fp8(x, block), block)
+    else:
+        x = x.astype(DTYPES["BF16"]).astype(np.float32)
+    packed, scales = MX.quantize_mxfp4(x, name)
+    w.write(name, packed)
+    w.write(L.scale_name(name), scales)
+    bar.update(packed.nbytes + scales.nbytes)
+
+
+def generate_tensor_from_spec(name: str, spec: L.TensorSpec, seed: int) -> np.ndarray:
+    """All float32 values of one tensor (the chunks of `generate_chunks`, joined)."""
+    return np.concatenate(list(generate_chunks(name, spec, seed)), axis=0)
 
 
 def tiny_config(**overrides) -> LingConfig:
