@@ -1,7 +1,8 @@
 """`ling-jax` command line: dispatches to ling_jax.commands.<name>.
 
 Every command exits non-zero with a one-line reason on bad input (CLI contract): errors that
-are the user's (bad file, bad argument) are `UserError`-like exceptions and print `error: ...`.
+are the user's (bad file, bad argument: ValueError, FileNotFoundError, KeyError, OSError) print
+`error: ...` and exit with status 2.
 """
 from __future__ import annotations
 
@@ -10,10 +11,6 @@ import importlib
 import sys
 
 from ling_jax.commands import COMMANDS
-
-
-class UserError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +35,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except (UserError, ValueError, FileNotFoundError, KeyError, OSError) as e:
+    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"error: {msg}", file=sys.stderr)
         return 2

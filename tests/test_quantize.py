@@ -13,7 +13,8 @@ from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.checkpoint.safetensors_io import SafetensorsFile, load_file, save_file
-from ling_jax.checkpoint.writer import tiny_config, write_checkpoint
+from ling_jax.checkpoint.synthetic_config import synthetic_config as tiny_config
+from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.cli import main
 from ling_jax.config import LingConfig
 from ling_jax.commands.inspect import inspect_dir

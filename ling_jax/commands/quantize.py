@@ -20,7 +20,6 @@ disk) nothing is left behind. A header-only source gives a header-only result (b
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -31,6 +30,7 @@ import numpy as np
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.reader import INDEX_FILE, CheckpointReader
+from ling_jax.checkpoint.writer import write_json
 from ling_jax.checkpoint.safetensors_io import (CheckpointError, ShardWriter, nbytes, prepare_out_dir,
                                                 replace_dir)
 
@@ -181,8 +181,8 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         if r.header_only:
             index["metadata"]["ling_jax_header_only"] = True
-        _write_json(os.path.join(tmp, INDEX_FILE), index)
-        _write_json(os.path.join(tmp, "config.json"), raw_cfg)
+        write_json(os.path.join(tmp, INDEX_FILE), index)
+        write_json(os.path.join(tmp, "config.json"), raw_cfg)
         shards = set(order)
         for f in sorted(os.listdir(r.dir)):
             p = os.path.join(r.dir, f)
@@ -196,12 +196,6 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
     return {"out_dir": out_dir, "total_size": total, "source_total_size": r.total_size,
             "num_shards": len(plan), "experts_quantized": n_experts if not r.header_only else
             sum(1 for n in r.names() if L.is_routed_expert_weight(n)), "header_only": r.header_only}
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
 
 
 def run(args) -> int:
