@@ -4,14 +4,15 @@
     python tools/execute_notebook.py [NOTEBOOK] [--timeout SECONDS_PER_CELL]
 
 The notebook is committed executed, so its plots show (on GitHub, in an editor) without running
-it; rerun this after a change that alters its outputs and commit the result (a few minutes of CPU).
+it; rerun this after a change that alters its outputs and commit the result (under a minute of CPU here).
 `tests/test_notebook.py` still executes it afresh in CI and checks the stored copy is executed.
 
 It runs as the test does: a fresh kernel with the notebook's folder as working directory, on the
 CPU with one device (the 8 simulated devices of the test suite's XLA_FLAGS are dropped), this
 checkout first on the kernel's PYTHONPATH, and the demo checkpoint cache in a temporary directory
 (the shipped trained model is used when present). No timing metadata is recorded, so a rerun
-changes only what the computation itself prints.
+changes only what the computation itself prints (timings included).
+Consecutive stream outputs of a cell are joined into one.
 """
 from __future__ import annotations
 
@@ -38,6 +39,23 @@ def kernel_env(cache_dir: str) -> dict:
     return env
 
 
+def coalesce_streams(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Join consecutive stdout (stderr) outputs of a cell into one: streamed generation prints one
+    output per token, which would store as hundreds of tiny entries."""
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        merged = []
+        for o in cell.outputs:
+            if (o.output_type == "stream" and merged and merged[-1].output_type == "stream"
+                    and merged[-1].name == o.name):
+                merged[-1].text += o.text
+            else:
+                merged.append(o)
+        cell.outputs = merged
+    return nb
+
+
 def execute(path: str, timeout: int = 300) -> nbformat.NotebookNode:
     """The notebook at `path`, executed top to bottom; raises CellExecutionError on a failing cell."""
     nb = nbformat.read(path, as_version=4)
@@ -54,7 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per cell (default 300)")
     a = ap.parse_args(argv)
     path = os.path.abspath(a.notebook)
-    nb = execute(path, a.timeout)
+    nb = coalesce_streams(execute(path, a.timeout))
     nbformat.validate(nb)
     tmp = path + ".tmp"
     nbformat.write(nb, tmp)
