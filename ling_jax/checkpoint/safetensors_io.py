@@ -23,6 +23,8 @@ from typing import Iterable, NamedTuple, Optional
 import ml_dtypes
 import numpy as np
 
+from ling_jax.checkpoint.atomic import clean_stale_temps, temp_path
+
 HEADER_ONLY_KEY = "ling_jax.header_only"
 MAX_HEADER_BYTES = 256 * 1024 * 1024  # sanity bound on the JSON header length
 
@@ -371,12 +373,12 @@ def load_file(path: str) -> dict[str, np.ndarray]:
 
 def replace_dir(tmp: str, out_dir: str) -> None:
     """Move a finished directory `tmp` to `out_dir`, replacing any existing one only once `tmp` is
-    complete (renames within one parent directory; a reader never sees a half-written checkpoint)."""
+    complete (renames within one parent directory; a reader never sees a half-written checkpoint).
+    The replaced directory is parked under a `.ling-tmp-*` name (see `atomic`) and then deleted."""
     import shutil
-    import tempfile
     if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(os.path.abspath(out_dir)))
-        os.rename(out_dir, os.path.join(old, "x"))
+        old = temp_path(out_dir)
+        os.rename(out_dir, old)
         os.rename(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     else:
@@ -384,7 +386,8 @@ def replace_dir(tmp: str, out_dir: str) -> None:
 
 
 def prepare_out_dir(out_dir: str, overwrite: bool, flag: str = "overwrite") -> tuple[str, str]:
-    """(absolute out_dir, its parent, created): refuses a file or a non-empty directory unless `overwrite`."""
+    """(absolute out_dir, its parent): refuses a file or a non-empty directory unless `overwrite`;
+    removes stale temporaries of earlier, killed runs from the parent (`atomic.clean_stale_temps`)."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir):
         if not os.path.isdir(out_dir):
@@ -393,6 +396,7 @@ def prepare_out_dir(out_dir: str, overwrite: bool, flag: str = "overwrite") -> t
             raise ValueError(f"{out_dir}: directory exists and is not empty (use {flag})")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
+    clean_stale_temps(parent)
     return out_dir, parent
 
 
