@@ -29,11 +29,11 @@ def load_model(checkpoint: str, dtype: str | None = None, with_mtp: bool = True,
 
     if not os.path.isdir(checkpoint):
         raise FileNotFoundError(f"{checkpoint}: checkpoint directory not found")
-    if keep_fp8:
-        import sharding as S
+    import sharding as S
+    if keep_fp8 or S.is_converted(checkpoint):  # converted (Orbax) dirs load through the sharded loader
         one = S.make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1])
-        model = S.load_any(checkpoint, one, as_dtype(dtype or default_dtype()), with_mtp=with_mtp, keep_fp8=True,
-                           progress=progress)
+        model = S.load_any(checkpoint, one, as_dtype(dtype or default_dtype()), with_mtp=with_mtp,
+                           keep_fp8=True if keep_fp8 else None, progress=progress)
         return S.attach_mesh(model, None)  # single device: the plain (non expert-parallel) MoE path
     reader = CheckpointReader(checkpoint)
     cfg = reader.config
