@@ -53,14 +53,11 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 MAX_POSITIONS = 2**31 - 1
 
 
-def _no_constant(tok: str):
-    raise ValueError(f"{tok} is not valid JSON")
-
-
 def parse_json_bytes(raw: bytes, src: str):
-    """Strict JSON (no NaN/Infinity literals, UTF-8) of a file's bytes, or ConfigError naming `src`."""
+    """JSON of a file's UTF-8 bytes, or ConfigError naming `src`. NaN/Infinity literals (which Python
+    writes) parse, so that the field check names the field that holds one."""
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{src}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except RecursionError:
@@ -267,6 +264,16 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _finite(v) -> bool:
+    """A finite number that fits a float (a 400-digit JSON integer does not)."""
+    if not _is_number(v):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
 def _parse(d: dict[str, Any], src: str) -> LingConfig:
     def err(msg):
         raise ConfigError(f"{src}: {msg}")
@@ -302,7 +309,7 @@ def _parse(d: dict[str, Any], src: str) -> LingConfig:
     kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
     for k in _FLOAT_FIELDS:
         if k in kw:
-            if not _is_number(kw[k]) or not math.isfinite(kw[k]):
+            if not _finite(kw[k]):
                 err(f"{k} must be a finite number, got {kw[k]!r}")
             kw[k] = float(kw[k])
     for k in _BOOL_FIELDS:
@@ -328,7 +335,7 @@ def _parse(d: dict[str, Any], src: str) -> LingConfig:
             err(f"{k} must be a list of num_hidden_layers={n} numbers, got "
                 f"{'length ' + str(len(v)) if isinstance(v, (list, tuple)) else type(v).__name__}")
         for j, x in enumerate(v):
-            if x is not None and (not _is_number(x) or not math.isfinite(x)):
+            if x is not None and not _finite(x):
                 err(f"{k}[{j}] must be a finite number (or null/0 for no clamp), got {x!r}")
         kw[k] = tuple(float(x or 0.0) for x in v)
         if any(x < 0 for x in kw[k]):
@@ -366,7 +373,7 @@ def _number(rs: dict, key: str, err, default=None, positive: bool = False):
     v = rs.get(key)
     if v is None:
         return default
-    if not _is_number(v) or not math.isfinite(v) or (positive and v <= 0):
+    if not _finite(v) or (positive and v <= 0):
         err(f"rope_scaling.{key} must be a finite {'positive ' if positive else ''}number, got {v!r}")
     return float(v)
 
@@ -382,7 +389,7 @@ def _parse_rope(d: dict, kw: dict, err) -> None:
         err(f"{key} must be an object or null, got {type(rs).__name__} {str(rs)[:40]!r}")
     if "rope_theta" in rs and "rope_theta" not in d:
         v = rs["rope_theta"]
-        if not _is_number(v) or not math.isfinite(v):
+        if not _finite(v):
             err(f"{key}.rope_theta must be a finite number, got {v!r}")
         kw["rope_theta"] = float(v)
     rt = rs.get("rope_type", rs.get("type", "default"))

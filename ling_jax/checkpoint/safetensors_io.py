@@ -240,8 +240,8 @@ class SafetensorsFile:
             raw = f.read(n)
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{path}: header is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: header is not a JSON object")
         meta = header.pop("__metadata__", None) or {}
@@ -404,11 +404,23 @@ def read_index(index_path: str, error=None) -> tuple[dict, dict]:
     """(weight_map, metadata) of a `model.safetensors.index.json`; `error` is the exception class raised."""
     error = error or CheckpointError
     try:
-        with open(index_path) as f:
-            idx = json.load(f)
-    except json.JSONDecodeError as e:
-        raise error(f"{index_path}: not valid JSON ({e})") from None
+        with open(index_path, "rb") as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)
+    except OSError as e:
+        raise error(f"{index_path}: cannot read ({e.strerror or e})") from None
+    if len(raw) > MAX_HEADER_BYTES:
+        raise error(f"{index_path}: larger than {MAX_HEADER_BYTES} bytes (not an index file)")
+    try:
+        idx = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise error(f"{index_path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise error(f"{index_path}: no 'weight_map' object")
-    return wm, idx.get("metadata") or {}
+    bad = next((n for n, f in wm.items() if not isinstance(f, str)), None)
+    if bad is not None:
+        raise error(f"{index_path}: tensor {bad!r} maps to {wm[bad]!r}, not a shard file name")
+    meta = idx.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise error(f"{index_path}: 'metadata' must be an object, got {type(meta).__name__}")
+    return wm, meta or {}
