@@ -30,7 +30,8 @@ def load_model(checkpoint: str, dtype: str | None = None, with_mtp: bool = True,
     if not os.path.isdir(checkpoint):
         raise FileNotFoundError(f"{checkpoint}: checkpoint directory not found")
     import sharding as S
-    if keep_fp8 or S.is_converted(checkpoint):  # converted (Orbax) dirs load through the sharded loader
+    converted = S.is_converted(checkpoint) or os.path.isdir(os.path.join(checkpoint, "params"))
+    if keep_fp8 or converted:  # converted (Orbax) dirs, complete or not, go through the sharded loader
         one = S.make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1])
         model = S.load_any(checkpoint, one, as_dtype(dtype or default_dtype()), with_mtp=with_mtp,
                            keep_fp8=True if keep_fp8 else None, progress=progress)
