@@ -77,7 +77,6 @@ def run(args) -> int:
     check_ids(ids, cfg)
     check_context_length(len(ids), cfg, args.allow_long_context, "--input-ids")
     out_path = check_npz_out(args.out, args.checkpoint)
-    clean_stale_temps(os.path.dirname(out_path))
     apply_value_check_flag(args)
     model, mesh = load_for_args(args, with_mtp=args.mtp)
     check_ids(ids, model.cfg)
