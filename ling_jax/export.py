@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from typing import Optional
 
 import numpy as np
@@ -25,6 +24,7 @@ from flax import nnx
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_quant_fp8
 from ling_jax.checkpoint.load import checkpoint_names
+from ling_jax.checkpoint.atomic import make_temp_dir
 from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
 from ling_jax.checkpoint.writer import (INDEX_FILE, checkpoint_config_dict, plan_shards, shard_file_name,
                                        write_generation_config, write_json)
@@ -107,7 +107,7 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
     total = sum(nbytes(d, s) for _, d, s in entries)
 
     out_dir, parent = prepare_out_dir(out_dir, overwrite, "--overwrite")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    tmp = make_temp_dir(out_dir)  # hidden .ling-tmp-* name; cleaned by the next run if we are killed
     try:
         mask = os.umask(0)
         os.umask(mask)

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling_jax.config import LingConfig
 from ling_jax.ops import as_dtype
 
 
@@ -29,11 +28,12 @@ def load_model(checkpoint: str, dtype: str | None = None, with_mtp: bool = True,
 
     if not os.path.isdir(checkpoint):
         raise FileNotFoundError(f"{checkpoint}: checkpoint directory not found")
-    if keep_fp8:
-        import sharding as S
+    import sharding as S
+    converted = S.is_converted(checkpoint) or os.path.isdir(os.path.join(checkpoint, "params"))
+    if keep_fp8 or converted:  # converted (Orbax) dirs, complete or not, go through the sharded loader
         one = S.make_mesh({"data": 1, "expert": 1, "model": 1}, jax.devices()[:1])
-        model = S.load_any(checkpoint, one, as_dtype(dtype or default_dtype()), with_mtp=with_mtp, keep_fp8=True,
-                           progress=progress)
+        model = S.load_any(checkpoint, one, as_dtype(dtype or default_dtype()), with_mtp=with_mtp,
+                           keep_fp8=True if keep_fp8 else None, progress=progress)
         return S.attach_mesh(model, None)  # single device: the plain (non expert-parallel) MoE path
     reader = CheckpointReader(checkpoint)
     cfg = reader.config
@@ -56,14 +56,6 @@ def load_for_args(args, with_mtp: bool):
         return S.load_any(args.checkpoint, mesh, as_dtype(args.dtype or default_dtype()), with_mtp=with_mtp,
                           keep_fp8=keep or None), mesh
     return load_model(args.checkpoint, args.dtype, with_mtp=with_mtp, progress=False, keep_fp8=keep), None
-
-
-def check_ids(ids, cfg: LingConfig, what: str = "--input-ids") -> None:
-    if len(ids) == 0:
-        raise ValueError(f"{what}: empty prompt (need at least one token id)")
-    bad = [i for i in ids if not 0 <= int(i) < cfg.vocab_size]
-    if bad:
-        raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
 @nnx.jit(static_argnames=("mtp", "exec"))

@@ -166,6 +166,8 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
                 "groups": list(groups), "params": params_meta, "seconds": round(time.time() - t0, 3)}
         if is_primary():
             meta["files"] = _copy_side_files(reader.dir, tmp)
+            from ling_jax.checkpoint.orbax_validate import data_file_inventory  # lazy: sharding has no module-level ling_jax imports
+            meta["data_files"] = data_file_inventory(os.path.join(tmp, "params"))  # sizes checked on load
             _write_json_atomic(os.path.join(tmp, META), meta)
             if os.path.exists(out):
                 old = os.path.join(parent, f".{os.path.basename(out)}.old")
@@ -195,15 +197,11 @@ def load_converted(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep
     """
     from tqdm.auto import tqdm
 
+    from ling_jax.checkpoint.orbax_validate import check_param_shapes, storage_errors, validate_converted
     from ling_jax.config import LingConfig
 
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        old = meta.get("format") == FORMAT and meta.get("version") == 1
-        raise ValueError(f"{path}: {META} is not a {FORMAT} v{VERSION} marker" + (
-            " (it is v1, written before routed experts moved to the [E, out, in] layout: run "
-            "`ling-jax convert` on the original checkpoint again)" if old else ""))
+    path = os.path.abspath(path)  # Orbax wants absolute paths
+    meta = validate_converted(path)  # marker, manifest, commit markers, data file sizes: before any restore
     stored_fp8 = bool(meta["keep_fp8"])
     if keep_fp8 is not None and bool(keep_fp8) != stored_fp8:
         raise ValueError(f"{path}: converted {'with' if stored_fp8 else 'without'} --keep-fp8; "
@@ -217,6 +215,8 @@ def load_converted(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep
     f8 = str(jnp.dtype(jnp.float8_e4m3fn))
     stored = lambda p: meta["params"].get(key_of(p), {}).get("dtype") == f8  # noqa: E731
     graphdef, flat = iter_state(abstract_model(cfg, dtype, with_mtp, stored_fp8, stored))
+    check_param_shapes(path, meta, {key_of(p): tuple(v.get_value().shape) for p, v in flat if is_param(v)},
+                       subset=True)
     groups: dict[str, list] = {}
     for p, v in flat:
         if not is_param(v):
@@ -233,7 +233,8 @@ def load_converted(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep
             want = v.get_value()
             sh = jax.sharding.NamedSharding(mesh, resolve(p, want.shape, mesh, cfg.num_attention_heads))
             target[key_of(p)] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sh)
-        got = ckptr.restore(os.path.join(path, "params", g), target)
+        with storage_errors(os.path.join(path, "params", g)):
+            got = ckptr.restore(os.path.join(path, "params", g), target)
         for p, v in items:
             v.set_value(got[key_of(p)])
         bar.update(1)
@@ -245,6 +246,7 @@ def load_converted(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep
 def load_any(path: str, mesh=None, dtype=None, with_mtp: bool = True, keep_fp8: bool | None = None,
              progress: bool = True):
     """Load an HF checkpoint directory or a converted Orbax directory onto `mesh`."""
+    path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: checkpoint directory not found")
     if is_converted(path):

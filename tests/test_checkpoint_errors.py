@@ -269,7 +269,7 @@ def test_total_size_mismatch(ck):
     idx = _index(ck)
     idx["metadata"]["total_size"] += 1
     _write_index(ck, idx)
-    _raises(ck, INDEX, "total_size", validate=False)
+    _raises(ck, INDEX, "total_size")  # reported by validate(), after (and only without) per-tensor problems
 
 
 def test_validate_reports_all_problems(ck):

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import zlib
 from typing import Iterator, Optional
 
@@ -32,6 +31,7 @@ from tqdm import tqdm
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
+from ling_jax.checkpoint.atomic import make_temp_dir
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, block_quant_fp8
 from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
 from ling_jax.checkpoint.tokenizer_files import build_tokenizer, write_tokenizer_files
@@ -228,7 +228,7 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     total = sum(nbytes(d, s) for _, d, s in entries)
     tok = build_tokenizer(cfg) if tokenizer else None  # fails early on a too-small vocabulary
 
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    tmp = make_temp_dir(out_dir)  # hidden .ling-tmp-* name; cleaned by the next run if we are killed
     try:
         mask = os.umask(0)
         os.umask(mask)

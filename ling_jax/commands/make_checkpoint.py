@@ -136,6 +136,8 @@ def run(args) -> int:
         conv_dtype = L.check_conv_dtype(conv_dtype)
     except ValueError:
         raise ValueError(f"unknown --conv-dtype {conv_dtype!r} (expected BF16 or F32)") from None
+    from ling_jax.commands.common import check_output_path
+    check_output_path(args.out, [args.config])  # also with --force
     cfg = LingConfig.from_json(args.config)
     cfg = apply_overrides(cfg, layers=args.layers, experts=args.experts,
                           vocab=getattr(args, "vocab", None), hidden=getattr(args, "hidden", None))

@@ -76,6 +76,8 @@ def run(args) -> int:
 
     if args.steps < 1 or args.batch < 1 or args.seq < 3:
         raise ValueError("--steps and --batch must be >= 1 and --seq >= 3")
+    from ling_jax.commands.common import check_output_path
+    check_output_path(args.out, [args.text, args.config])
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     docs = read_corpus(args.text, args.pattern)
