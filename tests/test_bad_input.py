@@ -18,7 +18,8 @@ import pytest
 from ling_jax.checkpoint.bounds import expected_tensor_count
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.safetensors_io import load_file, save_file
-from ling_jax.checkpoint.writer import tiny_config, write_checkpoint
+from ling_jax.checkpoint.synthetic_config import synthetic_config as tiny_config
+from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.cli import main
 
 INDEX = "model.safetensors.index.json"

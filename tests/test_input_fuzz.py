@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from ling_jax.checkpoint.reader import CheckpointReader  # noqa: E402
 from ling_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, read_index  # noqa: E402
-from ling_jax.checkpoint.writer import tiny_config, write_checkpoint  # noqa: E402
+from ling_jax.checkpoint.synthetic_config import synthetic_config as tiny_config  # noqa: E402
+from ling_jax.checkpoint.writer import write_checkpoint  # noqa: E402
 from ling_jax.config import ConfigError, LingConfig  # noqa: E402
 
 FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture,

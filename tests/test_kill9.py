@@ -15,7 +15,8 @@ import pytest
 
 from ling_jax.checkpoint.orbax_validate import validate_converted
 from ling_jax.checkpoint.reader import CheckpointReader
-from ling_jax.checkpoint.writer import tiny_config, write_checkpoint
+from ling_jax.checkpoint.synthetic_config import synthetic_config as tiny_config
+from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from ling_jax.checkpoint.orbax_validate import CheckpointError, validate_converted
-from ling_jax.checkpoint.writer import tiny_config, write_checkpoint
+from ling_jax.checkpoint.synthetic_config import synthetic_config as tiny_config
+from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.cli import main
 from sharding.convert import key_of
 from sharding.load import abstract_model, is_param, iter_state
