@@ -52,10 +52,10 @@ class SwiGLU(nnx.Module):
     """Dense FFN and the shared expert: `down(act(gate(x), up(x)))`."""
 
     def __init__(self, d: int, inter: int, *, dtype, rngs: nnx.Rngs, limit: float | None = None):
-        self.gate_proj = Linear(d, inter, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d, inter, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(inter, d, dtype=dtype, rngs=rngs)
-        self.limit = SwiGLULimit(jnp.asarray(limit, jnp.float32)) if limit is not None else None
+        self.gate_proj = Linear(d, inter, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, inter, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, d, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.limit = SwiGLULimit(jnp.asarray(limit, jnp.float32), axes=()) if limit is not None else None
 
     def __call__(self, x, impl: str | None = None):
         """impl: kernel implementation of FP8-kept projections (`FP8Linear`), see ling_jax/linear.py."""
@@ -288,19 +288,23 @@ def experts_gathered(x, idx, wg, wu, wd, limit, gathered: bool = False):
 
 class Router(nnx.Module):
     def __init__(self, cfg: LingConfig, *, rngs: nnx.Rngs):
-        self.weight = nnx.Param(init_normal(rngs, (cfg.num_experts, cfg.hidden_size), jnp.float32))
-        self.expert_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))
+        self.weight = nnx.Param(init_normal(rngs, (cfg.num_experts, cfg.hidden_size), jnp.float32),
+                                axes=("router", "embed"))
+        self.expert_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32), axes=("router",))
 
 
 class Experts(nnx.Module):
     """Routed experts, stacked in the checkpoint's per-expert `[out, in]` layout: gate/up [E,I,D],
-    down [E,D,I] (the orientation XLA:CPU's batched matmuls read fastest, see `experts_capacity`)."""
+    down [E,D,I] (the orientation XLA:CPU's batched matmuls read fastest, see `experts_capacity`).
+    Each holds a float array or, kept quantised, a `BlockFP8` with block (1, bi) for gate/up and
+    (bo, 1) for down (built by `ling_jax.loader`)."""
 
     def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs):
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = nnx.Param(init_normal(rngs, (E, I, D), dtype, fan_in=D))
-        self.up_proj = nnx.Param(init_normal(rngs, (E, I, D), dtype, fan_in=D))
-        self.down_proj = nnx.Param(init_normal(rngs, (E, D, I), dtype, fan_in=I))
+        gate_up, down = ("expert", "expert_mlp", "embed"), ("expert", "embed", "expert_mlp")
+        self.gate_proj = nnx.Param(init_normal(rngs, (E, I, D), dtype, fan_in=D), axes=gate_up)
+        self.up_proj = nnx.Param(init_normal(rngs, (E, I, D), dtype, fan_in=D), axes=gate_up)
+        self.down_proj = nnx.Param(init_normal(rngs, (E, D, I), dtype, fan_in=I), axes=down)
 
 
 class FP8Experts(nnx.Module):
@@ -414,7 +418,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         routed_limit, shared_limit = cfg.swiglu_limits(layer)
-        self.routed_limit = SwiGLULimit(jnp.asarray(routed_limit, jnp.float32))
+        self.routed_limit = SwiGLULimit(jnp.asarray(routed_limit, jnp.float32), axes=())
         self.gate = Router(cfg, rngs=rngs)
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
         self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts,

@@ -32,6 +32,7 @@ from flax import nnx
 
 from ling_jax.config import KDA, LingConfig
 from ling_jax.kda import kda_zero_state
+from ling_jax.loader import abstract_model
 from ling_jax.model import LingForCausalLM
 
 BIAS_NAME = "expert_bias"
@@ -476,11 +477,8 @@ def load_trained_model(directory: str, step: Optional[int] = None, dtype=jnp.flo
     """The model stored in an Orbax train directory (params + trained expert_bias)."""
     step, meta = read_meta(directory, step)
     cfg = LingConfig.from_dict(meta["model_config"], f"{directory} (orbax metadata)")
-    from ling_jax.checkpoint.load import ShapeOnlyRngs
-
     # Shapes only: every array (parameters and the per-layer constants in `rest`) is restored below.
-    model = nnx.eval_shape(lambda: LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(),
-                                                   with_mtp=meta.get("with_mtp", True)))
+    model = abstract_model(cfg, dtype, meta.get("with_mtp", True))
     graphdef, params, bias, rest, paths = split_model(model)
     tcfg = TrainConfig.from_dict(meta.get("train_config") or {})
     # Restore only the model arrays (optimizer state is not needed): build its abstract tree.

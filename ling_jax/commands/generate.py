@@ -40,7 +40,7 @@ def jax_process_count() -> int:
 def run(args) -> int:
     from ling_jax.commands.logits import parse_ids
     from ling_jax.generate import generate
-    from ling_jax.runtime import load_for_args
+    from ling_jax.commands.common import load_for_args
     from ling_jax.sampling import SamplingParams
     from ling_jax.tokenizer import Tokenizer, eos_token_ids, load_generation_config
 

@@ -51,23 +51,20 @@ def write_npz_atomic(path: str, **arrays) -> None:
 
 
 def run(args) -> int:
-    from ling_jax.runtime import check_ids, full_logits, load_for_args
+    from ling_jax.commands.common import load_for_args
+    from ling_jax.forward import forward
+    from ling_jax.runtime import check_ids
+    from sharding import is_primary
 
     ids = parse_ids(args.input_ids)
-    model, mesh = load_for_args(args, with_mtp=args.mtp)
+    model, _ = load_for_args(args, with_mtp=args.mtp)
     check_ids(ids, model.cfg)
     if args.mtp and model.mtp is None:
         raise ValueError(f"--mtp: checkpoint {args.checkpoint} has no MTP layer (num_nextn_predict_layers=0)")
-    if mesh is not None:
-        import sharding as S
-        opts = {} if args.impl is None else {"impl": args.impl}
-        out = S.sharded_logits(model, np.asarray([ids], np.int32), mesh, mtp=args.mtp, **opts)
-        out = {"logits": out[0], "mtp_logits": out[1]} if args.mtp else {"logits": out}
-        if not S.is_primary():
-            return 0
-    else:
-        opts = {} if args.impl is None else {"impl": args.impl}
-        out = full_logits(model, np.asarray([ids], np.int32), mtp=args.mtp, **opts)
+    opts = {} if args.impl is None else {"impl": args.impl}
+    out = forward(model, np.asarray([ids], np.int32), mtp=args.mtp, **opts)
+    if not is_primary():
+        return 0
     arrays = {"logits": np.asarray(out["logits"][0], np.float32)}
     if args.mtp:
         arrays["mtp_logits"] = np.asarray(out["mtp_logits"][0], np.float32)
