@@ -23,6 +23,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from ling_jax.config import KDA
+from ling_jax.exec_config import ExecConfig
 from ling_jax.layer_stack import layer_plan
 from ling_jax.kda import kda_rollback
 from ling_jax.model import HybridCache, init_cache
@@ -48,10 +49,6 @@ class GenerationResult:
     finished: Optional[list] = None            # per prompt: hit a stop token
 
 
-def _merge(graphdef, params):
-    return nnx.merge(graphdef, params)
-
-
 def _take(x, idx):
     """x[b, idx[b]] for x [B,T,...]."""
     return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
@@ -66,32 +63,32 @@ def _is_stop(tok, stop_ids):
 # ---------------------------------------------------------------------------------------------
 # prefill
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "with_mtp", "fresh", "chunk_size", "impl"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "with_mtp", "fresh", "exec"),
                    donate_argnames=("cache",))
 def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, key, *, sampling: SamplingParams,
-            with_mtp: bool, fresh: bool, chunk_size: int | None = None, impl: str | None = None):
+            with_mtp: bool, fresh: bool, exec: ExecConfig | None = None):
     """Feed [B,T] right-padded tokens (n_valid[b] real) into the cache.
 
     Returns (cache, logits at each row's last real token [B,V], sampled next token [B], last hidden
     [B,D]). With MTP, the MTP cache gets the slots pairing each fed token with the previous hidden
     (`prev_hidden`, the last hidden of an earlier call; ignored when `fresh`).
     """
-    model = _merge(graphdef, params)
+    model = nnx.merge(graphdef, params)
+    ex = (exec or model.exec).replace(kda_mode="chunk", kda_states=False)
     B, T = ids.shape
     start = cache.lengths
-    opts = {"kda_mode": "chunk", "chunk_size": chunk_size, "impl": impl}
-    out = model(ids, cache, n_valid, opts={**opts, "skip_logits": True})
+    out = model(ids, cache, n_valid, exec=ex.replace(skip_logits=True))
     new = out["cache"]
     last = jnp.maximum(n_valid - 1, 0)
     hid = _take(out["hidden"], last)
-    logits = model.logits(hid, impl)
+    logits = model.logits(hid, ex)
     if with_mtp:
         if fresh:  # slot t pairs token t+1 with hidden t; the last real slot waits for the next token
             nxt = jnp.concatenate([ids[:, 1:], jnp.zeros((B, 1), ids.dtype)], axis=1)
-            _, _, mtp = model.mtp_forward(nxt, out["hidden"], cache.mtp, start, jnp.maximum(n_valid - 1, 0), opts)
+            _, _, mtp = model.mtp_forward(nxt, out["hidden"], cache.mtp, start, jnp.maximum(n_valid - 1, 0), ex)
         else:      # slot t pairs token t with the hidden before it
             h = jnp.concatenate([prev_hidden[:, None].astype(out["hidden"].dtype), out["hidden"][:, :-1]], axis=1)
-            _, _, mtp = model.mtp_forward(ids, h, cache.mtp, start - 1, n_valid, opts)
+            _, _, mtp = model.mtp_forward(ids, h, cache.mtp, start - 1, n_valid, ex)
         new = new._replace(mtp=mtp)
     hid = jnp.where((n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
     tok = sample(logits, key, sampling)
@@ -127,10 +124,10 @@ def _stream(stream_fn, toks, take):
                                      ordered=True)
 
 
-def _plain_step(model, stacked, state: DecodeState, sampling, stop_ids, max_new, stream_fn, impl):
+def _plain_step(model, stacked, state: DecodeState, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
     key, sub = jax.random.split(state.key)
     active = ~state.done
-    out = model(state.token[:, None], state.cache, active.astype(jnp.int32), opts={"kda_mode": "recurrent", "impl": impl},
+    out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex.replace(kda_mode="recurrent"),
                 stacked=stacked)
     nxt = sample(out["logits"][:, 0], sub, sampling)
     cache = out["cache"]
@@ -141,7 +138,7 @@ def _plain_step(model, stacked, state: DecodeState, sampling, stop_ids, max_new,
                         rounds=state.rounds + active, accepted=state.accepted + take)
 
 
-def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_new, stream_fn, impl):
+def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
     cfg = model.cfg
     key, kd, ka = jax.random.split(state.key, 3)
     active = ~state.done
@@ -152,8 +149,7 @@ def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_ne
     drafts, qprobs = [], []
     dkeys = jax.random.split(kd, k)
     for j in range(k):
-        lg, zm, mtp = model.mtp_forward(tok[:, None], h[:, None], mtp, P - 1 + j, active.astype(jnp.int32),
-                                        {"impl": impl})
+        lg, zm, mtp = model.mtp_forward(tok[:, None], h[:, None], mtp, P - 1 + j, active.astype(jnp.int32), ex)
         lg = lg[:, 0]
         d = sample(lg, dkeys[j], sampling)
         drafts.append(d)
@@ -164,7 +160,7 @@ def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_ne
     # 2. verify [pending, d_1..d_k] in one forward, keeping every KDA state for rollback
     feed = jnp.concatenate([state.token[:, None], drafts], axis=1)
     out = model(feed, cache._replace(mtp=None), jnp.where(active, k + 1, 0),
-                opts={"kda_all_states": True, "impl": impl}, stacked=stacked)
+                exec=ex.replace(kda_states=True), stacked=stacked)
     if sampling.greedy:
         a, nxt = speculative_accept_greedy(drafts, out["logits"])
     else:
@@ -179,7 +175,7 @@ def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_ne
                             else out["cache"].layers[b][r] for r, run in enumerate(block.runs)))
     hidden = jnp.where(active[:, None], _take(out["hidden"], jnp.maximum(adv - 1, 0)), state.hidden)
     # 4. MTP slots P..P+a-1 from the accepted drafts and the main model's true hidden states
-    _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, jnp.where(active, a, 0), {"impl": impl})
+    _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, jnp.where(active, a, 0), ex)
     new_cache = HybridCache(tuple(layers), mtp, P + adv)
     emitted = jnp.concatenate([drafts, nxt[:, None]], axis=1)
     emitted = jnp.where(jnp.arange(k + 1)[None, :] < a[:, None], emitted,
@@ -191,17 +187,18 @@ def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_ne
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "stop_ids", "max_new", "speculative",
-                                             "stream_fn", "impl"), donate_argnames=("state",))
+                                             "stream_fn", "exec"), donate_argnames=("state",))
 def decode_loop(graphdef, params, state: DecodeState, *, sampling: SamplingParams, stop_ids: tuple,
                 max_new: int, speculative: int = 0, stream_fn: Callable | None = None,
-                impl: str | None = None) -> DecodeState:
+                exec: ExecConfig | None = None) -> DecodeState:
     """Run decode steps until every sequence is done, all inside one `lax.while_loop`."""
-    model = _merge(graphdef, params)
-    stacked = model.stacked_layers()  # loop-invariant: stacked once, not in every step
+    model = nnx.merge(graphdef, params)
+    ex = (exec or model.exec).replace(skip_logits=False, kda_states=False)
+    stacked = model.stacked_layers(ex)  # loop-invariant: stacked once, not in every step
     if speculative:
-        body = lambda s: _spec_step(model, stacked, s, speculative, sampling, stop_ids, max_new, stream_fn, impl)
+        body = lambda s: _spec_step(model, stacked, s, speculative, sampling, stop_ids, max_new, stream_fn, ex)
     else:
-        body = lambda s: _plain_step(model, stacked, s, sampling, stop_ids, max_new, stream_fn, impl)
+        body = lambda s: _plain_step(model, stacked, s, sampling, stop_ids, max_new, stream_fn, ex)
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
@@ -227,15 +224,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.n
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              sampling: SamplingParams = SamplingParams(), speculative: int = 0,
              stop_ids: Sequence[int] | None = None, max_len: int | None = None,
-             stream: Callable[[np.ndarray, np.ndarray], None] | None = None, chunk_size: int | None = None,
-             impl: str | None = None) -> GenerationResult:
+             stream: Callable[[np.ndarray, np.ndarray], None] | None = None,
+             exec: ExecConfig | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids of any lengths).
 
     sampling: greedy by default; `SamplingParams(temperature, top_k, top_p, seed)` otherwise.
     speculative: number of MTP drafts per round (0 = plain decoding). stop_ids: default the
     config's EOS ids. stream(tokens [B,n], counts [B]) is called from inside the compiled loop
-    as tokens are produced (tokens[b, :counts[b]] are new for sequence b). impl: "xla" | "pallas"
-    kernels (default per backend).
+    as tokens are produced (tokens[b, :counts[b]] are new for sequence b). exec: how to run
+    (default `model.exec`; e.g. `model.exec.replace(kernels="pallas", kda_chunk=32)`).
     """
     cfg = model.cfg
     if max_new_tokens < 1:
@@ -260,8 +257,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     key, k0 = jax.random.split(key)
     hidden0 = jnp.zeros((B, cfg.hidden_size), model.dtype)
     cache, _, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0, k0,
-                                 sampling=sampling, with_mtp=with_mtp, fresh=True, chunk_size=chunk_size,
-                                 impl=impl)
+                                 sampling=sampling, with_mtp=with_mtp, fresh=True, exec=exec)
     zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the loop state is donated
     state = DecodeState(cache, tok, hid, jnp.zeros((B,), bool), jnp.zeros((B, max_new_tokens), jnp.int32),
                         zeros(), key, zeros(), zeros())
@@ -269,7 +265,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     if stream is not None:
         stream(np.asarray(tok[:, None]), np.asarray(take))
     state = decode_loop(graphdef, params, state, sampling=sampling, stop_ids=stop, max_new=max_new_tokens,
-                        speculative=speculative, stream_fn=stream, impl=impl)
+                        speculative=speculative, stream_fn=stream, exec=exec)
     out, n_out = np.asarray(state.out), np.asarray(state.n_out)
     toks = [out[b, :n_out[b]].tolist() for b in range(B)]
     finished = [bool(len(t) and t[-1] in stop) for t in toks]

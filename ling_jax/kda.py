@@ -1,9 +1,9 @@
 """Kimi Delta Attention (spec §9): short convs, bounded gate, and the gated delta rule.
 
-Two equivalent paths over the same state `[batch, heads, key=128, value=128]` (float32):
-`kda_chunk_scan` (prefill: `lax.scan` over chunks, WY form of §9.7) and `kda_recurrent_step`
-(decode, §9.6). Padding is handled by giving pad tokens `g = 0` (no decay) and `beta = 0` (no
-write): the state passes through them unchanged, so padding never leaks into it.
+The delta rule itself runs over the state `[batch, heads, key=128, value=128]` (float32) in
+`pallas_kernels.kda`: its XLA reference (`kda_chunk_scan` for prefill, `kda_recurrent_scan` /
+`kda_recurrent_step` for decode) or the Pallas kernels. Padding is handled by giving pad tokens
+`g = 0` (no decay) and `beta = 0` (no write): the state passes through them unchanged.
 """
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.config import LingConfig
+from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import Linear
 from ling_jax.norms import gated_rms_norm, l2_normalize
-import pallas_kernels as pk
-
-_HI = jax.lax.Precision.HIGHEST
+from pallas_kernels.kda.chunk_kernel import kda_chunk_scan_pallas
+from pallas_kernels.kda.reference import kda_chunk_scan, kda_recurrent_scan
+from pallas_kernels.kda.step_kernel import kda_recurrent_scan_pallas
 
 
 class KDAState(NamedTuple):
@@ -66,99 +67,6 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
     return lower_bound * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32))[:, None] * f32)
 
 
-def kda_recurrent_step(state, q, k, v, g, beta):
-    """One token of the gated delta rule (spec §9.6), all float32.
-
-    state [B,H,dk,dv]; q (normalised and scaled), k (normalised) [B,H,dk]; v [B,H,dv]; g [B,H,dk]
-    log-decay; beta [B,H]. Returns (o [B,H,dv], new state). Read-out uses the updated state.
-    """
-    s = state * jnp.exp(g)[..., None]
-    err = v - jnp.einsum("bhkv,bhk->bhv", s, k, precision=_HI)
-    s = s + (beta[..., None] * k)[..., None] * err[:, :, None, :]
-    o = jnp.einsum("bhkv,bhk->bhv", s, q, precision=_HI)
-    return o, s
-
-
-def kda_recurrent_scan(q, k, v, g, beta, state, return_all_states: bool = False):
-    """Token-by-token scan of `kda_recurrent_step` (decode, short verify chunks, test ground truth).
-
-    q, k, g: [B,T,H,dk]; v: [B,T,H,dv]; beta: [B,T,H]; state [B,H,dk,dv].
-    Returns (o [B,T,H,dv], final state[, states after every token [B,T,H,dk,dv]]).
-    """
-    def step(s, xs):
-        o, s = kda_recurrent_step(s, *xs)
-        return s, (o, s) if return_all_states else o
-
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    s, out = jax.lax.scan(step, state, xs)
-    if return_all_states:
-        o, states = out
-        return jnp.moveaxis(o, 0, 1), s, jnp.moveaxis(states, 0, 1)
-    return jnp.moveaxis(out, 0, 1), s
-
-
-def _chunk_step(s0, xs):
-    """One chunk of the WY-form recurrence (spec §9.7). Shapes per (batch, head): [C, d]."""
-    q, k, v, g, beta = xs  # [B,H,C,dk], [B,H,C,dk], [B,H,C,dv], [B,H,C,dk], [B,H,C]
-    C = q.shape[2]
-    gam = jnp.cumsum(g, axis=2)  # Γ_r
-    # Pairwise decays exp(Γ_r − Γ_s) for s ≤ r, computed directly so no exp(−Γ) can overflow.
-    diff = gam[:, :, :, None, :] - gam[:, :, None, :, :]  # [B,H,C(r),C(s),dk]
-    causal = jnp.tril(jnp.ones((C, C), bool))
-    dec = jnp.where(causal[:, :, None], jnp.exp(jnp.where(causal[:, :, None], diff, 0.0)), 0.0)
-    kk = jnp.einsum("bhrd,bhsd,bhrsd->bhrs", k, k, dec, precision=_HI)
-    strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    lmat = jnp.where(strict, kk * beta[..., :, None], 0.0)
-    eye = jnp.eye(C, dtype=jnp.float32)
-    tm = jax.scipy.linalg.solve_triangular(eye + lmat, jnp.broadcast_to(eye * beta[..., None, :], lmat.shape),
-                                           lower=True, unit_diagonal=True)
-    eg = jnp.exp(gam)
-    w = jnp.einsum("bhrs,bhsd->bhrd", tm, eg * k, precision=_HI)
-    u = jnp.einsum("bhrs,bhsd->bhrd", tm, v, precision=_HI)
-    vt = u - jnp.einsum("bhrd,bhdv->bhrv", w, s0, precision=_HI)
-    a = jnp.einsum("bhrd,bhsd,bhrsd->bhrs", q, k, dec, precision=_HI)
-    o = jnp.einsum("bhrd,bhdv->bhrv", q * eg, s0, precision=_HI) + jnp.einsum("bhrs,bhsv->bhrv", a, vt, precision=_HI)
-    last = gam[:, :, -1:, :]  # Γ_C
-    s1 = s0 * jnp.exp(last)[:, :, 0, :, None] + jnp.einsum("bhrd,bhrv->bhdv", jnp.exp(last - gam) * k, vt,
-                                                          precision=_HI)
-    return s1, o
-
-
-def default_chunk_size() -> int:
-    """KDA prefill chunk: 16 tokens on CPU, 64 on TPU/GPU. Why: the exact intra-chunk form builds a
-    [C, C, dk] decay tensor per head (work ∝ T·C·dk) and a C×C triangular solve; on XLA:CPU chunk 16
-    made mid-config prefill 1.3-1.7× faster than 64 (tools/bench_generate.py), while accelerators
-    want the larger matmuls of C = 64."""
-    return 16 if jax.default_backend() == "cpu" else 64
-
-
-def kda_chunk_scan(q, k, v, g, beta, state, chunk_size: int = 64):
-    """Chunked KDA: `lax.scan` over chunks of `chunk_size` tokens (exactly `kda_recurrent_scan`).
-
-    q, k, g: [B,T,H,dk]; v: [B,T,H,dv]; beta: [B,T,H]; state: [B,H,dk,dv] f32.
-    The tail is padded with g=0, beta=0, k=q=0, which leaves the state untouched.
-    Returns (o [B,T,H,dv] f32, final state).
-    """
-    B, T, H, dk = q.shape
-    dv = v.shape[-1]
-    C = max(1, min(chunk_size, T))
-    n = -(-T // C)
-    pad = n * C - T
-
-    def prep(a):
-        a = a.astype(jnp.float32)
-        if pad:
-            a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        a = a.reshape((B, n, C) + a.shape[2:])  # [B,n,C,H,...]
-        perm = (1, 0, 3, 2) + tuple(range(4, a.ndim))
-        return jnp.transpose(a, perm)  # [n,B,H,C,...]
-
-    xs = tuple(prep(a) for a in (q, k, v, g, beta))
-    s, o = jax.lax.scan(_chunk_step, state.astype(jnp.float32), xs)  # o: [n,B,H,C,dv]
-    o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, n * C, H, dv)[:, :T]
-    return o, s
-
-
 class KimiDeltaAttention(nnx.Module):
     """KDA attention block: projections → short convs → gate/beta/L2 → delta rule → gated norm → o_proj."""
 
@@ -179,49 +87,47 @@ class KimiDeltaAttention(nnx.Module):
         self.dt_bias = nnx.Param(jnp.zeros((P,), jnp.float32), axes=("heads",))
         self.o_norm = nnx.Param(jnp.ones((d,), dtype), axes=("head_dim",))  # gated RMSNorm weight shared by heads
 
-    def __call__(self, x, state: KDAState, n_valid, *, mode: str = "chunk", chunk_size: int | None = None,
-                 return_all_states: bool = False, impl: str | None = None):
-        """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after). mode: chunk|recurrent;
-        chunk_size: None = `default_chunk_size()` for this backend.
-        impl: "xla" | "pallas" | None (default per backend; see pallas_kernels.default_impl): the KDA
-        kernels and, for projections kept FP8 (`FP8Linear`), the FP8 matmul.
+    def __call__(self, x, state: KDAState, n_valid, ex: ExecConfig):
+        """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after).
 
-        Returns (out [B,T,D], new KDAState[, rollback info]). With return_all_states the third value is
-        (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs [B,K-1+T,P]) so
-        a speculative verify can roll back to any accepted prefix (`kda_rollback`).
+        ex: `ex.kda_mode` chunk | recurrent, `ex.kda_chunk` tokens per chunk, `ex.kernels` xla | pallas
+        (the KDA kernels and the FP8 matmul of quantised projections), `ex.kda_states`.
+
+        Returns (out [B,T,D], new KDAState, rollback info or None). With `ex.kda_states` the rollback
+        info is (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs
+        [B,K-1+T,P]) so a speculative verify can roll back to any accepted prefix (`kda_rollback`).
         """
         cfg = self.cfg
         B, T, _ = x.shape
         H, d = cfg.num_attention_heads, cfg.head_dim
         valid = jnp.arange(T)[None, :] < n_valid[:, None]  # [B,T]
-        convs = [short_conv(getattr(self, f"{n}_proj")(x, impl), getattr(self, f"{n}_conv1d")[...],
-                            getattr(state, f"conv_{n}"), n_valid, return_cat=return_all_states) for n in "qkv"]
+        convs = [short_conv(getattr(self, f"{n}_proj")(x, ex), getattr(self, f"{n}_conv1d")[...],
+                            getattr(state, f"conv_{n}"), n_valid, return_cat=ex.kda_states) for n in "qkv"]
         (q, cq), (k, ck), (v, cv) = [c[:2] for c in convs]
         q = l2_normalize(q.reshape(B, T, H, d)) * (d ** -0.5)
         k = l2_normalize(k.reshape(B, T, H, d))
         v = v.reshape(B, T, H, d).astype(jnp.float32)
-        g = kda_gate(self.f_proj(x, impl).reshape(B, T, H, d), self.A_log[...], self.dt_bias[...],
+        g = kda_gate(self.f_proj(x, ex).reshape(B, T, H, d), self.A_log[...], self.dt_bias[...],
                      cfg.kda_lower_bound)
-        beta = jax.nn.sigmoid(self.b_proj(x, impl).astype(jnp.float32))
+        beta = jax.nn.sigmoid(self.b_proj(x, ex).astype(jnp.float32))
         g = jnp.where(valid[..., None, None], g, 0.0)
         beta = jnp.where(valid[..., None], beta, 0.0)
         if x.dtype == jnp.bfloat16:  # the chunked reference kernel stores normalised q/k in bf16
             q, k = q.astype(jnp.bfloat16).astype(jnp.float32), k.astype(jnp.bfloat16).astype(jnp.float32)
         all_states = None
-        if return_all_states:
+        pallas = ex.kernels == "pallas"
+        if ex.kda_states:  # every per-token state is materialised anyway: the reference scan
             o, s, all_states = kda_recurrent_scan(q, k, v, g, beta, state.recurrent, return_all_states=True)
-        elif mode == "recurrent":
-            o, s = pk.kda_recurrent_scan(impl, q, k, v, g, beta, state.recurrent)
+        elif ex.kda_mode == "recurrent":
+            o, s = (kda_recurrent_scan_pallas if pallas else kda_recurrent_scan)(q, k, v, g, beta, state.recurrent)
         else:
-            o, s = pk.kda_chunk_scan(impl, q, k, v, g, beta, state.recurrent, chunk_size or default_chunk_size())
+            o, s = (kda_chunk_scan_pallas if pallas else kda_chunk_scan)(q, k, v, g, beta, state.recurrent, ex.kda_chunk)
         o = o.astype(x.dtype)
-        gate = self.g_proj(x, impl).reshape(B, T, H, d)
+        gate = self.g_proj(x, ex).reshape(B, T, H, d)
         y = gated_rms_norm(o, gate, self.o_norm[...], cfg.rms_norm_eps).astype(x.dtype)
-        out = self.o_proj(y.reshape(B, T, H * d), impl)
+        out = self.o_proj(y.reshape(B, T, H * d), ex)
         new = KDAState(s, cq, ck, cv)
-        if return_all_states:
-            return out, new, (all_states, tuple(c[2] for c in convs))
-        return out, new
+        return out, new, ((all_states, tuple(c[2] for c in convs)) if ex.kda_states else None)
 
 
 def kda_rollback(old: KDAState, rollback, n_keep: jax.Array) -> KDAState:

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling_jax.config import KDA, LingConfig
+from ling_jax.config import LingConfig
+from ling_jax.exec_config import ExecConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,18 +89,50 @@ def stack_params(layers, block: Block):
     return out
 
 
-def run_block(block: Block, stacked, h, caches, forced, lengths, n_valid, opts):
-    """Apply a block. caches/forced: per run, stacked [repeats, n, ...] (or None).
+def _layer_fn(gdef, ex: ExecConfig):
+    """`(params, h, cache, forced, lengths, n_valid) -> (h, cache, expert ids, extra)` of one layer
+    structure, rematerialised in the backward pass under `ex.remat` when set (training)."""
+    def call(p, h, c, f, lengths, n_valid):
+        return nnx.merge(gdef, p)(h, c, lengths, n_valid, ex, f)
+    if ex.remat is None:
+        return call
+    return jax.checkpoint(call, policy=getattr(jax.checkpoint_policies, ex.remat))
+
+
+def _stack(vals: list, repeats: int, n: int):
+    """Per-layer values (pytrees, or all None) in (repeat, layer) order → stacked [repeats, n, ...]."""
+    if vals[0] is None:
+        return None
+    return jax.tree.map(lambda *xs: jnp.stack(xs).reshape((repeats, n) + xs[0].shape), *vals)
+
+
+def run_block(block: Block, layers, stacked, h, caches, forced, lengths, n_valid, ex: ExecConfig):
+    """Apply the layers of `block` to h [B,T,D]: the one layer runner (forward, prefill, decode,
+    verification and training all come through here).
+
+    layers: the model's layer list; stacked: `stack_params(layers, block)` (or None: computed
+    here) for the scanned loop; caches / forced: per run, stacked [repeats, n, ...] (or None).
+    `ex.layer_loop`: "scan" runs each run as a `lax.scan` over its stacked parameters inside a scan
+    over the block's repeats (six compiled layer bodies for the release's 72 layers); "unroll"
+    applies every layer to its own parameters. Why both: inside a scan each layer's weights are
+    dynamic slices of the stacked arrays, and XLA:CPU copies every slice before the matmul, so a
+    decode step moves each weight three times instead of once; unrolled, the matmuls read the
+    parameters in place while the caches stay stacked and are updated slot by slot.
 
     Returns (h, per-run new caches, per-run expert ids [repeats,n,B,T,k] or None, per-run extras).
     """
+    if ex.layer_loop == "unroll":
+        return _run_unrolled(block, layers, h, caches, forced, lengths, n_valid, ex)
+    stacked = stacked if stacked is not None else stack_params(layers, block)
+    fns = [_layer_fn(gdef, ex) for gdef, _ in stacked]
+
     def group_body(h, xs):
         params_g, caches_g, forced_g = xs
         new_c, idxs, extras = [], [], []
-        for r, (gdef, _) in enumerate(stacked):
-            def layer_body(h, ys, gdef=gdef):
+        for r, fn in enumerate(fns):
+            def layer_body(h, ys, fn=fn):
                 p, c, f = ys
-                h, c, idx, extra = nnx.merge(gdef, p)(h, c, lengths, n_valid, opts, f)
+                h, c, idx, extra = fn(p, h, c, f, lengths, n_valid)
                 return h, (c, idx, extra)
             h, (c, idx, extra) = jax.lax.scan(layer_body, h, (params_g[r], caches_g[r], forced_g[r]))
             new_c.append(c)
@@ -112,48 +145,18 @@ def run_block(block: Block, stacked, h, caches, forced, lengths, n_valid, opts):
     return h, new_c, idxs, extras
 
 
-#: `layer_loop="auto"` unrolls schedules of at most UNROLL_MAX_LAYERS layers whose hidden size is at
-#: least UNROLL_MIN_HIDDEN. Why both: the copies a scan makes of each layer's weight slices (see
-#: `run_block_unrolled`) cost in proportion to the weight bytes, while unrolling costs compile time in
-#: proportion to the layer count; small test models compile faster scanned and lose nothing.
-UNROLL_MAX_LAYERS = 24
-UNROLL_MIN_HIDDEN = 512
-
-
-def unrolled(cfg: LingConfig, opts: dict) -> bool:
-    """Whether to run the layers unrolled: opts['layer_loop'] is 'scan', 'unroll' or 'auto'."""
-    mode = opts.get("layer_loop", "auto")
-    if mode not in ("auto", "scan", "unroll"):
-        raise ValueError(f"layer_loop must be 'auto', 'scan' or 'unroll', got {mode!r}")
-    return mode == "unroll" or (mode == "auto" and cfg.num_hidden_layers <= UNROLL_MAX_LAYERS
-                                and cfg.hidden_size >= UNROLL_MIN_HIDDEN)
-
-
-def _stack(vals: list, repeats: int, n: int):
-    """Per-layer values (pytrees, or all None) in (repeat, layer) order → stacked [repeats, n, ...]."""
-    if vals[0] is None:
-        return None
-    return jax.tree.map(lambda *xs: jnp.stack(xs).reshape((repeats, n) + xs[0].shape), *vals)
-
-
-def run_block_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, opts):
-    """`run_block` with every layer applied in turn to its own (unstacked) parameters.
-
-    Same inputs and outputs as `run_block` except `layers` (the model's layer list) replaces the
-    stacked parameters. Why: inside a scan each layer's weights are dynamic slices of the stacked
-    arrays, and XLA:CPU copies every slice before the matmul, so a decode step moves each weight
-    three times (read, write, read) instead of once. Unrolled, the matmuls read the parameters in
-    place; the caches stay stacked and are updated in place slot by slot.
-    """
-    new_c, idxs, extras = [], [], []
+def _run_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, ex: ExecConfig):
+    """`run_block` with every layer applied in turn to its own (unstacked) parameters."""
     per_run = [dict() for _ in block.runs]
     for g in range(block.repeats):
         for r, run in enumerate(block.runs):
             for i, li in enumerate(block.layer_grid(r)[g]):
                 c = None if caches[r] is None else jax.tree.map(lambda x: x[g, i], caches[r])
                 f = None if forced[r] is None else forced[r][g, i]
-                h, c, idx, extra = layers[li](h, c, lengths, n_valid, opts, f)
+                gdef, p = nnx.split(layers[li])
+                h, c, idx, extra = _layer_fn(gdef, ex)(p, h, c, f, lengths, n_valid)
                 per_run[r][(g, i)] = (c, idx, extra)
+    new_c, idxs, extras = [], [], []
     for r, run in enumerate(block.runs):
         slots = [(g, i) for g in range(block.repeats) for i in range(run.n)]
         c, idx, extra = (list(v) for v in zip(*(per_run[r][s] for s in slots)))
@@ -179,6 +182,3 @@ def stack_forced(block: Block, r: int, forced: dict | None):
     grid = block.layer_grid(r)
     return jnp.stack([jnp.stack([forced[li] for li in row]) for row in grid])
 
-
-def is_kda(run: Run) -> bool:
-    return run.attn == KDA

@@ -15,12 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import pallas_kernels as pk
 from ling_jax.config import LingConfig
+from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import Linear
 from ling_jax.norms import RMSNorm
 from ling_jax.ops import einsum, linear
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
+from pallas_kernels.mla.kernel import latent_attention_pallas
+from pallas_kernels.mla.reference import attention_mask, latent_attention, masked_softmax
 
 
 class MLACache(NamedTuple):
@@ -34,20 +36,6 @@ def mla_zero_cache(cfg: LingConfig, batch: int, max_len: int, dtype) -> MLACache
                     jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype))
 
 
-def attention_mask(q_pos: jax.Array, key_len: int, kv_valid_len: jax.Array) -> jax.Array:
-    """[B,T,S] bool: key τ visible to query at absolute position p iff τ ≤ p and τ < kv_valid_len."""
-    kpos = jnp.arange(key_len)[None, None, :]
-    return (kpos <= q_pos[:, :, None]) & (kpos < kv_valid_len[:, None, None])
-
-
-def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    s = jnp.where(mask, scores, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.where(mask, jnp.exp(s - m), 0.0)
-    return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
-
-
 def mla_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype):
     """Reference form (spec §10.4).
 
@@ -59,26 +47,14 @@ def mla_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype):
     k_nope, v = kv[..., :dn], kv[..., dn:]
     s = (einsum("bthd,bshd->bhts", q_nope, k_nope, dtype=jnp.float32)
          + einsum("bthd,bsd->bhts", q_pe, k_pe, dtype=jnp.float32)) * scale
-    p = _softmax(s, mask[:, None]).astype(dtype)
+    p = masked_softmax(s, mask[:, None]).astype(dtype)
     return einsum("bhts,bshd->bthd", p, v)
-
-
-def latent_attention(q_hat, q_pe, c, k_pe, mask, scale):
-    """The absorbed core (XLA twin of the Pallas MLA decode kernel): MQA over the latent cache.
-
-    q_hat [B,T,H,r] (query through W_UK); q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; mask [B,T,S].
-    Returns c_hat [B,T,H,r] = softmax((q_hat·c + q_pe·k_pe)·scale) @ c, in q_hat's dtype.
-    """
-    s = (einsum("bthr,bsr->bhts", q_hat, c, dtype=jnp.float32)
-         + einsum("bthd,bsd->bhts", q_pe, k_pe, dtype=jnp.float32)) * scale
-    p = _softmax(s, mask[:, None]).astype(q_hat.dtype)
-    return einsum("bhts,bsr->bthr", p, c)
 
 
 def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, core=latent_attention):
     """Absorbed form (spec §10.6): same arguments and result as `mla_expanded_attention`.
 
-    `core` computes the latent attention (the Pallas kernel or its XLA twin `latent_attention`).
+    `core` computes the latent attention (the Pallas kernel or its XLA reference `latent_attention`).
     """
     H, dn = q_nope.shape[2], q_nope.shape[3]
     w = w_kv_b.reshape(H, -1, w_kv_b.shape[-1])  # [H, dn+dv, r]
@@ -113,26 +89,28 @@ class MultiheadLatentAttention(nnx.Module):
         # plain floats, not arrays: NNX would otherwise treat them as state
         self.inv_freq, self.rope_factor, self.scale = tuple(map(float, inv_freq)), float(af), softmax_scale(cfg)
 
-    def __call__(self, x, cache: MLACache, lengths, n_valid, *, form: str = "auto", impl: str | None = None):
+    def __call__(self, x, cache: MLACache, lengths, n_valid, ex: ExecConfig):
         """x: [B,T,D]; cache holds `lengths[b]` tokens already; `n_valid[b]` of the T are real.
 
-        form: "expanded" | "absorbed" | "auto" (expanded when the key set is the new tokens only,
-        i.e. a static no-cache prefill; absorbed otherwise). Returns (out [B,T,D], new cache).
+        `ex.mla_form`: "expanded" | "absorbed" | "auto" (expanded when the key set is the new tokens
+        only, i.e. a cache-free forward; absorbed otherwise); `ex.kernels`: the absorbed core and
+        the FP8 matmul of quantised projections. Returns (out [B,T,D], new cache).
         cache=None means a cache-free forward over the T tokens (positions 0..T-1).
         """
         cfg = self.cfg
         B, T, _ = x.shape
         H, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, impl)), impl)
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, ex)), ex)
         else:
-            q = self.q_proj(x, impl)
+            q = self.q_proj(x, ex)
         q = q.reshape(B, T, H, dn + dr)
-        kv = self.kv_a_proj_with_mqa(x, impl)
+        kv = self.kv_a_proj_with_mqa(x, ex)
         c_new = self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank])
         pos = lengths[:, None] + jnp.arange(T)[None, :]  # [B,T]
         q_pe = apply_rope(q[..., dn:], pos, self.inv_freq, self.rope_factor)
         kpe_new = apply_rope(kv[..., cfg.kv_lora_rank:], pos, self.inv_freq, self.rope_factor)
+        form = ex.mla_form
         if cache is None:
             c_all, kpe_all, new_cache = c_new, kpe_new, None
             if form == "auto":
@@ -153,8 +131,10 @@ class MultiheadLatentAttention(nnx.Module):
         if form == "expanded":
             o = mla_expanded_attention(*args)
         else:
-            core = lambda qh, qp, c, kp, _mask, sc: pk.latent_attention(impl, qh, qp, c, kp, kv_len, pos, sc)
+            core = latent_attention
+            if ex.kernels == "pallas":
+                core = lambda qh, qp, c, kp, _mask, sc: latent_attention_pallas(qh, qp, c, kp, kv_len, pos, sc)
             o = mla_absorbed_attention(*args, core=core)
-        gate = jax.nn.sigmoid(self.g_proj(x, impl).astype(jnp.float32)).astype(x.dtype)
+        gate = jax.nn.sigmoid(self.g_proj(x, ex).astype(jnp.float32)).astype(x.dtype)
         o = o * gate[..., None]
-        return self.dense(o.reshape(B, T, -1), impl), new_cache
+        return self.dense(o.reshape(B, T, -1), ex), new_cache

@@ -14,12 +14,13 @@ from flax import nnx
 
 from ling_jax.config import KDA, LingConfig
 from ling_jax.kda import KimiDeltaAttention, kda_zero_state
-from ling_jax.layer_stack import (layer_plan, per_layer, run_block, run_block_unrolled, stack_forced, stack_params,
-                                  unrolled)
+from ling_jax.exec_config import ExecConfig
+from ling_jax.layer_stack import layer_plan, per_layer, run_block, stack_forced, stack_params
 from ling_jax.linear import Linear
 from ling_jax.mla import MLACache, MultiheadLatentAttention, mla_zero_cache
-from ling_jax.moe import MoE, SwiGLU
+from ling_jax.moe import MoE
 from ling_jax.norms import RMSNorm
+from ling_jax.swiglu import SwiGLU
 
 
 class HybridCache(NamedTuple):
@@ -78,27 +79,21 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(cfg, layer, dtype=dtype, rngs=rngs) if self.is_moe
                     else SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
-    def __call__(self, h, cache, lengths, n_valid, opts: dict, forced_idx=None):
-        """h: [B,T,D] → (h, new layer cache, routed expert ids or None, extra)."""
+    def __call__(self, h, cache, lengths, n_valid, ex: ExecConfig, forced_idx=None):
+        """h: [B,T,D] → (h, new layer cache, routed expert ids or None, KDA rollback info or None)."""
         a_in = self.input_layernorm(h)
         extra = None
         if self.attn_type == KDA:
-            if opts.get("kda_all_states"):
-                a, cache, extra = self.attention(a_in, cache, n_valid, return_all_states=True, impl=opts.get("impl"))
-            else:
-                a, cache = self.attention(a_in, cache, n_valid, mode=opts.get("kda_mode", "chunk"),
-                                          chunk_size=opts.get("chunk_size"), impl=opts.get("impl"))
+            a, cache, extra = self.attention(a_in, cache, n_valid, ex)
         else:
-            a, cache = self.attention(a_in, cache, lengths, n_valid, form=opts.get("mla_form", "auto"),
-                                      impl=opts.get("impl"))
+            a, cache = self.attention(a_in, cache, lengths, n_valid, ex)
         u = h + a
         m_in = self.post_attention_layernorm(u)
         idx = None
         if self.is_moe:
-            m, idx = self.mlp(m_in, forced_idx=forced_idx, impl=opts.get("moe_impl", "auto"),
-                              kernel_impl=opts.get("impl"))
+            m, idx = self.mlp(m_in, ex, forced_idx)
         else:
-            m = self.mlp(m_in, opts.get("impl"))
+            m = self.mlp(m_in, ex)
         return u + m, cache, idx, extra
 
 
@@ -113,11 +108,17 @@ class MTPLayer(nnx.Module):
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, attn_type="mla")
         self.final_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
 
-    def __call__(self, emb, hidden_normed, cache, lengths, n_valid, opts, forced_idx=None):
+    def __call__(self, emb, hidden_normed, cache, lengths, n_valid, ex: ExecConfig, forced_idx=None):
         """emb: embeddings of the *next* tokens [B,T,D]; hidden_normed: main final-normed hidden at the
         same slots. Returns (final-normed MTP hidden [B,T,D], new MLA cache, expert ids)."""
-        m = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(hidden_normed)], axis=-1), opts.get("impl"))
-        r, cache, idx, _ = self.block(m, cache, lengths, n_valid, opts, forced_idx)
+        m = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(hidden_normed)], axis=-1), ex)
+        ex = ex.replace(kda_states=False)  # the MTP block is MLA: nothing to roll back
+        if ex.remat is not None:  # rematerialised like the decoder layers (`layer_stack._layer_fn`)
+            gdef, p = nnx.split(self.block)
+            call = lambda p, m, c: nnx.merge(gdef, p)(m, c, lengths, n_valid, ex, forced_idx)
+            r, cache, idx, _ = jax.checkpoint(call, policy=getattr(jax.checkpoint_policies, ex.remat))(p, m, cache)
+        else:
+            r, cache, idx, _ = self.block(m, cache, lengths, n_valid, ex, forced_idx)
         return self.final_layernorm(r), cache, idx
 
 
@@ -129,70 +130,72 @@ class LingModel(nnx.Module):
 
 
 class LingForCausalLM(nnx.Module):
-    """Whole model. Parameter paths mirror the checkpoint names (see checkpoint/load.py)."""
+    """Whole model. Parameter paths mirror the checkpoint names (see checkpoint/load.py).
 
-    def __init__(self, cfg: LingConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, with_mtp: bool = True):
+    `exec` is the model's ExecConfig (how it runs; static under jit): by default the defaults of
+    the current backend for this config (`ExecConfig.for_backend`). A call may pass another.
+    """
+
+    def __init__(self, cfg: LingConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, with_mtp: bool = True,
+                 exec: ExecConfig | None = None):
         rngs = rngs or nnx.Rngs(0)
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
+        self.exec = exec if exec is not None else ExecConfig.for_backend(None, cfg)
         self.model = LingModel(cfg, dtype=dtype, rngs=rngs)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs)
         self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs) if (with_mtp and cfg.has_mtp) else None
 
-    def logits(self, z, impl: str | None = None):
-        return self.lm_head(z, impl).astype(jnp.float32)
+    def logits(self, z, exec: ExecConfig | None = None):
+        return self.lm_head(z, exec or self.exec).astype(jnp.float32)
 
-    def mtp_forward(self, next_ids, hidden, mtp_cache, lengths, n_valid, opts: dict | None = None):
+    def mtp_forward(self, next_ids, hidden, mtp_cache, lengths, n_valid, exec: ExecConfig | None = None):
         """MTP layer alone: slot t pairs token next_ids[t] with main hidden[t] at position lengths+t.
 
         Returns (mtp logits [B,T,V] f32, MTP final-normed hidden [B,T,D], new MTP cache).
         """
+        ex = exec or self.exec
         emb = self.model.word_embeddings(next_ids).astype(self.dtype)
-        zm, mtp_cache, _ = self.mtp(emb, hidden.astype(self.dtype), mtp_cache, lengths, n_valid, opts or {})
-        return self.logits(zm, (opts or {}).get("impl")), zm, mtp_cache
+        zm, mtp_cache, _ = self.mtp(emb, hidden.astype(self.dtype), mtp_cache, lengths, n_valid, ex)
+        return self.logits(zm, ex), zm, mtp_cache
 
-    def stacked_layers(self, opts: dict | None = None):
+    def stacked_layers(self, exec: ExecConfig | None = None):
         """Per block of the layer plan: per run (graphdef, params stacked [repeats, n, ...]). Compute it
         once outside a decode loop and pass it as `stacked=`, so the loop body does not re-stack.
         None when the layers run unrolled (they read their own parameters)."""
-        if unrolled(self.cfg, opts or {}):
+        if (exec or self.exec).layer_loop == "unroll":
             return None
         return [stack_params(self.model.layers, b) for b in layer_plan(self.cfg)]
 
     def __call__(self, input_ids, cache: HybridCache | None = None, n_valid=None, *, mtp: bool = False,
-                 opts: dict | None = None, forced_routing: dict | None = None, mtp_ids=None, stacked=None):
+                 exec: ExecConfig | None = None, forced_routing: dict | None = None, mtp_ids=None, stacked=None):
         """Forward over T new tokens per sequence.
 
         input_ids: [B,T] int32. cache: None for a cache-free forward from position 0 (MLA attends
         to the T tokens only), else a HybridCache holding `cache.lengths[b]` tokens per sequence.
         n_valid: [B] real tokens (default T). mtp: also run the MTP layer; its ids default to the
         inputs shifted left with a 0 fill (spec §11), or `mtp_ids` [B,T] when given.
-        Returns dict: logits [B,T,V] f32 (absent with opts['skip_logits']), hidden [B,T,D] (final-normed), cache, routing {layer: [B,T,k]},
-        mtp_logits [B,T,V] (if mtp), kda_states {(block, run): stacked rollback info} (if
-        opts['kda_all_states'], for `kda_rollback`).
+        exec: how to run (default `self.exec`); `stacked`: `stacked_layers()` computed once outside a loop.
+        Returns dict: logits [B,T,V] f32 (absent with `exec.skip_logits`), hidden [B,T,D]
+        (final-normed), cache, routing {layer: [B,T,k]}, mtp_logits [B,T,V] (if mtp), kda_states
+        {(block, run): stacked rollback info} (with `exec.kda_states`, for `kda_rollback`).
         """
         cfg = self.cfg
-        opts = opts or {}
+        ex = exec or self.exec
         B, T = input_ids.shape
         n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
         lengths = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
         h = self.model.word_embeddings(input_ids).astype(self.dtype)
         new_layers, routing, kda_states = [], {}, {}
-        unroll = unrolled(cfg, opts)
         for b, block in enumerate(layer_plan(cfg)):
-            if not unroll:
-                run_params = stacked[b] if stacked is not None else stack_params(self.model.layers, block)
             if cache is not None:
                 caches = cache.layers[b]
             else:  # cache-free: zero KDA states, MLA attends to the T new tokens only
                 caches = tuple(_stacked(lambda: kda_zero_state(cfg, B, self.dtype), block, r) if run.attn == KDA
                                else None for r, run in enumerate(block.runs))
             forced = tuple(stack_forced(block, r, forced_routing) for r in range(len(block.runs)))
-            if unroll:
-                h, new_c, idxs, extras = run_block_unrolled(block, self.model.layers, h, caches, forced, lengths,
-                                                            n_valid, opts)
-            else:
-                h, new_c, idxs, extras = run_block(block, run_params, h, caches, forced, lengths, n_valid, opts)
+            h, new_c, idxs, extras = run_block(block, self.model.layers, None if stacked is None else stacked[b],
+                                               h, caches, forced, lengths, n_valid, ex)
             new_layers.append(new_c)
             for r in range(len(block.runs)):
                 if idxs[r] is not None:
@@ -201,8 +204,8 @@ class LingForCausalLM(nnx.Module):
                     kda_states[(b, r)] = extras[r]
         z = self.model.norm(h)
         out = {"hidden": z, "routing": routing}
-        if not opts.get("skip_logits"):  # prefill only needs the last position's logits
-            out["logits"] = self.logits(z, opts.get("impl"))
+        if not ex.skip_logits:  # prefill only needs the last position's logits
+            out["logits"] = self.logits(z, ex)
         if kda_states:
             out["kda_states"] = kda_states
         mtp_cache = None if cache is None else cache.mtp
@@ -215,8 +218,8 @@ class LingForCausalLM(nnx.Module):
                 mtp_ids = jnp.where(t + 1 < n_valid[:, None], nxt, 0)
             emb = self.model.word_embeddings(mtp_ids).astype(self.dtype)
             forced = None if forced_routing is None else forced_routing.get(cfg.num_hidden_layers)
-            zm, mtp_cache, idx = self.mtp(emb, z, mtp_cache, lengths, n_valid, opts, forced)
-            out["mtp_logits"] = self.logits(zm, opts.get("impl"))
+            zm, mtp_cache, idx = self.mtp(emb, z, mtp_cache, lengths, n_valid, ex, forced)
+            out["mtp_logits"] = self.logits(zm, ex)
             routing[cfg.num_hidden_layers] = idx
         if cache is not None:
             out["cache"] = HybridCache(tuple(new_layers), mtp_cache, lengths + n_valid)

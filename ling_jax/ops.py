@@ -1,13 +1,13 @@
-"""Dtype policy and the one matmul every projection goes through.
+"""Dtype names and the one matmul every projection goes through.
 
-float32 mode means float32 on TPU/GPU too: default precision there rounds operands to bf16 and
-flips MoE routing decisions, so float32 matmuls run at `Precision.HIGHEST`. bfloat16 mode keeps
-bf16 operands with float32 accumulation, as the reference does.
+`linear`, `einsum` and `precision` are defined in `pallas_kernels.matmul` (the kernels' XLA
+references use the same policy and may not import the model) and re-exported here for the model.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from pallas_kernels.matmul import einsum, linear, precision  # noqa: F401  (re-exported for the model)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -23,26 +23,3 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name_or_dtype!r}")
         return jnp.dtype(DTYPES[name_or_dtype])
     return jnp.dtype(name_or_dtype)
-
-
-def precision(dtype) -> jax.lax.Precision:
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w.T` for a weight stored `[out, in]` (the checkpoint layout); result in x's dtype."""
-    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=precision(x.dtype),
-                      preferred_element_type=_acc(x.dtype)).astype(x.dtype)
-
-
-def _acc(dtype):
-    # float32 operands accumulate in float32; bf16 ones use the backend's native bf16 dot (which
-    # accumulates in float32 internally on TPU/GPU; XLA:CPU has no bf16 x bf16 -> f32 kernel).
-    return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
-
-
-def einsum(spec: str, *xs, dtype=None) -> jax.Array:
-    """einsum at the policy's precision with float32 accumulation, cast to `dtype` (default: first operand's)."""
-    dtype = dtype or xs[0].dtype
-    return jnp.einsum(spec, *xs, precision=precision(xs[0].dtype),
-                      preferred_element_type=_acc(xs[0].dtype)).astype(dtype)

@@ -11,10 +11,8 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ling_jax.exec_config import ExecConfig
-from ling_jax.moe import MoE
 from ling_jax.quantized import BlockFP8
-from sharding.rules import EPPlan, UnknownParameterError, path_str, spec
+from sharding.rules import UnknownParameterError, path_str, spec
 
 
 def block_fp8_specs(values_spec: P, block, ndim: int) -> P:
@@ -81,24 +79,10 @@ def shard_model(model, mesh):
 
 
 def attach_mesh(model, mesh):
-    """Record `mesh` on the model: `model.exec` (ExecConfig with the mesh when it has more than one
-    device) and, until the model reads the mesh from ExecConfig, an EPPlan on every MoE block taken
-    from the routed experts' own placement. mesh=None: one device, no plans. Returns `model`."""
-    multi = mesh is not None and mesh.devices.size > 1
-    model.exec = ExecConfig.for_backend(None, model.cfg, mesh=mesh if multi else None)
-    heads = model.cfg.num_attention_heads
-    for path, m in nnx.iter_graph(model):
-        if isinstance(m, MoE):
-            if not multi:
-                m.ep_plan = None
-                continue
-            ex = m.experts
-            vs = [value_specs(tuple(path) + ("experts", n), getattr(ex, n), mesh, heads)
-                  for n in ("gate_proj", "up_proj", "down_proj")]
-            specs = tuple(s.values if isinstance(s, BlockFP8) else s for s in vs)
-            if isinstance(vs[0], BlockFP8):
-                specs += tuple(s.scales for s in vs)
-            m.ep_plan = EPPlan(mesh, specs)
+    """Run `model` on `mesh`: its ExecConfig gets the mesh when it has more than one device (the
+    routed experts then run expert-parallel); mesh=None or one device: the single-device path."""
+    one = mesh is None or mesh.devices.size == 1
+    model.exec = model.exec.replace(mesh=None if one else mesh)
     return model
 
 

@@ -20,6 +20,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp8.reference import block_dequant_fp8_jax
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +44,8 @@ class BlockFP8:
         return int(self.values.size) * 1 + int(self.scales.size) * 4
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """values × expanded scales, formed in float32, then `dtype`."""
-        br, bc = self.block
-        R, C = self.values.shape[-2:]
-        s = jnp.asarray(self.scales, jnp.float32)
-        if br != 1:
-            s = jnp.repeat(s, br, axis=-2)[..., :R, :]
-        if bc != 1:
-            s = jnp.repeat(s, bc, axis=-1)[..., :C]
-        return (self.values.astype(jnp.float32) * s).astype(dtype)
+        """values × expanded scales, formed in float32, then `dtype` (`block_dequant_fp8_jax`)."""
+        return block_dequant_fp8_jax(self.values, self.scales, self.block, dtype)
 
     def take(self, idx) -> "BlockFP8":
         """Rows of the leading (expert) axis: `values[idx]`, `scales[idx]` (the gathered decode path)."""

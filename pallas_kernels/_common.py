@@ -5,6 +5,8 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG = -1e30  # finite "minus infinity" for masked scores (keeps exp(m_old - m_new) free of NaN)
@@ -49,10 +51,8 @@ def compiler_params(interpret: bool, plat: str, semantics=None, num_warps: int |
         return None
     p = plat
     if p == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
         return pltpu.CompilerParams(dimension_semantics=tuple(semantics)) if semantics else None
     if p == "gpu":  # always pass Triton params: they select the Triton backend (not Mosaic GPU)
-        from jax.experimental.pallas import triton as pltriton
         kw = {}
         if num_warps is not None:
             kw["num_warps"] = num_warps

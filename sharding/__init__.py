@@ -10,8 +10,8 @@ See sharding/README.md for the rules, the expert-parallel MoE design and the wir
 """
 from sharding.mesh import (AXES, default_mesh_shape, make_mesh, mesh_sizes, mesh_spec_string, parse_mesh,
                            parse_mesh_shape, parse_mesh_spec)
-from sharding.rules import (CACHE_AXES, LOGICAL_AXES, RULES, EPPlan, LogicalRules, UnknownParameterError,
-                            cache_axes, cache_shardings, cache_specs, ep_plan, spec)
+from sharding.rules import (CACHE_AXES, LOGICAL_AXES, RULES, LogicalRules, UnknownParameterError, cache_axes,
+                            cache_shardings, cache_specs, spec)
 from sharding.distributed import (add_distributed_args, barrier, distributed_init_from_args_or_env,
                                   init_from_args, is_primary, primary_print)
 from sharding.place import batch_sharding, global_batch, shard_cache, to_host, use_mesh
@@ -19,8 +19,8 @@ from sharding.place import batch_sharding, global_batch, shard_cache, to_host, u
 __all__ = [
     "AXES", "default_mesh_shape", "make_mesh", "mesh_sizes", "mesh_spec_string", "parse_mesh", "parse_mesh_shape",
     "parse_mesh_spec",
-    "CACHE_AXES", "LOGICAL_AXES", "RULES", "EPPlan", "LogicalRules", "UnknownParameterError", "cache_axes",
-    "cache_shardings", "cache_specs", "ep_plan", "spec",
+    "CACHE_AXES", "LOGICAL_AXES", "RULES", "LogicalRules", "UnknownParameterError", "cache_axes",
+    "cache_shardings", "cache_specs", "spec",
     "add_distributed_args", "barrier", "distributed_init_from_args_or_env", "init_from_args", "is_primary",
     "primary_print",
     "batch_sharding", "global_batch", "shard_cache", "to_host", "use_mesh",

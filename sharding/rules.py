@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -188,51 +188,3 @@ def cache_shardings(cache, mesh, heads: Optional[int] = None):
     """
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), cache_specs(cache, mesh, heads),
                                   is_leaf=lambda x: isinstance(x, P))
-
-
-# ---------------------------------------------------------------------------------------------
-# the expert-parallel plan handed to ling_jax.moe (until ExecConfig carries the mesh)
-# ---------------------------------------------------------------------------------------------
-# Logical axes of the routed experts' stacked weights (declared by ling_jax.moe.Experts).
-EXPERT_GATE_UP_AXES = ("expert", "expert_mlp", "embed")   # [E, I, D]
-EXPERT_DOWN_AXES = ("expert", "embed", "expert_mlp")      # [E, D, I]
-
-
-@dataclasses.dataclass(frozen=True)
-class EPPlan:
-    """What `ling_jax.moe.experts_ep` needs: the mesh and the specs the expert weights were placed
-    with, in the order (gate, up, down[, gate_scale, up_scale, down_scale]). Hashable (static)."""
-    mesh: Any
-    specs: tuple
-
-    def __repr__(self):
-        return f"EPPlan({mesh_sizes(self.mesh)}, gate={self.specs[0]}, down={self.specs[2]})"
-
-
-def _keep_unblocked(values: P, blocked_dim: int) -> P:
-    """Spec of an expert scale grid: the values' spec with the block-quantised dim replicated."""
-    s = list(values)
-    s[blocked_dim] = None
-    return P(*s)
-
-
-def ep_plan(mesh, cfg, fp8: bool = False) -> EPPlan:
-    """The plan for `cfg`'s routed experts on `mesh`; fp8: also the specs of their block scales
-    (gate/up scales [E, I, ceil(D/bi)], down [E, ceil(D/bo), I]: split like the weights along E and I)."""
-    E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    h = cfg.num_attention_heads
-    gu = spec(EXPERT_GATE_UP_AXES, (E, I, D), mesh, h, where="routed experts gate/up")
-    dn = spec(EXPERT_DOWN_AXES, (E, D, I), mesh, h, where="routed experts down")
-    specs = (gu, gu, dn)
-    if fp8:
-        specs += (_keep_unblocked(gu, 2), _keep_unblocked(gu, 2), _keep_unblocked(dn, 1))
-    return EPPlan(mesh, specs)
-
-
-def context_ep_plan(cfg, fp8: bool = False) -> EPPlan:
-    """EP plan for the mesh installed with `jax.set_mesh(mesh)` (used by `impl="ep"` without a plan)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        raise ValueError("moe impl='ep' needs a mesh: load the model onto a mesh (ling_jax.loader.load_model) "
-                         "or run under `with jax.set_mesh(mesh):`")
-    return ep_plan(mesh, cfg, fp8)

@@ -3,8 +3,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ling_jax.checkpoint.fp8 import (FP8_DTYPE, block_dequant_fp8, block_dequant_fp8_jax, block_quant_fp8,
-                                     scale_grid_shape)
+from ling_jax.checkpoint.fp8 import FP8_DTYPE, block_dequant_fp8, block_quant_fp8, scale_grid_shape
+from pallas_kernels.fp8.reference import block_dequant_fp8_jax
 
 
 def _bound(w, scale, block=(128, 128)):

@@ -43,7 +43,7 @@ def test_cached_greedy_other_checkpoint_and_chunking(tiny_params):
     params = R.random_params(cfg, seed=4)
     model = load_from_dict(cfg, params)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7]]
-    res = generate(model, prompts, 33, stop_ids=(), chunk_size=4)
+    res = generate(model, prompts, 33, stop_ids=(), exec=model.exec.replace(kda_chunk=4))
     _check_greedy_against_full_forward(model, prompts, res)
 
 
@@ -166,14 +166,11 @@ def test_cli_generate(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_scanned_layers_equal_unrolled_layers(monkeypatch):
+def test_scanned_layers_equal_unrolled_layers():
     """The two layer loops (scan over stacked layers, used for deep or narrow schedules; unrolled,
-    the default for shallow wide ones, see `layer_stack.unrolled`) give the same logits, and cached
+    the default for shallow wide ones, see `ExecConfig.for_backend`) give the same logits, and cached
     decoding with unrolled layers, plain and speculative (whose verify step returns the per-position
     KDA states), gives the full forward's greedy tokens."""
-    import jax
-
-    from ling_jax import layer_stack
     n = 6  # [KDA KDA KDA MLA][MLA MLA]: a dense and an MoE run, and a trailing all-MLA group
     cfg = R.tiny_config(num_hidden_layers=n, expert_swiglu_limit_list=[0.0] * (n - 1) + [0.6],
                         share_expert_swiglu_limit_list=[0.0] * (n - 1) + [0.8])
@@ -181,18 +178,15 @@ def test_scanned_layers_equal_unrolled_layers(monkeypatch):
     ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 19)).astype(np.int32)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [42, 3]]
     out = {}
-    for mode, limit in (("scan", 0), ("unroll", 10_000)):  # unrolled last: generation below uses it
-        monkeypatch.setattr(layer_stack, "UNROLL_MAX_LAYERS", limit)
-        monkeypatch.setattr(layer_stack, "UNROLL_MIN_HIDDEN", 0)
-        jax.clear_caches()  # jitted functions were traced under the other setting
-        assert layer_stack.unrolled(cfg, {}) == (mode == "unroll")
+    for mode in ("scan", "unroll"):  # unrolled last: generation below uses it
+        model.exec = model.exec.replace(layer_loop=mode)  # static: jitted functions retrace
+        assert model.stacked_layers() is None if mode == "unroll" else model.stacked_layers() is not None
         out[mode] = np.asarray(full_logits(model, ids, n_valid=np.array([19, 11]))["logits"])
     # cached decoding (plain and speculative) with unrolled layers = the full forward's argmax; the
     # scanned ones are what the other tests run (tiny models scan)
-    assert layer_stack.unrolled(cfg, {})
+    assert model.exec.layer_loop == "unroll"
     plain = generate(model, prompts, 8, stop_ids=())
     spec = generate(model, prompts, 8, stop_ids=(), speculative=2)
-    jax.clear_caches()
     np.testing.assert_allclose(out["scan"], out["unroll"], rtol=1e-5, atol=1e-5)
     assert plain.tokens == spec.tokens
     _check_greedy_against_full_forward(model, prompts, plain)

@@ -159,7 +159,7 @@ def test_pallas_impl_equals_xla(written):
         cache = init_cache(cfg, 1, 32, jnp.float32, with_mtp=False)
         _, logits, _, _ = prefill(g, p, cache, jnp.asarray([ids]), jnp.array([13]), jnp.zeros((1, cfg.hidden_size)),
                                   jax.random.key(0), sampling=SamplingParams(), with_mtp=False, fresh=True,
-                                  chunk_size=8, impl=impl)
+                                  exec=model.exec.replace(kda_chunk=8, kernels=impl))
         outs[impl] = logits
     assert rel_err(outs["pallas"], outs["xla"]) < 1e-5
     # (the decode kernels inside a model are covered per kernel in tests/test_pallas_*.py; a whole

@@ -9,9 +9,11 @@ import pytest
 
 import np_reference as R
 from conftest import load_from_dict, rel_err
-from ling_jax.kda import kda_chunk_scan, kda_recurrent_scan, kda_zero_state
+from ling_jax.exec_config import ExecConfig
+from ling_jax.kda import kda_zero_state
 from ling_jax.mla import mla_zero_cache
 from ling_jax.norms import gated_rms_norm, l2_normalize, rms_norm
+from pallas_kernels.kda.reference import kda_chunk_scan, kda_recurrent_scan
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
@@ -61,8 +63,9 @@ def test_kda_layer(tiny_cfg, tiny_params, dtype, mode, chunk):
     dt = jnp.dtype(dtype)
     # two calls with carried state (13 + 8 tokens) against one reference call
     st = kda_zero_state(tiny_cfg, 1, dt)
-    o1, st = att(jnp.asarray(x[None, :13], dt), st, jnp.array([13]), mode=mode, chunk_size=chunk or 64)
-    o2, st = att(jnp.asarray(x[None, 13:], dt), st, jnp.array([8]), mode=mode, chunk_size=chunk or 64)
+    ex = ExecConfig(kda_mode=mode, kda_chunk=chunk or 64)
+    o1, st, _ = att(jnp.asarray(x[None, :13], dt), st, jnp.array([13]), ex)
+    o2, st, _ = att(jnp.asarray(x[None, 13:], dt), st, jnp.array([8]), ex)
     ref, ref_state = R.kda_layer(tiny_params, "model.layers.0.attention", x, tiny_cfg)
     assert rel_err(jnp.concatenate([o1, o2], 1)[0], ref) < TOL[dtype]
     assert rel_err(st.recurrent[0], ref_state["recurrent"]) < TOL[dtype]
@@ -75,7 +78,7 @@ def test_kda_padding_never_enters_state(tiny_cfg, tiny_params):
     att = model.model.layers[1].attention
     x = _x(7, (2, 19, tiny_cfg.hidden_size))
     n = jnp.array([19, 6])
-    out, st = att(jnp.asarray(x, jnp.float32), kda_zero_state(tiny_cfg, 2, jnp.float32), n)
+    out, st, _ = att(jnp.asarray(x, jnp.float32), kda_zero_state(tiny_cfg, 2, jnp.float32), n, ExecConfig.for_backend())
     ref, ref_state = R.kda_layer(tiny_params, "model.layers.1.attention", x[1, :6], tiny_cfg)
     assert rel_err(out[1, :6], ref) < 1e-4
     assert rel_err(st.recurrent[1], ref_state["recurrent"]) < 1e-4
@@ -91,13 +94,13 @@ def test_mla_layer(tiny_cfg, tiny_params, dtype, form):
     x = _x(9, (17, tiny_cfg.hidden_size))
     dt = jnp.dtype(dtype)
     # cache-free call
-    out, _ = att(jnp.asarray(x[None], dt), None, jnp.zeros((1,), jnp.int32), jnp.array([17]), form=form)
+    out, _ = att(jnp.asarray(x[None], dt), None, jnp.zeros((1,), jnp.int32), jnp.array([17]), ExecConfig(mla_form=form))
     ref, _ = R.mla_layer(tiny_params, "model.layers.3.attention", x, np.arange(17), tiny_cfg)
     assert rel_err(out[0], ref) < TOL[dtype]
     # two calls through the latent cache
     cache = mla_zero_cache(tiny_cfg, 1, 32, dt)
-    o1, cache = att(jnp.asarray(x[None, :10], dt), cache, jnp.array([0]), jnp.array([10]), form=form)
-    o2, cache = att(jnp.asarray(x[None, 10:], dt), cache, jnp.array([10]), jnp.array([7]), form=form)
+    o1, cache = att(jnp.asarray(x[None, :10], dt), cache, jnp.array([0]), jnp.array([10]), ExecConfig(mla_form=form))
+    o2, cache = att(jnp.asarray(x[None, 10:], dt), cache, jnp.array([10]), jnp.array([7]), ExecConfig(mla_form=form))
     assert rel_err(jnp.concatenate([o1, o2], 1)[0], ref) < TOL[dtype]
 
 
@@ -110,7 +113,7 @@ def test_mla_absorbed_equals_expanded_yarn(tiny_params):
     x = jnp.asarray(_x(11, (1, 40, cfg.hidden_size)), jnp.float32)
     ref, _ = R.mla_layer(tiny_params, "model.layers.3.attention", np.asarray(x[0], np.float64), np.arange(40), cfg)
     for form in ("expanded", "absorbed"):
-        out, _ = att(x, None, jnp.zeros((1,), jnp.int32), jnp.array([40]), form=form)
+        out, _ = att(x, None, jnp.zeros((1,), jnp.int32), jnp.array([40]), ExecConfig(mla_form=form))
         assert rel_err(out[0], ref) < 1e-4
 
 
@@ -124,10 +127,10 @@ def test_moe_layer(tiny_cfg, tiny_params, dtype, impl, layer):
     dt = jnp.dtype(dtype)
     ref, ref_idx = R.moe_layer(tiny_params, f"model.layers.{layer}.mlp", x, tiny_cfg, layer)
     if dtype == "float32":
-        out, idx = moe(jnp.asarray(x[None], dt), impl=impl)
+        out, idx = moe(jnp.asarray(x[None], dt), ExecConfig.for_backend(experts=impl))
         assert np.array_equal(np.sort(np.asarray(idx[0]), -1), np.sort(ref_idx, -1))
     else:  # bf16 inputs can flip near-tie routing; pin it to compare the arithmetic
-        out, idx = moe(jnp.asarray(x[None], dt), forced_idx=jnp.asarray(ref_idx[None]), impl=impl)
+        out, idx = moe(jnp.asarray(x[None], dt), ExecConfig.for_backend(experts=impl), jnp.asarray(ref_idx[None]))
     assert rel_err(out[0], ref) < TOL[dtype]
     if layer == 9:  # the clamp is active: without it the result differs
         unclamped, _ = R.moe_layer(tiny_params, f"model.layers.{layer}.mlp", x, tiny_cfg, layer, clamp=False)
@@ -151,7 +154,8 @@ def test_routed_expert_paths_equal_float64(N, E, k, top, capacity):
     capacity), the ragged_dot_general path (TPU/GPU) and the gather path equal a float64 per-assignment
     product. `top` sends that share of the tokens to expert 0 (skewed routing); one assignment in
     seven goes to no expert (id E, as on other devices' experts) and must come out 0."""
-    from ling_jax.moe import expert_capacity, experts_capacity, experts_gathered, experts_ragged
+    from ling_jax.moe import experts_gathered, experts_ragged
+    from ling_jax.moe_capacity import expert_capacity, experts_capacity
     rng = np.random.default_rng(N + E)
     idx = np.stack([rng.permutation(E)[:k] for _ in range(N)])
     idx[rng.random(N) < top, 0] = 0
@@ -185,7 +189,8 @@ def test_routed_expert_paths_equal_float64(N, E, k, top, capacity):
 def test_spilled_expert_gradients_equal_ragged():
     """Gradients through the CPU capacity path with spilled rows (custom VJP over the `while` spill
     loop) equal those through ragged_dot_general, for inputs, all three expert weights and the limit."""
-    from ling_jax.moe import experts_capacity, experts_ragged
+    from ling_jax.moe import experts_ragged
+    from ling_jax.moe_capacity import experts_capacity
     rng = np.random.default_rng(7)
     N, E, k, D, I = 40, 6, 2, 16, 8
     idx = np.stack([rng.permutation(E)[:k] for _ in range(N)])

@@ -1,4 +1,4 @@
-"""FP8 block-scaled matmul kernel (interpret mode) against its twin `fp8_linear_xla`
+"""FP8 block-scaled matmul kernel (interpret mode) against its reference `pallas_kernels.fp8.reference.fp8_linear`
 (= linear(x, block_dequant_fp8_jax(wq, scale))). Tolerances: float32 1e-5, bfloat16 1e-2 (relative)."""
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,8 @@ import pytest
 
 from conftest import rel_err
 from ling_jax.checkpoint.fp8 import block_quant_fp8
-from pallas_kernels.fp8_matmul import fp8_linear_pallas, fp8_linear_xla
+from pallas_kernels.fp8.kernel import fp8_linear_pallas
+from pallas_kernels.fp8.reference import fp8_linear
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 
@@ -33,7 +34,7 @@ def test_fp8_linear_matches_twin(M, N, K, dtype, kw):
     wq, scale = block_quant_fp8(w)
     wq, scale = jnp.asarray(wq), jnp.asarray(scale)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.dtype(dtype))
-    ref = fast(fp8_linear_xla)(x, wq, scale)
+    ref = fast(fp8_linear)(x, wq, scale)
     out = fast(lambda *a: fp8_linear_pallas(*a, **kw))(x, wq, scale)
     assert out.shape == (M, N) and out.dtype == x.dtype
     assert rel_err(out, ref) < TOL[dtype]

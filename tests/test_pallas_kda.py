@@ -1,4 +1,4 @@
-"""KDA Pallas kernels (interpret mode on CPU) against their XLA twins in ling_jax.kda.
+"""KDA Pallas kernels (interpret mode on CPU) against their XLA references in pallas_kernels.kda.reference.
 
 Tolerances (relative Frobenius error ‖a−b‖/‖b‖): float32 1e-5, bfloat16 inputs 1e-2.
 """
@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from ling_jax.kda import kda_chunk_scan, kda_recurrent_scan, kda_recurrent_step
-from pallas_kernels import kda_recurrent_scan as dispatch_scan
-from pallas_kernels.kda_chunk import kda_chunk_scan_pallas
-from pallas_kernels.kda_step import kda_recurrent_step_pallas
+from pallas_kernels.kda.chunk_kernel import kda_chunk_scan_pallas
+from pallas_kernels.kda.reference import kda_chunk_scan, kda_recurrent_scan, kda_recurrent_step
+from pallas_kernels.kda.step_kernel import kda_recurrent_scan_pallas, kda_recurrent_step_pallas
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 
@@ -113,12 +112,12 @@ def test_recurrent_step_updates_state_in_place():
     assert rel_err(o, o_ref) < TOL["float32"] and rel_err(s, s_ref) < TOL["float32"]
 
 
-def test_dispatch_recurrent_scan():
+def test_recurrent_scan_pallas_matches_reference():
     B, T, H, d = 2, 3, 2, 16
     q, k, v, g, beta, s0 = _inputs(9, B, T, H, d, d, valid=[3, 2])
     for T_ in (1, T):
         xs = tuple(a[:, :T_] for a in (q, k, v, g, beta))
         o_ref, s_ref = fast(kda_recurrent_scan)(*xs, s0)
-        o, s = fast(functools.partial(dispatch_scan, "pallas"))(*xs, s0)
+        o, s = fast(kda_recurrent_scan_pallas)(*xs, s0)
         assert o.shape == o_ref.shape
         assert rel_err(o, o_ref) < TOL["float32"] and rel_err(s, s_ref) < TOL["float32"]

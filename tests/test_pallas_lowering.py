@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels._common import target_platform
-from pallas_kernels.fp8_matmul import fp8_linear_pallas
-from pallas_kernels.kda_chunk import kda_chunk_scan_pallas
-from pallas_kernels.kda_step import kda_recurrent_step_pallas
-from pallas_kernels.mla_decode import latent_attention_pallas
+from pallas_kernels.fp8.kernel import fp8_linear_pallas
+from pallas_kernels.kda.chunk_kernel import kda_chunk_scan_pallas
+from pallas_kernels.kda.step_kernel import kda_recurrent_step_pallas
+from pallas_kernels.mla.kernel import latent_attention_pallas
 
 S_ = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32

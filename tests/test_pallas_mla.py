@@ -1,4 +1,4 @@
-"""Flash-decoding MLA kernel (interpret mode) against `ling_jax.mla.latent_attention` with the
+"""Flash-decoding MLA kernel (interpret mode) against `pallas_kernels.mla.reference.latent_attention` with the
 model's mask `attention_mask(q_pos, S, kv_len)`. Tolerances: float32 1e-5, bfloat16 1e-2 (relative)."""
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from ling_jax.mla import attention_mask, latent_attention
-from pallas_kernels.mla_decode import latent_attention_pallas
+from pallas_kernels.mla.kernel import latent_attention_pallas
+from pallas_kernels.mla.reference import attention_mask, latent_attention
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 

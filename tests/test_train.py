@@ -127,7 +127,7 @@ def nnx_jit_forward(model, ids):
 
 
 def test_kda_chunk_gradient_equals_recurrent():
-    from ling_jax.kda import kda_chunk_scan, kda_recurrent_scan
+    from pallas_kernels.kda.reference import kda_chunk_scan, kda_recurrent_scan
 
     B, Tn, H, d = 1, 11, 2, 8
     ks = jax.random.split(jax.random.key(3), 8)

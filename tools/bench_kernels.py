@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Check every Pallas kernel against its XLA twin and time both at Ling-3.1-flash widths.
+"""Check every Pallas kernel against its XLA reference (the "twin") and time both at Ling-3.1-flash widths.
 
     python tools/bench_kernels.py --out bench.json            # on a GPU / TPU
     python tools/bench_kernels.py --smoke --out /tmp/b.json   # CPU: tiny shapes, interpret mode
@@ -33,12 +33,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ling_jax.kda import kda_chunk_scan, kda_recurrent_step  # noqa: E402
-from ling_jax.mla import attention_mask, latent_attention  # noqa: E402
-from pallas_kernels.fp8_matmul import fp8_linear_pallas, fp8_linear_xla  # noqa: E402
-from pallas_kernels.kda_chunk import kda_chunk_scan_pallas  # noqa: E402
-from pallas_kernels.kda_step import kda_recurrent_step_pallas  # noqa: E402
-from pallas_kernels.mla_decode import latent_attention_pallas  # noqa: E402
+from pallas_kernels.fp8.kernel import fp8_linear_pallas  # noqa: E402
+from pallas_kernels.fp8.reference import fp8_linear  # noqa: E402
+from pallas_kernels.kda.chunk_kernel import kda_chunk_scan_pallas  # noqa: E402
+from pallas_kernels.kda.reference import kda_chunk_scan, kda_recurrent_step  # noqa: E402
+from pallas_kernels.kda.step_kernel import kda_recurrent_step_pallas  # noqa: E402
+from pallas_kernels.mla.kernel import latent_attention_pallas  # noqa: E402
+from pallas_kernels.mla.reference import attention_mask, latent_attention  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
@@ -112,7 +113,7 @@ def fp8_case(M, N, K):
         return x, wq, scale
 
     return dict(name="fp8_linear", shape=f"M={M} N={N} K={K}", dtype="bfloat16", make=make,
-                kernel=fp8_linear_pallas, twin=fp8_linear_xla,
+                kernel=fp8_linear_pallas, twin=fp8_linear,
                 bytes=N * K + 4 * math.ceil(N / 128) * math.ceil(K / 128) + 2 * (M * K + M * N), flops=2 * M * N * K)
 
 

@@ -76,7 +76,8 @@ def run(args) -> int:
     if not args.json and tok is not None:
         stream = _Printer(tok)
     res = generate(model, [ids], args.max_new_tokens, sampling=sampling, speculative=args.speculative,
-                   stop_ids=stop, stream=stream, impl=args.impl)
+                   stop_ids=stop, stream=stream,
+                   exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
     new = res.tokens[0]
     if args.json:
         out = {"token_ids": new}

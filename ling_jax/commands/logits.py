@@ -61,8 +61,8 @@ def run(args) -> int:
     check_ids(ids, model.cfg)
     if args.mtp and model.mtp is None:
         raise ValueError(f"--mtp: checkpoint {args.checkpoint} has no MTP layer (num_nextn_predict_layers=0)")
-    opts = {} if args.impl is None else {"impl": args.impl}
-    out = forward(model, np.asarray([ids], np.int32), mtp=args.mtp, **opts)
+    out = forward(model, np.asarray([ids], np.int32), mtp=args.mtp,
+                  exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
     if not is_primary():
         return 0
     arrays = {"logits": np.asarray(out["logits"][0], np.float32)}

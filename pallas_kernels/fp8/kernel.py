@@ -15,7 +15,7 @@ fp8 weight bytes for 128-blocks) so each K slice reads one [1, bn] row of scales
 and no scalar has to be moved from vector to scalar registers. M, N, K that are not multiples of
 the tiles are zero-padded outside the kernel (zero weights and activations contribute nothing).
 
-`fp8_linear_xla` is the twin: `linear(x, block_dequant_fp8_jax(wq, scale))`.
+Reference: `fp8.reference.fp8_linear` = `linear(x, block_dequant_fp8_jax(wq, scale))`.
 """
 from __future__ import annotations
 
@@ -24,17 +24,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from ling_jax.checkpoint.fp8 import block_dequant_fp8_jax
-from ling_jax.ops import linear
 from pallas_kernels._common import compiler_params, dot, next_pow2, platform, resolve_interpret, round_up
 
 F32 = jnp.float32
-
-
-def fp8_linear_xla(x, wq, scale, block=(128, 128)):
-    """Twin: dequantise the whole weight (float32, then x's dtype) and run `linear`."""
-    return linear(x, block_dequant_fp8_jax(wq, scale, block))
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *scratch, qbk: int, n_sub: int, n_k: int, unroll: bool):
@@ -102,7 +96,6 @@ def _run(x, wq, scale, block, interpret, block_m, block_n, block_k, plat):
     kernel = functools.partial(_kernel, qbk=qbk, n_sub=n_sub, n_k=n_k, unroll=n_sub <= 8)
     scratch = []
     if n_k > 1:
-        from jax.experimental.pallas import tpu as pltpu
         scratch = [pltpu.VMEM((bm, bn), F32)]
     out = pl.pallas_call(
         kernel,

@@ -1,6 +1,6 @@
-"""Pallas kernel for chunked KDA prefill (spec §9.7): twin of `ling_jax.kda.kda_chunk_scan`.
+"""Pallas kernel for chunked KDA prefill (spec §9.7); reference: `kda.reference.kda_chunk_scan`.
 
-Takes the twin's *prepared* inputs (q already L2-normalised and scaled, k normalised, g the
+Takes the reference's *prepared* inputs (q already L2-normalised and scaled, k normalised, g the
 bounded log-decay, beta the sigmoid): gate, L2 norm and beta stay in XLA where they fuse with the
 projections. The wrapper only pads T to whole chunks (pad tokens: g = beta = q = k = v = 0, which
 leave the state untouched) and replaces g by its chunk-local cumulative sum Γ (one fused XLA pass,
@@ -168,7 +168,7 @@ def _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, blo
 
 def kda_chunk_scan_pallas(q, k, v, g, beta, state, chunk_size: int = 64, interpret=None, *, sub_chunk: int = 16,
                           block_t: int | None = None, block_v: int | None = None):
-    """Chunked KDA (same arguments and result as `ling_jax.kda.kda_chunk_scan`).
+    """Chunked KDA (same arguments and result as `kda.reference.kda_chunk_scan`).
 
     q, k, g: [B,T,H,dk]; v: [B,T,H,dv]; beta: [B,T,H]; state: [B,H,dk,dv] f32. Returns
     (o [B,T,H,dv] f32, final state [B,H,dk,dv] f32).

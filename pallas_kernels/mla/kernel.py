@@ -1,4 +1,4 @@
-"""Flash-decoding Pallas kernel for absorbed MLA (spec §10.6): twin of `ling_jax.mla.latent_attention`.
+"""Flash-decoding Pallas kernel for absorbed MLA (spec §10.6); reference: `mla.reference.latent_attention`.
 
 Multi-query attention over the latent cache: every query row (token t, head h) of width
 r + dr = 512 + 64 attends to the shared keys [c ; k_pe] and reads values c. The T·H query rows of
@@ -9,7 +9,7 @@ a sequence are one matrix (decode: 64 rows), so each key block costs two MXU/ten
   parallel programs, each keeping an online-softmax state (running max m, sum l, accumulator);
   the partials are merged by log-sum-exp in XLA (a [B, splits, rows, r] float32 tensor, small
   next to the cache).
-* Masking is the twin's `attention_mask(q_pos, S, kv_len)`: key τ is visible to row (t, h) iff
+* Masking is the reference's `attention_mask(q_pos, S, kv_len)`: key τ is visible to row (t, h) iff
   τ < min(q_pos[t] + 1, kv_len). The wrapper precomputes that per-row limit, so the kernel masks
   with one vector compare; key blocks at or beyond the largest limit of the sequence are skipped
   (no compute; on TPU also no DMA, see "grid" mode).
@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import NEG, compiler_params, dot, next_pow2, platform, resolve_interpret
 
@@ -143,8 +144,6 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
     out_shape = [jax.ShapeDtypeStruct((B, P, Rp, r), F32), jax.ShapeDtypeStruct((B, P, Rp, 1), F32),
                  jax.ShapeDtypeStruct((B, P, Rp, 1), F32)]
     if mode == "grid":
-        from jax.experimental.pallas import tpu as pltpu
-
         lim_b = jnp.max(lim_rows[..., 0], axis=1)  # [B] keys any row of the sequence can see
 
         def key_block(b, p, i, lim_b):
@@ -195,7 +194,7 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
     w = jnp.exp(m - mx)
     num = jnp.sum(w * acc, axis=1)
     den = jnp.sum(w * l, axis=1)
-    out = num / jnp.where(den > 0, den, 1.0)  # rows that see no key: 0, as the twin
+    out = num / jnp.where(den > 0, den, 1.0)  # rows that see no key: 0, as the reference
     return out[:, :R].reshape(B, T, H, r).astype(q_hat.dtype)
 
 

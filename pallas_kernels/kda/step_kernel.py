@@ -1,4 +1,4 @@
-"""Pallas kernel for one KDA decode token (spec §9.6): twin of `ling_jax.kda.kda_recurrent_step`.
+"""Pallas kernel for one KDA decode token (spec §9.6); reference: `kda.reference.kda_recurrent_step`.
 
 Fused decay → delta-rule error → rank-1 write → read-out for a batch, one pass over the state.
 The state is input 0 and output 1 of the pallas_call with `input_output_aliases={0: 1}`: under a
@@ -11,6 +11,9 @@ kernel needs only broadcasts and sublane reductions — no matmul, no transpose:
     s = S ⊙ e^g;  e = v − Σ_d k_d s_d;  S' = s + β k eᵀ;  o = Σ_d q_d S'_d.
 Grid `(batch, head-block, value-block)`; every program owns `block_h` heads × `block_v` value
 columns (the value columns of the delta rule are independent).
+
+`kda_recurrent_scan_pallas` runs it token by token over a `[B,T,...]` input (decode, T = 1, is a
+single kernel call), as `kda.reference.kda_recurrent_scan` does with the XLA step.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import compiler_params, platform, resolve_interpret
@@ -70,7 +74,7 @@ def _run(state, q, k, v, g, beta, interpret, block_h, block_v, plat):
 
 def kda_recurrent_step_pallas(state, q, k, v, g, beta, interpret=None, *, block_h: int | None = None,
                               block_v: int | None = None):
-    """One KDA token for a batch (same arguments and result as `ling_jax.kda.kda_recurrent_step`).
+    """One KDA token for a batch (same arguments and result as `kda.reference.kda_recurrent_step`).
 
     state [B,H,dk,dv] f32 (updated in place when donated); q (normalised, scaled), k (normalised),
     g (log-decay) [B,H,dk]; v [B,H,dv]; beta [B,H]. Returns (o [B,H,dv] f32, new state).
@@ -79,3 +83,26 @@ def kda_recurrent_step_pallas(state, q, k, v, g, beta, interpret=None, *, block_
     interpret = resolve_interpret(interpret)
     block_h, block_v = _defaults(block_h, block_v, state.shape[1], state.shape[3])
     return _run(state, q, k, v, g, beta, interpret, block_h, block_v, plat=platform())
+
+
+def kda_recurrent_scan_pallas(q, k, v, g, beta, state, **kernel_kw):
+    """Token-by-token KDA with the step kernel (same arguments and result as
+    `kda.reference.kda_recurrent_scan` without `return_all_states`).
+
+    q, k, g: [B,T,H,dk]; v: [B,T,H,dv]; beta: [B,T,H]; state [B,H,dk,dv] f32. Returns
+    (o [B,T,H,dv] f32, final state). T = 1 (decode) is one kernel call; longer inputs a `lax.scan`
+    of it. Per-token states (speculative verify) come from the reference scan: it has to
+    materialise every state anyway, which is what its scan already does. kernel_kw: see
+    `kda_recurrent_step_pallas`.
+    """
+    if q.shape[1] == 1:
+        o, s = kda_recurrent_step_pallas(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], **kernel_kw)
+        return o[:, None], s
+
+    def step(s, xs):
+        o, s = kda_recurrent_step_pallas(s, *xs, **kernel_kw)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    s, o = lax.scan(step, state, xs)
+    return jnp.moveaxis(o, 0, 1), s

@@ -1,0 +1,101 @@
+"""Pure-XLA reference of the KDA recurrence (spec §9.6, §9.7): what the Pallas kernels must equal.
+
+Two equivalent paths over the same state `[batch, heads, key, value]` (float32), all float32:
+`kda_recurrent_step` / `kda_recurrent_scan` (one token at a time, the ground truth; decode and
+speculative verify) and `kda_chunk_scan` (prefill: `lax.scan` over chunks in the WY form of §9.7).
+Inputs are *prepared* as the model makes them (q L2-normalised and scaled, k normalised, g the
+bounded log-decay, beta the sigmoid). Padding is handled by giving pad tokens `g = 0` (no decay)
+and `beta = 0` (no write): the state passes through them unchanged, so padding never leaks into it.
+The model (`ling_jax.kda`) runs these on XLA and `kda/chunk_kernel.py`, `kda/step_kernel.py` on Pallas.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def kda_recurrent_step(state, q, k, v, g, beta):
+    """One token of the gated delta rule (spec §9.6), all float32.
+
+    state [B,H,dk,dv]; q (normalised and scaled), k (normalised) [B,H,dk]; v [B,H,dv]; g [B,H,dk]
+    log-decay; beta [B,H]. Returns (o [B,H,dv], new state). Read-out uses the updated state.
+    """
+    s = state * jnp.exp(g)[..., None]
+    err = v - jnp.einsum("bhkv,bhk->bhv", s, k, precision=_HI)
+    s = s + (beta[..., None] * k)[..., None] * err[:, :, None, :]
+    o = jnp.einsum("bhkv,bhk->bhv", s, q, precision=_HI)
+    return o, s
+
+
+def kda_recurrent_scan(q, k, v, g, beta, state, return_all_states: bool = False):
+    """Token-by-token scan of `kda_recurrent_step` (decode, short verify chunks, test ground truth).
+
+    q, k, g: [B,T,H,dk]; v: [B,T,H,dv]; beta: [B,T,H]; state [B,H,dk,dv].
+    Returns (o [B,T,H,dv], final state[, states after every token [B,T,H,dk,dv]]).
+    """
+    def step(s, xs):
+        o, s = kda_recurrent_step(s, *xs)
+        return s, (o, s) if return_all_states else o
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    s, out = jax.lax.scan(step, state, xs)
+    if return_all_states:
+        o, states = out
+        return jnp.moveaxis(o, 0, 1), s, jnp.moveaxis(states, 0, 1)
+    return jnp.moveaxis(out, 0, 1), s
+
+
+def _chunk_step(s0, xs):
+    """One chunk of the WY-form recurrence (spec §9.7). Shapes per (batch, head): [C, d]."""
+    q, k, v, g, beta = xs  # [B,H,C,dk], [B,H,C,dk], [B,H,C,dv], [B,H,C,dk], [B,H,C]
+    C = q.shape[2]
+    gam = jnp.cumsum(g, axis=2)  # Γ_r
+    # Pairwise decays exp(Γ_r − Γ_s) for s ≤ r, computed directly so no exp(−Γ) can overflow.
+    diff = gam[:, :, :, None, :] - gam[:, :, None, :, :]  # [B,H,C(r),C(s),dk]
+    causal = jnp.tril(jnp.ones((C, C), bool))
+    dec = jnp.where(causal[:, :, None], jnp.exp(jnp.where(causal[:, :, None], diff, 0.0)), 0.0)
+    kk = jnp.einsum("bhrd,bhsd,bhrsd->bhrs", k, k, dec, precision=_HI)
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    lmat = jnp.where(strict, kk * beta[..., :, None], 0.0)
+    eye = jnp.eye(C, dtype=jnp.float32)
+    tm = jax.scipy.linalg.solve_triangular(eye + lmat, jnp.broadcast_to(eye * beta[..., None, :], lmat.shape),
+                                           lower=True, unit_diagonal=True)
+    eg = jnp.exp(gam)
+    w = jnp.einsum("bhrs,bhsd->bhrd", tm, eg * k, precision=_HI)
+    u = jnp.einsum("bhrs,bhsd->bhrd", tm, v, precision=_HI)
+    vt = u - jnp.einsum("bhrd,bhdv->bhrv", w, s0, precision=_HI)
+    a = jnp.einsum("bhrd,bhsd,bhrsd->bhrs", q, k, dec, precision=_HI)
+    o = jnp.einsum("bhrd,bhdv->bhrv", q * eg, s0, precision=_HI) + jnp.einsum("bhrs,bhsv->bhrv", a, vt, precision=_HI)
+    last = gam[:, :, -1:, :]  # Γ_C
+    s1 = s0 * jnp.exp(last)[:, :, 0, :, None] + jnp.einsum("bhrd,bhrv->bhdv", jnp.exp(last - gam) * k, vt,
+                                                          precision=_HI)
+    return s1, o
+
+
+def kda_chunk_scan(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Chunked KDA: `lax.scan` over chunks of `chunk_size` tokens (exactly `kda_recurrent_scan`).
+
+    q, k, g: [B,T,H,dk]; v: [B,T,H,dv]; beta: [B,T,H]; state: [B,H,dk,dv] f32.
+    The tail is padded with g=0, beta=0, k=q=0, which leaves the state untouched.
+    Returns (o [B,T,H,dv] f32, final state).
+    """
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    C = max(1, min(chunk_size, T))
+    n = -(-T // C)
+    pad = n * C - T
+
+    def prep(a):
+        a = a.astype(jnp.float32)
+        if pad:
+            a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape((B, n, C) + a.shape[2:])  # [B,n,C,H,...]
+        perm = (1, 0, 3, 2) + tuple(range(4, a.ndim))
+        return jnp.transpose(a, perm)  # [n,B,H,C,...]
+
+    xs = tuple(prep(a) for a in (q, k, v, g, beta))
+    s, o = jax.lax.scan(_chunk_step, state.astype(jnp.float32), xs)  # o: [n,B,H,C,dv]
+    o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, n * C, H, dv)[:, :T]
+    return o, s

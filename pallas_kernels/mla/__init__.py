@@ -1,0 +1,2 @@
+"""Absorbed-MLA latent attention: XLA reference (`reference.py`) and the flash-decoding Pallas
+kernel (`kernel.py`)."""
