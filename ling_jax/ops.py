@@ -5,6 +5,7 @@ references use the same policy and may not import the model) and re-exported her
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.matmul import einsum, linear, precision  # noqa: F401  (re-exported for the model)

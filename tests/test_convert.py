@@ -73,7 +73,8 @@ def test_convert_keep_fp8(ckpt, tmp_path):
     """convert --keep-fp8 (float32 for the rest) → restore on other meshes: the FP8 matrices (experts
     and FP8Linear projections) come back float8 + scales, equal to a direct keep_fp8 load, and the
     logits equal the dequantising single-device load."""
-    from ling_jax.runtime import full_logits, load_model
+    from ling_jax.forward import forward
+    from ling_jax.loader import load_model
     from test_sharding import IDS
 
     out = tmp_path / "fp8"
@@ -89,7 +90,7 @@ def test_convert_keep_fp8(ckpt, tmp_path):
         S.load_any(str(out), mesh, "bfloat16", keep_fp8=False, progress=False)
     mesh = S.parse_mesh("data=2,model=4")
     got = S.sharded_logits(S.load_any(str(out), mesh, "float32", progress=False), IDS, mesh)
-    ref = full_logits(load_model(ckpt, "float32", progress=False), IDS)["logits"]
+    ref = forward(load_model(ckpt, "float32", progress=False), IDS)["logits"]
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
 
 
