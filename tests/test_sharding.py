@@ -25,7 +25,7 @@ from ling_jax.config import LingConfig
 from ling_jax.forward import forward
 from ling_jax.linear import Linear
 from ling_jax.loader import abstract_model, load_model
-from ling_jax.placement import block_fp8_specs, param_specs, shard_model
+from ling_jax.placement import block_fp8_specs, param_specs, shard_model, variable_sharding
 from ling_jax.quantized import BlockFP8
 
 TOL = 1e-5
@@ -364,7 +364,6 @@ MESHES = ["expert=8", "expert=4,model=2", "data=2,model=4"]
 def test_sharded_logits_match_single_device(ckpt, reference, spec):
     mesh = S.parse_mesh(spec)
     model = load_model(ckpt, "float32", mesh=mesh, progress=False)
-    assert model.exec.mesh == mesh
     sizes = dict(mesh.shape)
     e, m = ("expert" if sizes["expert"] > 1 else None), ("model" if sizes["model"] > 1 else None)
     L = model.model.layers
@@ -386,7 +385,7 @@ def test_sharded_logits_match_single_device(ckpt, reference, spec):
     # each device really holds only its block
     g = L[1].mlp.experts.gate_proj[...]
     assert g.addressable_shards[0].data.shape == (8 // sizes["expert"], 24 // sizes["model"], 64)
-    assert L[1].mlp.ep_plan is not None
+    assert model.exec.mesh == mesh  # the routed experts run expert-parallel (was: an EPPlan per MoE block)
     ref, ref_mtp = reference
     if spec == "expert=4,model=2":  # the MTP layer too (once: each variant is a separate compile)
         out = forward(model, IDS, mtp=True)
@@ -450,9 +449,10 @@ def test_shard_model_and_sharded_cache_prefill(ckpt, reference):
 
 def test_expert_parallel_kernel():
     """experts_ep (shard_map + psum) equals the single-device grouped MoE for both inner paths
-    (grouped / gather), dense and FP8 (dequantised inside the matmul) weights, a traced SwiGLU limit
-    and tokens split over `data`."""
-    from ling_jax.moe import dequant_cols, dequant_rows, experts_ep, experts_grouped
+    (grouped / gather), dense and FP8 (BlockFP8, dequantised inside the matmul) weights, a traced
+    SwiGLU limit and tokens split over `data`; the weights placed by their logical axes."""
+    from ling_jax.moe import experts_ep, experts_grouped
+    from ling_jax.quantized import dequantize
 
     mesh = S.parse_mesh("data=2,expert=2,model=2")  # all three axes at once
     E, D, I, N, k, b = 8, 64, 24, 6, 3, 16
@@ -463,37 +463,42 @@ def test_expert_parallel_kernel():
     f8 = [jnp.asarray(np.clip(r.standard_normal(s) * 100, -440, 440), jnp.float32).astype(jnp.float8_e4m3fn)
           for s in ((E, I, D), (E, I, D), (E, D, I))]
     sc = [jnp.asarray(r.uniform(1e-3, 2e-3, s), jnp.float32) for s in ((E, I, D // b), (E, I, D // b), (E, D // b, I))]
-    dense = [dequant_cols(f8[0], sc[0], b, jnp.float32), dequant_cols(f8[1], sc[1], b, jnp.float32),
-             dequant_rows(f8[2], sc[2], b, jnp.float32)]
+    blocks = ((1, b), (1, b), (b, 1))
+    quant = [BlockFP8(q, s, bl) for q, s, bl in zip(f8, sc, blocks)]
+    dense = [dequantize(q, jnp.float32) for q in quant]
     limit = jnp.asarray(0.6, jnp.float32)
     ref = jnp.einsum("nkd,nk->nd", experts_grouped(x, idx, *dense, 0.6), wts, precision="highest")
     gu = S.spec(("expert", "expert_mlp", "embed"), (E, I, D), mesh, 4)
     dn = S.spec(("expert", "embed", "expert_mlp"), (E, D, I), mesh, 4)
-    scale_specs = (block_fp8_specs(gu, (1, b), 3),) * 2 + (block_fp8_specs(dn, (b, 1), 3),)
+    assert gu == P("expert", "model", None)
     for fp8 in (False, True):
-        ws = f8 + sc if fp8 else dense
-        specs = (gu, gu, dn) + (scale_specs if fp8 else ())
-        assert specs[0] == P("expert", "model", None)
-        ws = [jax.device_put(w, jax.sharding.NamedSharding(mesh, sp)) for w, sp in zip(ws, specs)]
-        plan = S.EPPlan(mesh, specs)
-        for impl in ("grouped", "gather"):
-            f = jax.jit(lambda x, i, w, lim, *ws: experts_ep(x, i, w, ws, lim, plan, impl, (b, b) if fp8 else None))
-            y = f(S.global_batch(np.asarray(x), mesh), idx, wts, limit, *ws)
-            assert rel_err(y, ref) < TOL, (fp8, impl)
+        ws = quant if fp8 else dense
+        specs = tuple(BlockFP8(v, block_fp8_specs(v, bl, 3), bl) if fp8 else v
+                      for v, bl in zip((gu, gu, dn), blocks))
+        named = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+        ws = jax.device_put(ws, list(named))
+        for path in ("grouped", "gather"):
+            f = jax.jit(lambda x, i, w, lim, ws: experts_ep(x, i, w, ws, specs, lim, mesh, path, "ragged"))
+            y = f(S.global_batch(np.asarray(x), mesh), idx, wts, limit, tuple(ws))
+            assert rel_err(y, ref) < TOL, (fp8, path)
 
 
-def test_moe_impl_ep_under_context_mesh():
-    """A MoE block without an attached plan runs expert-parallel with impl='ep' under
-    `sharding.use_mesh(mesh)` (the context mesh), and equals the single-device block."""
+def test_moe_expert_parallel_under_exec_mesh():
+    """A MoE block whose ExecConfig carries a mesh runs expert-parallel (weights placed by their
+    declared axes) and equals the single-device block."""
+    from ling_jax.exec_config import ExecConfig
     from ling_jax.moe import MoE
 
     cfg = LingConfig.from_dict(small_cfg_dict())
     moe = MoE(cfg, 3, dtype=jnp.float32, rngs=nnx.Rngs(1))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, cfg.hidden_size)), jnp.float32)
-    call = nnx.jit(lambda m, x, impl: m(x, impl=impl)[0], static_argnums=2)
-    ref = call(moe, x, "grouped")
-    with pytest.raises(ValueError, match="needs a mesh"):
-        call(moe, x, "ep")
-    with S.use_mesh(S.parse_mesh("expert=4,model=2")):
-        got = call(moe, x, "ep")
+    call = nnx.jit(lambda m, x, ex: m(x, ex)[0], static_argnums=2)
+    ex = ExecConfig.for_backend(None, cfg, experts="grouped")
+    ref = call(moe, x, ex)
+    mesh = S.parse_mesh("expert=4,model=2")
+    heads = cfg.num_attention_heads
+    for p, v in nnx.to_flat_state(nnx.state(moe)):
+        v.set_value(jax.device_put(v.get_value(), variable_sharding(p, v, mesh, heads)))
+    assert spec_of(moe.experts.gate_proj[...]) == ("expert", "model", None)
+    got = call(moe, x, ex.replace(mesh=mesh))
     assert rel_err(got, ref) < TOL
