@@ -130,7 +130,7 @@ class LingModel(nnx.Module):
 
 
 class LingForCausalLM(nnx.Module):
-    """Whole model. Parameter paths mirror the checkpoint names (see checkpoint/load.py).
+    """Whole model. Parameter paths mirror the checkpoint names (`checkpoint.layout.checkpoint_names`).
 
     `exec` is the model's ExecConfig (how it runs; static under jit): by default the defaults of
     the current backend for this config (`ExecConfig.for_backend`). A call may pass another.
