@@ -84,10 +84,3 @@ def attach_mesh(model, mesh):
     one = mesh is None or mesh.devices.size == 1
     model.exec = model.exec.replace(mesh=None if one else mesh)
     return model
-
-
-def describe(model, mesh) -> list[tuple[str, tuple, object]]:
-    """(path, shape, spec) of every variable: what the rules give on `mesh` (for logs)."""
-    heads = model.cfg.num_attention_heads
-    return [(path_str(p), tuple(v.get_value().shape), value_specs(p, v, mesh, heads))
-            for p, v in nnx.to_flat_state(nnx.state(model))]
