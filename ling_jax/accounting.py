@@ -36,8 +36,9 @@ Weight formats (``weight_bytes``):
   block (ceil-sized grid); unquantized tensors at their release dtype: BF16, except ``A_log``,
   ``dt_bias``, ``expert_bias`` and the conv taps, which are FP32.
 * ``mxfp4`` — routed experts (main and MTP) at 4.25 bits/weight (4-bit E2M1 values plus one
-  8-bit E8M0 scale per 32 inputs, stored as a separate ``weight_scale`` tensor), everything else
-  as in ``fp8``.
+  8-bit E8M0 scale per 32 inputs, stored as a separate ``weight_scale_inv`` tensor -- the name
+  Ling's checkpoints use; vLLM renames it ``weight_scale``, also recognised), everything else as
+  in ``fp8``.
 
 Which matrices the *release* stores unquantized (spec §12.7, open question §16.4): the tensor
 count forces exactly one BF16 matrix per KDA layer (``b_proj``) and one per MLA layer, either the
@@ -173,8 +174,9 @@ def stored_tensors(cfg: LingConfig, fmt: str = "fp8", include_mtp: bool = True,
         if fmt == "mxfp4" and ".mlp.experts." in name:
             groups = -(-i // MXFP4_GROUP)
             out.append(Stored(name, s.shape, o * -(-i // 2), "MXFP4"))  # two E2M1 values per byte
-            out.append(Stored(name[: -len(".weight")] + MXFP4_SCALE_SUFFIX, (o, groups), o * groups,
-                              "F8_E8M0", scale=True))
+            # stored as our writer / `ling-jax quantize` store it (Ling's names: `weight_scale_inv`,
+            # U8 E8M0 bytes; see `checkpoint.mxfp4`)
+            out.append(Stored(L.scale_name(name), (o, groups), o * groups, "U8", scale=True))
             continue
         grid = (-(-o // block[0]), -(-i // block[1]))
         out.append(Stored(name, s.shape, n, "F8_E4M3"))

@@ -1,24 +1,34 @@
 """`ling-jax` command line: dispatches to ling_jax.commands.<name>.
 
-Every command exits non-zero with a one-line reason on bad input (CLI contract): errors that
-are the user's (bad file, bad argument) are `UserError`-like exceptions and print `error: ...`.
+Every command exits non-zero with a one-line reason on bad input (CLI contract): the last line on
+stderr is `error: ...` naming the file, tensor, field or argument, and there is no traceback.
+Argument-syntax errors (argparse) print the usage and then that line, exit status 2; refused values
+(ValueError and its subclasses: ConfigError, CheckpointError, ArgumentValueError) and file-system
+errors exit 2; anything unexpected exits 1 with `error: internal error: ...` (set
+LING_JAX_TRACEBACK=1 to see the traceback instead).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ling_jax.commands import COMMANDS
 
 
-class UserError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
+class Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors end with one `error: <prog>: <message>` line (usage above it)."""
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"error: {self.prog}: {message}\n")
+        raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ling-jax", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="ling-jax", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name in COMMANDS:
         try:
             mod = importlib.import_module(f"ling_jax.commands.{name}")
@@ -31,17 +41,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or an argument error (2, message already printed)
+        return e.code if isinstance(e.code, int) else 2
     try:
         rc = args._run(args)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except (UserError, ValueError, FileNotFoundError, KeyError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {msg}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print("error: out of host memory", file=sys.stderr)
+        return 2
+    except Exception as e:  # an unexpected failure: still one line unless asked for the traceback
+        if os.environ.get("LING_JAX_TRACEBACK") == "1":
+            raise
+        print(f"error: internal error: {type(e).__name__}: {_one_line(e)} (LING_JAX_TRACEBACK=1 shows the "
+              f"traceback)", file=sys.stderr)
+        return 1
     return int(rc or 0)
 
 

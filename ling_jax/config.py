@@ -3,6 +3,33 @@
 Every structural value the forward pass reads lives here, validated once, so the modules never
 look at raw JSON. Field names follow the Hugging Face config (spec §2); derived per-layer
 schedules (layer type, FFN type, SwiGLU limits) are computed here by the reference rules (§3).
+
+Required fields and defaults. A field that fixes a tensor shape or the layer schedule has no
+reference default: if config.json lacks it, parsing fails naming it (a silent default would turn a
+missing `hidden_size` into a thousand shape errors). Every other field has the reference (family)
+value of spec §2 as its default:
+
+    required (no default)           vocab_size, hidden_size, num_hidden_layers, num_attention_heads,
+                                    head_dim, intermediate_size, layer_group_size,
+                                    first_k_dense_replace, q_lora_rank (may be null), kv_lora_rank,
+                                    qk_nope_head_dim, qk_rope_head_dim, v_head_dim, num_experts
+                                    (or num_local_experts), num_experts_per_tok,
+                                    moe_intermediate_size, moe_shared_expert_intermediate_size
+    reference default               num_key_value_heads (= num_attention_heads), rms_norm_eps 1e-6,
+                                    tie_word_embeddings false, pad_token_id 156892,
+                                    eos_token_id 156895, bos_token_id none,
+                                    num_nextn_predict_layers 1, short_conv_kernel_size 4,
+                                    kda_lower_bound -5, rope_theta 6e6, rope_scaling none,
+                                    max_position_embeddings 262144, num_shared_experts 1, n_group 8,
+                                    topk_group 4, routed_scaling_factor 2.5, norm_topk_prob true,
+                                    SwiGLU limit lists empty (no clamp), mtp_loss_scaling_factor 0,
+                                    quantization_config none (unquantised)
+
+Every value present is type- and range-checked (finite positive eps and scaling factor, finite
+non-negative SwiGLU limits, integer token ids inside the vocabulary, a bounded
+max_position_embeddings, rope_scaling an object, quantization_config an object, ...). Parsing costs
+O(size of the JSON): nothing loops over a claimed count (experts, layers) here; the checkpoint
+reader bounds such counts by what the files hold before it enumerates tensors.
 """
 from __future__ import annotations
 
@@ -18,6 +45,34 @@ KDA = "kda"
 
 class ConfigError(ValueError):
     """A config.json value that is missing, unknown or contradictory."""
+
+
+#: A config.json is a few kB; refuse anything far larger before parsing it.
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+#: Positions are int32 in the caches and rotary tables.
+MAX_POSITIONS = 2**31 - 1
+
+
+def parse_json_bytes(raw: bytes, src: str):
+    """JSON of a file's UTF-8 bytes, or ConfigError naming `src`. NaN/Infinity literals (which Python
+    writes) parse, so that the field check names the field that holds one."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{src}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{src}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError and the NaN/Infinity refusal
+        raise ConfigError(f"{src}: not valid JSON ({e})") from None
+
+
+# Fields that fix tensor shapes or the schedule: no reference default (see the module docstring).
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                   "intermediate_size", "layer_group_size", "first_k_dense_replace", "q_lora_rank",
+                   "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts",
+                   "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size")
+_ALIASES = {"num_experts": "num_local_experts", "num_nextn_predict_layers": "num_mtp_layers",
+            "num_shared_experts": "n_shared_experts"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +184,17 @@ class LingConfig:
     def from_json(cls, path: str) -> "LingConfig":
         p = os.path.join(path, "config.json") if os.path.isdir(path) else path
         try:
-            with open(p) as f:
-                d = json.load(f)
+            with open(p, "rb") as f:
+                raw = f.read(MAX_CONFIG_BYTES + 1)
         except FileNotFoundError:
             raise ConfigError(f"{p}: config file not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from None
-        return _parse(d, p)
+        except IsADirectoryError:
+            raise ConfigError(f"{p}: is a directory, not a config file") from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read ({e.strerror or e})") from None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p}: larger than {MAX_CONFIG_BYTES} bytes (not a config.json)")
+        return _parse(parse_json_bytes(raw, p), p)
 
     def to_dict(self) -> dict[str, Any]:
         """The HF-style config.json fields (what the checkpoint writer stores)."""
@@ -186,89 +245,171 @@ _REQUIRED_VALUES = {
 }
 
 
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size", "layer_group_size", "first_k_dense_replace",
+               "num_nextn_predict_layers", "short_conv_kernel_size", "kv_lora_rank", "qk_nope_head_dim",
+               "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok",
+               "num_shared_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size", "n_group",
+               "topk_group")
+_FLOAT_FIELDS = ("rms_norm_eps", "kda_lower_bound", "rope_theta", "routed_scaling_factor", "mtp_loss_scaling_factor")
+_BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "apply_swiglu_clamp")
+_INT_LIMIT = 2**31  # every size and id is an int32 somewhere (shapes, positions, token ids)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    """A finite number that fits a float (a 400-digit JSON integer does not)."""
+    if not _is_number(v):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
 def _parse(d: dict[str, Any], src: str) -> LingConfig:
     def err(msg):
         raise ConfigError(f"{src}: {msg}")
 
+    if not isinstance(d, dict):
+        err(f"is not a JSON object (got {type(d).__name__}: {str(d)[:40]!r}); expected a bailing_hybrid config")
     for k, allowed in _REQUIRED_VALUES.items():
-        if k in d and d[k] is not None and d[k] not in allowed:
+        if k in d and d[k] is not None and not any(d[k] == a and type(d[k]) is type(a) for a in allowed):
             err(f"{k}={d[k]!r} is not supported (expected {' or '.join(map(repr, allowed))})")
+    for name in REQUIRED_FIELDS:
+        alias = _ALIASES.get(name)
+        present = name in d or (alias is not None and alias in d)
+        if not present or (name != "q_lora_rank" and d.get(name, d.get(alias)) is None):
+            err(f"has no {name} (required: it fixes tensor shapes or the layer schedule and has no "
+                f"reference default)")
     kw: dict[str, Any] = {}
     fields = {f.name: f for f in dataclasses.fields(LingConfig)}
     for name in fields:
         if name in d and d[name] is not None:
             kw[name] = d[name]
-    if "num_mtp_layers" in d and "num_nextn_predict_layers" not in d:
-        kw["num_nextn_predict_layers"] = d["num_mtp_layers"]
-    if "num_local_experts" in d and "num_experts" not in d:
-        kw["num_experts"] = d["num_local_experts"]
-    if "n_shared_experts" in d and "num_shared_experts" not in d:
-        kw["num_shared_experts"] = d["n_shared_experts"]
+    for name, alias in _ALIASES.items():
+        if alias in d and name not in d and d[alias] is not None:
+            kw[name] = d[alias]
     # the pad id may legitimately be null
     if "pad_token_id" in d:
         kw["pad_token_id"] = d["pad_token_id"]
 
-    ints = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "intermediate_size", "layer_group_size", "first_k_dense_replace",
-            "num_nextn_predict_layers", "short_conv_kernel_size", "kv_lora_rank", "qk_nope_head_dim",
-            "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok",
-            "num_shared_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size", "n_group",
-            "topk_group"]
-    for k in ints:
+    for k in _INT_FIELDS:
         if k in kw:
             v = kw[k]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                err(f"{k} must be a non-negative integer, got {v!r}")
-    for k in ["rms_norm_eps", "kda_lower_bound", "rope_theta", "routed_scaling_factor", "mtp_loss_scaling_factor"]:
+            if not _is_int(v) or not 0 <= v < _INT_LIMIT:
+                err(f"{k} must be a non-negative integer below 2^31, got {v!r}")
+    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    for k in _FLOAT_FIELDS:
         if k in kw:
-            if isinstance(kw[k], bool) or not isinstance(kw[k], (int, float)):
-                err(f"{k} must be a number, got {kw[k]!r}")
+            if not _finite(kw[k]):
+                err(f"{k} must be a finite number, got {kw[k]!r}")
             kw[k] = float(kw[k])
-    if kw.get("q_lora_rank") is not None and (not isinstance(kw["q_lora_rank"], int) or kw["q_lora_rank"] <= 0):
+    for k in _BOOL_FIELDS:
+        if k in kw and not isinstance(kw[k], bool):
+            err(f"{k} must be true or false, got {kw[k]!r}")
+    if kw.get("q_lora_rank") is not None and (not _is_int(kw["q_lora_rank"]) or not 0 < kw["q_lora_rank"] < _INT_LIMIT):
         err(f"q_lora_rank must be a positive integer or null, got {kw['q_lora_rank']!r}")
     if "q_lora_rank" not in kw and "q_lora_rank" in d:
         kw["q_lora_rank"] = None
-    eos = kw.get("eos_token_id", (156895,))
-    kw["eos_token_id"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    _parse_token_ids(d, kw, err)
+    _parse_rope(d, kw, err)
+    q = d.get("quantization_config")
+    if q is not None and not isinstance(q, dict):
+        err(f"quantization_config must be an object or null, got {type(q).__name__} {str(q)[:40]!r}")
 
-    rs = d.get("rope_scaling") or d.get("rope_parameters")
-    if isinstance(rs, dict) and rs.get("rope_type", rs.get("type", "default")) not in ("default", None):
-        rt = rs.get("rope_type", rs.get("type"))
-        if rt != "yarn":
-            err(f"rope_scaling.rope_type={rt!r} is not supported (expected 'yarn' or 'default')")
-        if "factor" not in rs:
-            err("rope_scaling of type yarn needs 'factor'")
-        kw["rope_scaling"] = RopeScaling(
-            factor=float(rs["factor"]),
-            original_max_position_embeddings=int(rs.get("original_max_position_embeddings")
-                                                  or d.get("max_position_embeddings", 262144)),
-            beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
-            mscale=None if rs.get("mscale") is None else float(rs["mscale"]),
-            mscale_all_dim=None if rs.get("mscale_all_dim") is None else float(rs["mscale_all_dim"]),
-            attention_factor=None if rs.get("attention_factor") is None else float(rs["attention_factor"]),
-            truncate=bool(rs.get("truncate", True)))
-        if isinstance(rs, dict) and "rope_theta" in rs and "rope_theta" not in d:
-            kw["rope_theta"] = float(rs["rope_theta"])
-    else:
-        kw["rope_scaling"] = None
-        if isinstance(rs, dict) and "rope_theta" in rs and "rope_theta" not in d:
-            kw["rope_theta"] = float(rs["rope_theta"])
-
-    n = kw.get("num_hidden_layers", 72)
+    n = kw["num_hidden_layers"]
     for k in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
         v = d.get(k)
         if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):  # absent or [] = no clamp
             kw[k] = ()
             continue
         if not isinstance(v, (list, tuple)) or len(v) != n:
-            err(f"{k} must be a list of num_hidden_layers={n} numbers, got length "
-                f"{len(v) if isinstance(v, (list, tuple)) else type(v).__name__}")
+            err(f"{k} must be a list of num_hidden_layers={n} numbers, got "
+                f"{'length ' + str(len(v)) if isinstance(v, (list, tuple)) else type(v).__name__}")
+        for j, x in enumerate(v):
+            if x is not None and not _finite(x):
+                err(f"{k}[{j}] must be a finite number (or null/0 for no clamp), got {x!r}")
         kw[k] = tuple(float(x or 0.0) for x in v)
         if any(x < 0 for x in kw[k]):
-            err(f"{k} has a negative limit")
+            err(f"{k}[{next(j for j, x in enumerate(kw[k]) if x < 0)}] is a negative limit")
     cfg = LingConfig(**kw)
     _validate(cfg, err, d)
     return cfg
+
+
+def _parse_token_ids(d: dict, kw: dict, err) -> None:
+    """eos (int or non-empty list), pad and bos (int or null): integers inside the vocabulary when
+    given; absent ones keep the reference default (spec §2.1)."""
+    V = kw["vocab_size"]
+
+    def check(field, v):
+        if not _is_int(v):
+            err(f"{field} must be an integer token id, got {v!r}")
+        if not 0 <= v < V:
+            err(f"{field}={v} is outside the vocabulary [0, vocab_size={V})")
+
+    if "eos_token_id" in kw:
+        eos = kw["eos_token_id"]
+        eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        if not eos:
+            err("eos_token_id is an empty list (give one id, a list of ids, or leave it out)")
+        for i, v in enumerate(eos):
+            check("eos_token_id" + (f"[{i}]" if len(eos) > 1 else ""), v)
+        kw["eos_token_id"] = tuple(eos)
+    for field in ("pad_token_id", "bos_token_id"):
+        if kw.get(field) is not None:
+            check(field, kw[field])
+
+
+def _number(rs: dict, key: str, err, default=None, positive: bool = False):
+    v = rs.get(key)
+    if v is None:
+        return default
+    if not _finite(v) or (positive and v <= 0):
+        err(f"rope_scaling.{key} must be a finite {'positive ' if positive else ''}number, got {v!r}")
+    return float(v)
+
+
+def _parse_rope(d: dict, kw: dict, err) -> None:
+    """rope_scaling / rope_parameters: null, {"rope_type": "default"} or a YaRN object (spec §10.3)."""
+    key = "rope_scaling" if d.get("rope_scaling") is not None else "rope_parameters"
+    rs = d.get(key)
+    kw["rope_scaling"] = None
+    if rs is None:
+        return
+    if not isinstance(rs, dict):
+        err(f"{key} must be an object or null, got {type(rs).__name__} {str(rs)[:40]!r}")
+    if "rope_theta" in rs and "rope_theta" not in d:
+        v = rs["rope_theta"]
+        if not _finite(v):
+            err(f"{key}.rope_theta must be a finite number, got {v!r}")
+        kw["rope_theta"] = float(v)
+    rt = rs.get("rope_type", rs.get("type", "default"))
+    if rt in ("default", None):
+        return
+    if rt != "yarn":
+        err(f"{key}.rope_type={rt!r} is not supported (expected 'yarn' or 'default')")
+    if "factor" not in rs:
+        err(f"{key} of type yarn needs 'factor'")
+    omp = rs.get("original_max_position_embeddings") or kw.get("max_position_embeddings", 262144)
+    if not _is_int(omp) or not 0 < omp < _INT_LIMIT:
+        err(f"{key}.original_max_position_embeddings must be a positive integer, got {omp!r}")
+    trunc = rs.get("truncate", True)
+    if not isinstance(trunc, bool):
+        err(f"{key}.truncate must be true or false, got {trunc!r}")
+    kw["rope_scaling"] = RopeScaling(
+        factor=_number(rs, "factor", err, positive=True), original_max_position_embeddings=omp,
+        beta_fast=_number(rs, "beta_fast", err, 32.0) or 32.0, beta_slow=_number(rs, "beta_slow", err, 1.0) or 1.0,
+        mscale=_number(rs, "mscale", err), mscale_all_dim=_number(rs, "mscale_all_dim", err),
+        attention_factor=_number(rs, "attention_factor", err, positive=True), truncate=trunc)
 
 
 def _validate(c: LingConfig, err, d: dict) -> None:
@@ -294,6 +435,15 @@ def _validate(c: LingConfig, err, d: dict) -> None:
         err("short_conv_kernel_size must be >= 1")
     if not c.kda_lower_bound < 0:
         err(f"kda_lower_bound={c.kda_lower_bound} must be negative (log-decay lower bound)")
+    if not c.rms_norm_eps > 0:
+        err(f"rms_norm_eps={c.rms_norm_eps} must be a positive number (it keeps RMSNorm away from 1/0)")
+    if not c.routed_scaling_factor > 0:
+        err(f"routed_scaling_factor={c.routed_scaling_factor} must be positive")
+    if c.mtp_loss_scaling_factor < 0:
+        err(f"mtp_loss_scaling_factor={c.mtp_loss_scaling_factor} must be >= 0")
+    if not 0 < c.max_position_embeddings <= MAX_POSITIONS:
+        err(f"max_position_embeddings={c.max_position_embeddings} must be in 1..{MAX_POSITIONS} "
+            f"(positions are int32)")
     if c.num_experts > 0 or c.first_k_dense_replace < c.num_hidden_layers or c.has_mtp:
         if c.num_experts <= 0:
             err("num_experts must be positive when any layer is MoE")
@@ -314,9 +464,10 @@ def _validate(c: LingConfig, err, d: dict) -> None:
         if q.get("fmt", "e4m3") != "e4m3":
             err(f"quantization_config.fmt={q.get('fmt')!r} is not supported (expected 'e4m3')")
         bs = q.get("weight_block_size", [128, 128])
-        if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(isinstance(x, int) and x > 0 for x in bs)):
+        if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(_is_int(x) and 0 < x < _INT_LIMIT for x in bs)):
             err(f"quantization_config.weight_block_size={bs!r} must be two positive integers")
-    if not math.isfinite(c.rope_theta) or c.rope_theta <= 1:
+        mnc = q.get("modules_to_not_convert")
+        if mnc is not None and not (isinstance(mnc, list) and all(isinstance(x, str) for x in mnc)):
+            err("quantization_config.modules_to_not_convert must be a list of module names")
+    if c.rope_theta <= 1:
         err(f"rope_theta={c.rope_theta} must be > 1")
-    if c.rope_scaling is not None and c.rope_scaling.factor <= 0:
-        err("rope_scaling.factor must be positive")

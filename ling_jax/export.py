@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from typing import Optional
 
 import numpy as np
@@ -24,12 +23,14 @@ from flax import nnx
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_quant_fp8
+from ling_jax.checkpoint.atomic import make_temp_dir
 from ling_jax.checkpoint.layout import checkpoint_names
 from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
-from ling_jax.checkpoint.writer import (INDEX_FILE, _write_json, checkpoint_config_dict, plan_shards,
-                                       shard_file_name, write_generation_config)
+from ling_jax.checkpoint.writer import (INDEX_FILE, checkpoint_config_dict, plan_shards, shard_file_name,
+                                       write_generation_config, write_json)
 from ling_jax.config import LingConfig
 from ling_jax.quantized import BlockFP8
+from ling_jax.train.state import load_trained_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json")
@@ -107,7 +108,7 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
     total = sum(nbytes(d, s) for _, d, s in entries)
 
     out_dir, parent = prepare_out_dir(out_dir, overwrite, "--overwrite")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    tmp = make_temp_dir(out_dir)  # hidden .ling-tmp-* name; cleaned by the next run if we are killed
     try:
         mask = os.umask(0)
         os.umask(mask)
@@ -137,8 +138,8 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
                             bar.update(c.nbytes)
         finally:
             bar.close()
-        _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp))
+        write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp))
         write_generation_config(tmp, cfg)
         copied = _copy_tokenizer(tokenizer_dir, tmp)
         replace_dir(tmp, out_dir)
@@ -195,7 +196,6 @@ def load_source(path: str, dtype: str = "float32", step: Optional[int] = None):
     if os.path.isfile(os.path.join(path, "config.json")):
         from ling_jax.loader import load_model
         return load_model(path, dtype, with_mtp=True, progress=False)
-    from ling_jax.train import load_trained_model
     base = os.path.basename(path)
     if base.isdigit() and step is None:
         return load_trained_model(os.path.dirname(path), int(base))

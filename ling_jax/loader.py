@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from ling_jax.checkpoint import blocks as B
 from ling_jax.checkpoint import orbax as O
 from ling_jax.checkpoint.layout import checkpoint_names, is_expert_path
+from ling_jax.checkpoint.orbax_validate import check_param_shapes, storage_errors, validate_converted
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.config import LingConfig
 from ling_jax.layer_stack import layer_plan
@@ -215,6 +216,13 @@ class ParamSource:
                             lambda i: np.asarray(B.read_param(r, path, cfg, i, npdt)), what, counted)
 
 
+def converted_entries(path, value) -> dict:
+    """{converted-checkpoint key: array or ShapeDtypeStruct} of one parameter value (a BlockFP8 is two)."""
+    if isinstance(value, BlockFP8):
+        return {O.key_of(path): value.values, O.scale_key(path): value.scales}
+    return {O.key_of(path): value}
+
+
 def fill_params(flat, source: ParamSource, progress: bool = True, desc: str = "loading") -> None:
     """Build every parameter (nnx.Param) of `flat` ([(path, Variable)]) in place from the checkpoint.
     Other Variables are left alone (see place_constants)."""
@@ -309,8 +317,8 @@ def restore_converted(path: str, mesh, dtype, with_mtp: bool = True, keep_quanti
     Parameters stored in another float dtype are cast to `dtype`; FP8-kept matrices stay FP8 (which
     ones: the per-parameter dtypes in the metadata; keep_quantized None: as stored; True/False must
     match the conversion)."""
-    path = os.path.abspath(path)
-    meta = O.read_meta(path)
+    path = os.path.abspath(path)  # Orbax wants absolute paths
+    meta = validate_converted(path)  # marker, manifest, commit markers, data file sizes: before any restore
     stored_q = bool(meta["keep_fp8"])
     if keep_quantized is not None and bool(keep_quantized) != stored_q:
         raise ValueError(f"{path}: converted {'with' if stored_q else 'without'} --keep-fp8; "
@@ -323,6 +331,8 @@ def restore_converted(path: str, mesh, dtype, with_mtp: bool = True, keep_quanti
     stored = (lambda p: meta["params"].get(O.key_of(p), {}).get("dtype") == f8) if stored_q else None  # noqa: E731
     graphdef, state = nnx.split(abstract_model(cfg, dtype, with_mtp, stored))
     flat = list(nnx.to_flat_state(state))
+    check_param_shapes(path, meta, {k: tuple(a.shape) for p, v in flat if isinstance(v, nnx.Param)
+                                    for k, a in converted_entries(p, v.get_value()).items()}, subset=True)
     groups: dict[str, list] = {}
     for p, v in flat:
         if not isinstance(v, nnx.Param):
@@ -343,7 +353,8 @@ def restore_converted(path: str, mesh, dtype, with_mtp: bool = True, keep_quanti
                 target[O.scale_key(p)] = jax.ShapeDtypeStruct(want.scales.shape, want.scales.dtype, sharding=sh.scales)
             else:
                 target[O.key_of(p)] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sh)
-        got = ckptr.restore(os.path.join(path, "params", g), target)
+        with storage_errors(os.path.join(path, "params", g)):
+            got = ckptr.restore(os.path.join(path, "params", g), target)
         for p, v in items:
             want = v.get_value()
             v.set_value(BlockFP8(got[O.key_of(p)], got[O.scale_key(p)], want.block) if isinstance(want, BlockFP8)

@@ -15,7 +15,8 @@ and never the reverse (tests/test_import_graph.py checks this). One folder per o
     _common.py           backend detection, interpret default, compiler parameters, in-kernel dot
 
 A kernel takes the reference's arguments and returns what it returns (shapes and dtypes); extra
-keyword arguments are tile sizes and `interpret` (None = interpret mode on CPU, for tests). Which
+keyword arguments are tile sizes, `interpret` (None = interpret mode on CPU, for tests) and
+`platform` (the target backend; None = the default one). Which
 of the two the model runs is its execution config's choice (`ExecConfig.kernels`), not this
 package's.
 """

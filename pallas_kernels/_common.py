@@ -1,8 +1,6 @@
 """Helpers shared by the kernels: backend detection, interpret default, compiler parameters."""
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
@@ -12,32 +10,31 @@ HIGHEST = jax.lax.Precision.HIGHEST
 NEG = -1e30  # finite "minus infinity" for masked scores (keeps exp(m_old - m_new) free of NaN)
 
 
-_FORCED: list[str] = []
+PLATFORMS = ("tpu", "gpu", "cpu")
 
 
-def platform() -> str:
-    """'tpu', 'gpu' or 'cpu': the default backend, or the one forced by `target_platform`."""
-    if _FORCED:
-        return _FORCED[-1]
+def backend_platform(override: str | None = None) -> str:
+    """'tpu', 'gpu' or 'cpu': `override` when given, else the default JAX backend.
+
+    Every kernel entry point takes `platform=` and resolves it here once, so its block-size
+    defaults, interpret default and compiler parameters all describe one target. An explicit
+    target lets a CPU host lower a kernel ahead of time for another backend
+    (`jax.jit(partial(kernel, platform="tpu")).trace(...).lower(lowering_platforms=("tpu",))`).
+    """
+    if override is not None:
+        if override not in PLATFORMS:
+            raise ValueError(f"platform must be one of {PLATFORMS} or None (the default backend), got {override!r}")
+        return override
     p = jax.default_backend()
     return "gpu" if p in ("cuda", "rocm", "gpu") else p
 
 
-@contextlib.contextmanager
-def target_platform(name: str):
-    """Pick kernel defaults and compiler parameters for `name` ('tpu' | 'gpu') regardless of the
-    local backend — for ahead-of-time lowering, e.g. `jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))`
-    on a CPU host (used by the lowering tests)."""
-    _FORCED.append(name)
-    try:
-        yield
-    finally:
-        _FORCED.pop()
+def resolve_interpret(interpret, plat: str) -> bool:
+    """None means: interpret on CPU (no Pallas lowering there), compile on TPU/GPU.
 
-
-def resolve_interpret(interpret) -> bool:
-    """None means: interpret on CPU (no Pallas lowering there), compile on TPU/GPU."""
-    return platform() == "cpu" if interpret is None else bool(interpret)
+    plat: the target from `backend_platform`.
+    """
+    return plat == "cpu" if interpret is None else bool(interpret)
 
 
 def compiler_params(interpret: bool, plat: str, semantics=None, num_warps: int | None = None,

@@ -6,12 +6,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from fixtures import generate_tensor
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import writer as W
 from ling_jax.checkpoint.fp8 import block_dequant_fp8, block_quant_fp8
 from ling_jax.checkpoint.reader import CheckpointError, CheckpointReader
 from ling_jax.checkpoint.safetensors_io import SafetensorsFile, load_file, save_file
-from ling_jax.checkpoint.writer import generate_tensor, tiny_config, write_checkpoint
+from ling_jax.checkpoint.synthetic_config import synthetic_config
+from ling_jax.checkpoint.tokenizer_files import build_tokenizer
+from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.config import LingConfig
 
 REAL = "/work/shared/spec/config.ling-3.1-flash.json"
@@ -24,7 +27,7 @@ def _bits(a):
 
 @pytest.fixture(scope="module")
 def fp8_ckpt(tmp_path_factory):
-    cfg = tiny_config()
+    cfg = synthetic_config()
     out = tmp_path_factory.mktemp("ck") / "fp8"
     write_checkpoint(cfg, str(out), dtype="fp8", seed=3, num_shards=3, progress=False)
     return cfg, str(out)
@@ -56,7 +59,7 @@ def test_fp8_roundtrip_bit_exact(fp8_ckpt):
 
 
 def test_bf16_roundtrip_exact(tmp_path):
-    cfg = tiny_config()
+    cfg = synthetic_config()
     out = tmp_path / "bf16"
     write_checkpoint(cfg, str(out), dtype="bf16", seed=1, num_shards=2, progress=False)
     r = CheckpointReader(str(out))
@@ -82,7 +85,7 @@ def test_bf16_roundtrip_exact(tmp_path):
 ])
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_validate_variants(tmp_path, kw, dtype):
-    cfg = tiny_config(**kw)
+    cfg = synthetic_config(**kw)
     out = tmp_path / "ck"
     s = write_checkpoint(cfg, str(out), dtype=dtype, progress=False, tokenizer=False)
     with CheckpointReader(str(out)) as r:
@@ -133,7 +136,7 @@ def test_sliced_reads_match_full(fp8_ckpt):
 
 
 def test_deterministic_and_chunking_independent(tmp_path, monkeypatch):
-    cfg = tiny_config(num_hidden_layers=2)
+    cfg = synthetic_config(num_hidden_layers=2)
     write_checkpoint(cfg, str(tmp_path / "a"), seed=5, progress=False, tokenizer=False)
     monkeypatch.setattr(W, "CHUNK_ELEMENTS", 1000)  # many small row chunks
     write_checkpoint(cfg, str(tmp_path / "b"), seed=5, progress=False, tokenizer=False)
@@ -183,7 +186,7 @@ def test_tokenizer(fp8_ckpt):
 
 def test_tokenizer_with_real_ids():
     cfg = LingConfig.from_json(REAL)
-    text, tc = W.build_tokenizer(cfg)
+    text, tc = build_tokenizer(cfg)
     from tokenizers import Tokenizer
     tok = Tokenizer.from_str(text)
     assert tok.token_to_id(tc["eos_token"]) == 156895
@@ -210,7 +213,7 @@ def test_header_only_real_config(tmp_path):
 
 
 def test_single_file_checkpoint(tmp_path):
-    cfg = tiny_config(num_hidden_layers=2, num_nextn_predict_layers=0)
+    cfg = synthetic_config(num_hidden_layers=2, num_nextn_predict_layers=0)
     write_checkpoint(cfg, str(tmp_path / "a"), num_shards=1, progress=False, tokenizer=False)
     os.makedirs(tmp_path / "b")
     os.rename(tmp_path / "a" / "model-00001-of-00001.safetensors", tmp_path / "b" / "model.safetensors")
@@ -254,7 +257,7 @@ def test_safetensors_io_compatible_with_reference_lib(tmp_path):
 
 
 def test_failure_leaves_nothing(tmp_path, monkeypatch):
-    cfg = tiny_config(num_hidden_layers=2)
+    cfg = synthetic_config(num_hidden_layers=2)
     calls = []
 
     def boom(*a, **k):
@@ -281,16 +284,15 @@ def test_failure_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_writer_refusals(tmp_path):
-    cfg = tiny_config(num_hidden_layers=2)
+    cfg = synthetic_config(num_hidden_layers=2)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "f").write_text("x")
     with pytest.raises(ValueError, match="not empty"):
         write_checkpoint(cfg, str(tmp_path / "busy"), progress=False)
     with pytest.raises(ValueError, match="dtype"):
         write_checkpoint(cfg, str(tmp_path / "x"), dtype="int8", progress=False)
-    bad = tiny_config(num_hidden_layers=2, eos_token_id=600)
-    with pytest.raises(ValueError, match="600"):
-        write_checkpoint(bad, str(tmp_path / "x"), progress=False)
+    with pytest.raises(ValueError, match="600"):  # refused by the config parser (id outside the vocabulary)
+        write_checkpoint(synthetic_config(num_hidden_layers=2, eos_token_id=600), str(tmp_path / "x"), progress=False)
     with pytest.raises(ValueError, match="too small"):
-        W.build_tokenizer(tiny_config(vocab_size=200, eos_token_id=199, pad_token_id=198))
+        build_tokenizer(synthetic_config(vocab_size=200, eos_token_id=199, pad_token_id=198))
     assert sorted(os.listdir(tmp_path)) == ["busy"]

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from ling_jax.checkpoint import layout as L
-from ling_jax.checkpoint.writer import tiny_config
+from ling_jax.checkpoint.synthetic_config import synthetic_config
 from ling_jax.config import LingConfig
 
 REAL = "/work/shared/spec/config.ling-3.1-flash.json"
@@ -142,7 +142,7 @@ def test_layout_and_conv_dtype_arguments(real):
 
 
 def test_q_lora_null_uses_single_q_proj():
-    c = tiny_config(q_lora_rank=None)
+    c = synthetic_config(q_lora_rank=None)
     t = L.expected_tensors(c)
     assert t["model.layers.7.attention.q_proj.weight"].shape == (2 * 48, 192)
     assert t["model.layers.7.attention.q_proj.weight"].quantizable
@@ -150,7 +150,7 @@ def test_q_lora_null_uses_single_q_proj():
 
 
 def test_trailing_group_and_counts():
-    c = tiny_config(num_hidden_layers=10, layer_group_size=4)
+    c = synthetic_config(num_hidden_layers=10, layer_group_size=4)
     assert c.layer_types == ("kda",) * 3 + ("mla",) + ("kda",) * 3 + ("mla",) * 3
     t = L.expected_tensors(c)
     for i in (3, 7, 8, 9, 10):
@@ -165,15 +165,15 @@ def test_trailing_group_and_counts():
 
 
 def test_shared_expert_width_and_none():
-    c = tiny_config(num_shared_experts=2, moe_shared_expert_intermediate_size=40)
+    c = synthetic_config(num_shared_experts=2, moe_shared_expert_intermediate_size=40)
     t = L.expected_tensors(c)
     assert t["model.layers.2.mlp.shared_experts.gate_proj.weight"].shape == (80, 192)
-    c = tiny_config(num_shared_experts=0)
+    c = synthetic_config(num_shared_experts=0)
     assert not any("shared_experts" in n for n in L.expected_tensors(c))
 
 
 def test_no_mtp_config():
-    c = tiny_config(num_nextn_predict_layers=0)
+    c = synthetic_config(num_nextn_predict_layers=0)
     t = L.expected_tensors(c)
     assert not any(n.startswith("model.layers.9.") for n in t)
     assert "model.layers.9.mlp.gate" not in L.modules_to_not_convert(c)

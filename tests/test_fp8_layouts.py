@@ -15,10 +15,11 @@ import pytest
 
 import np_reference as R
 from conftest import rel_err
+from fixtures import generate_tensor
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import block_dequant_fp8, block_quant_fp8
 from ling_jax.checkpoint.reader import CheckpointReader
-from ling_jax.checkpoint.writer import generate_tensor, write_checkpoint
+from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.forward import forward
 from ling_jax.loader import load_model

@@ -4,14 +4,15 @@ import json
 import numpy as np
 import pytest
 
-from ling_jax.checkpoint.writer import tiny_config, write_checkpoint
+from ling_jax.checkpoint.synthetic_config import synthetic_config
+from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("mesh") / "ck")
-    write_checkpoint(tiny_config(num_hidden_layers=4), d, dtype="fp8", seed=5, progress=False)
+    write_checkpoint(synthetic_config(num_hidden_layers=4), d, dtype="fp8", seed=5, progress=False)
     return d
 
 

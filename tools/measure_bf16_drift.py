@@ -22,19 +22,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
-    ap.add_argument("--config", default=None, help="config.json for a written checkpoint (default: writer's tiny)")
+    ap.add_argument("--config", default=None, help="config.json for a written checkpoint (default: checkpoint.synthetic_config)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
 
-    from ling_jax.checkpoint.writer import tiny_config, write_checkpoint
+    from ling_jax.checkpoint.synthetic_config import synthetic_config
+    from ling_jax.checkpoint.writer import write_checkpoint
     from ling_jax.config import LingConfig
     from ling_jax.forward import forward
     from ling_jax.loader import load_model
 
     ckpt = a.checkpoint
     if ckpt is None:
-        cfg = LingConfig.from_json(a.config) if a.config else tiny_config()
+        cfg = LingConfig.from_json(a.config) if a.config else synthetic_config()
         ckpt = os.path.join(tempfile.mkdtemp(), "ckpt")
         write_checkpoint(cfg, ckpt, dtype="fp8", seed=a.seed, tokenizer=False, progress=False)
     m32 = load_model(ckpt, "float32", progress=False)

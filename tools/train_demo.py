@@ -80,7 +80,7 @@ def unigram_perplexity(train_ids, eval_ids, vocab: int) -> float:
 
 def evaluate(ckpt: str, corpus: str, held_out: str) -> dict:
     from ling_jax.commands.eval import perplexity
-    from ling_jax.commands.train import read_corpus
+    from ling_jax.train.data import read_corpus
     from ling_jax.generate import generate
     from ling_jax.loader import load_model
     from ling_jax.tokenizer import Tokenizer

@@ -19,18 +19,12 @@ from flax import nnx
 
 from ling_jax.checkpoint import orbax as O
 from ling_jax.checkpoint.blocks import reader_fp8
-from ling_jax.loader import ParamSource, abstract_model, fill_params, open_validated
+from ling_jax.checkpoint.orbax_validate import data_file_inventory
+from ling_jax.loader import ParamSource, converted_entries, abstract_model, fill_params, open_validated
 from ling_jax.ops import as_dtype, default_dtype
 from ling_jax.quantized import BlockFP8
 from sharding.distributed import barrier, is_primary
 from sharding.mesh import mesh_spec_string, parse_mesh
-
-
-def _entries(path, value) -> dict:
-    """{Orbax key: array} of one parameter value (a BlockFP8 is two entries)."""
-    if isinstance(value, BlockFP8):
-        return {O.key_of(path): value.values, O.scale_key(path): value.scales}
-    return {O.key_of(path): value}
 
 
 def _shapes(value):
@@ -75,7 +69,7 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
         params_meta = {}
         for g, items in groups.items():
             fill_params(items, source, progress, desc=f"converting {g}")
-            tree = {k: a for p, v in items for k, a in _entries(p, v.get_value()).items()}
+            tree = {k: a for p, v in items for k, a in converted_entries(p, v.get_value()).items()}
             ckptr.save(os.path.join(tmp, "params", g), tree)
             for k, a in tree.items():
                 params_meta[k] = {"group": g, "shape": list(a.shape), "dtype": str(a.dtype)}
@@ -91,6 +85,7 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
                 "groups": list(groups), "params": params_meta, "seconds": round(time.time() - t0, 3)}
         if is_primary():
             meta["files"] = O.copy_side_files(reader.dir, tmp)
+            meta["data_files"] = data_file_inventory(os.path.join(tmp, "params"))  # sizes checked on load
             O.write_json_atomic(os.path.join(tmp, O.META), meta)
             if os.path.exists(out):
                 old = os.path.join(parent, f".{os.path.basename(out)}.old")

@@ -22,10 +22,12 @@ uses it: it recognises a quantised tensor by its stored dtype and sibling `weigh
 """
 from __future__ import annotations
 
+import re
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
+from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, scale_grid_shape
 from ling_jax.config import KDA, MLA, LingConfig
 
@@ -107,6 +109,23 @@ def weight_of_scale(name: str) -> Optional[str]:
     if name.endswith(SCALE_SUFFIX):
         return name[: -len(SCALE_SUFFIX)] + ".weight"
     return None
+
+
+# routed experts of any MoE layer, the MTP layer's included (shared experts are not routed)
+_ROUTED_EXPERT_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+EXPERT_FORMATS = (None, "mxfp4")
+
+
+def is_routed_expert_weight(name: str) -> bool:
+    """`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight` (main and MTP layers)."""
+    return _ROUTED_EXPERT_WEIGHT.match(name) is not None
+
+
+def check_expert_format(experts) -> Optional[str]:
+    """None (experts stored like the other matrices) or "mxfp4"; anything else is a ValueError."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"unknown routed-expert format {experts!r} (expected mxfp4 or none)")
+    return experts
 
 
 def module_of(weight_name: str) -> str:
@@ -224,21 +243,27 @@ def expected_tensors(cfg: LingConfig, include_mtp: bool = True, conv_dtype: str 
 
 
 def release_tensors(cfg: LingConfig, dtype: str = "fp8", include_mtp: bool = True,
-                    conv_dtype: str = DEFAULT_CONV_DTYPE, block=None, fp8_layout: str = DEFAULT_FP8_LAYOUT
-                    ) -> list[tuple[str, str, tuple[int, ...]]]:
+                    conv_dtype: str = DEFAULT_CONV_DTYPE, block=None, fp8_layout: str = DEFAULT_FP8_LAYOUT,
+                    experts: Optional[str] = None) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every stored tensor, scales included, in file order.
 
     dtype='fp8': the matrices quantizable under `fp8_layout` are F8_E4M3, each followed by its F32
     scale grid. dtype='bf16': quantizable matrices are BF16 and there are no scales.
+    experts='mxfp4': the routed experts (MTP layer's included) are instead U8 packed E2M1 codes
+    `[out, in/2]` followed by their U8 E8M0 `weight_scale_inv` `[out, in/32]` (`checkpoint.mxfp4`).
     """
     if dtype not in ("fp8", "bf16"):
         raise ValueError(f"dtype must be 'fp8' or 'bf16', got {dtype!r}")
+    mx = check_expert_format(experts) == "mxfp4"
     block = tuple(block or cfg.weight_block_size or DEFAULT_BLOCK)
     out = []
     grids: dict = {}
     fp8 = dtype == "fp8"
     for name, s in expected_tensors(cfg, include_mtp, conv_dtype, fp8_layout).items():
-        if s.quantizable and fp8:
+        if mx and is_routed_expert_weight(name):
+            out.append((name, MX.PACKED_DTYPE, MX.packed_shape(s.shape, name)))
+            out.append((name[:-7] + SCALE_SUFFIX, MX.SCALE_DTYPE, MX.scale_shape(s.shape, name)))
+        elif s.quantizable and fp8:
             g = grids.get(s.shape)
             if g is None:
                 g = grids[s.shape] = scale_grid_shape(s.shape, block)
@@ -275,6 +300,27 @@ def quantization_config(cfg: LingConfig, include_mtp: bool = True, fp8_layout: s
         "weight_block_size": list(cfg.weight_block_size or DEFAULT_BLOCK),
         "modules_to_not_convert": modules_to_not_convert(cfg, include_mtp, fp8_layout),
     }
+
+
+def mxfp4_quantization_config(cfg: LingConfig, base: Optional[dict], include_mtp: bool = True) -> dict:
+    """The `quantization_config` of a checkpoint with MXFP4 routed experts (Ling's recipe).
+
+    `base`: the fp8 `quantization_config` the other tensors follow (kept as is: those tensors are
+    unchanged), or None when they are BF16. Then every module with a stored matrix except the routed
+    experts is listed in `modules_to_not_convert`, so an fp8-recipe loader keeps them unquantised.
+    Adds `routed_experts_quant_method: mxfp4`, `routed_experts_group_size: 32`; no `scale_fmt`
+    (see `checkpoint.mxfp4`: in vLLM it would declare the dense FP8 scales powers of two).
+    """
+    if base is not None:
+        q = {k: v for k, v in base.items() if k not in MX.CONFIG_KEYS}
+    else:
+        mods = [module_of(n) for n, s in expected_tensors(cfg, include_mtp).items()
+                if s.kind in (LINEAR, EMBEDDING, ROUTER) and not is_routed_expert_weight(n)]
+        q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": list(cfg.weight_block_size or DEFAULT_BLOCK),
+             "modules_to_not_convert": list(dict.fromkeys(mods))}
+    q.update(MX.CONFIG_KEYS)
+    return q
 
 
 def count_params(cfg: LingConfig, include_mtp: bool = True) -> int:

@@ -9,7 +9,8 @@
 A parameter kept FP8 (a `BlockFP8` value) is stored as two entries: its float8 values under the
 parameter's key and its float32 scales under `scale_key` (`...__weight_scale_inv` for a dense
 matrix, `...__gate_proj_scale` for routed experts: the names of format v2). This module knows
-nothing of the model: `ling_jax.checkpoint.convert` writes, `ling_jax.loader` restores.
+nothing of the model: `ling_jax.checkpoint.convert` writes, `ling_jax.loader` restores after
+`ling_jax.checkpoint.orbax_validate.validate_converted` checked the directory.
 """
 from __future__ import annotations
 
@@ -50,18 +51,6 @@ def scale_key(path) -> str:
 
 def is_converted(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META))
-
-
-def read_meta(path: str) -> dict:
-    """The marker of a converted directory, checked for format and version (v1 named as such)."""
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        old = meta.get("format") == FORMAT and meta.get("version") == 1
-        raise ValueError(f"{path}: {META} is not a {FORMAT} v{VERSION} marker" + (
-            " (it is v1, written before routed experts moved to the [E, out, in] layout: run "
-            "`ling-jax convert` on the original checkpoint again)" if old else ""))
-    return meta
 
 
 class Checkpointer:

@@ -8,6 +8,17 @@
 FP8 handling follows the spec's loader rule (§12.7): a tensor is dequantized iff its stored dtype
 is F8_E4M3, and then its sibling `<module>.weight_scale_inv` must exist. Nothing is hard-coded
 about which modules are quantized. The reader opens files read-only and never writes.
+
+Order of checks (so the most specific reason is the one reported): config.json; every shard header;
+the claimed tensor count against the headers (`bounds.check_claims`, before anything enumerates
+the config's tensors); then `validate()`: per-tensor problems (name, expected vs found), and the
+index's `metadata.total_size` disagreement only when no per-tensor problem explains it. Reading a
+tensor (`get`, `get_raw`) checks its values as they stream: no NaN/Inf (FP8 NaN bytes included)
+and block scales positive and finite (`check_values=False` skips this).
+
+Stored dtypes must be the ones the release layout stores for that tensor (`layout.TensorSpec.dtype`:
+BF16, F32 for A_log/dt_bias/expert_bias, BF16 or F32 conv taps; F8_E4M3 for a linear matrix with its
+F32/BF16 scale); a BF16 tensor relabelled F16 has the right size and would load as garbage.
 """
 from __future__ import annotations
 
@@ -16,6 +27,8 @@ import os
 import numpy as np
 
 from ling_jax.checkpoint import layout as L
+from ling_jax.checkpoint.bounds import check_claims
+from ling_jax.checkpoint.values import first_nonfinite, first_nonpositive
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, scale_grid_shape
 from ling_jax.checkpoint.safetensors_io import (CheckpointError, SafetensorsFile, TensorInfo, read_index,
                                                 _normalize_index)
@@ -26,15 +39,26 @@ __all__ = ["CheckpointReader", "CheckpointError"]
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-FLOAT_DTYPES = ("BF16", "F16", "F32")
 SCALE_DTYPES = ("F32", "BF16")
 FP8 = "F8_E4M3"
+#: environment switch for the value checks of every reader created without `check_values=` (CLI flag
+#: `--skip-value-checks` sets it): "1" skips them.
+SKIP_VALUE_CHECKS_ENV = "LING_JAX_SKIP_VALUE_CHECKS"
+
+
+def allowed_dtypes(spec: L.TensorSpec) -> tuple[str, ...]:
+    """Stored dtypes the release layout allows for a tensor: its unquantised dtype (BF16, or F32 for the
+    FP32 parameters; BF16/F32 for conv taps) and F8_E4M3 for a linear matrix."""
+    base = L.CONV_DTYPES if spec.kind == L.CONV else (spec.dtype,)
+    return base + ((FP8,) if spec.kind == L.LINEAR else ())
 
 
 class CheckpointReader:
     """Read-only view of a checkpoint directory (config.json + safetensors shards)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, check_values: bool | None = None):
+        self.check_values = (os.environ.get(SKIP_VALUE_CHECKS_ENV) != "1") if check_values is None \
+            else bool(check_values)
         self.dir = os.path.abspath(path)
         if not os.path.isdir(self.dir):
             raise CheckpointError(f"{self.dir}: checkpoint directory not found")
@@ -48,6 +72,7 @@ class CheckpointReader:
         self.block = tuple(self.config.weight_block_size or DEFAULT_BLOCK)
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, TensorInfo] = {}
+        self.index_total_size = None
         index_path = os.path.join(self.dir, INDEX_FILE)
         single = os.path.join(self.dir, SINGLE_FILE)
         if os.path.isfile(index_path):
@@ -62,6 +87,9 @@ class CheckpointReader:
         else:
             raise CheckpointError(f"{self.dir}: missing {INDEX_FILE} (and no single {SINGLE_FILE})")
         self.header_only = any(f.header_only for f in self._files.values())
+        claim = check_claims(self.config, len(self._where), cfg_path, self.index_path)
+        if claim is not None:
+            raise CheckpointError(claim)
 
     # ---- loading ------------------------------------------------------------------------------
     def _open(self, fname: str, path: str) -> SafetensorsFile:
@@ -96,9 +124,9 @@ class CheckpointReader:
                                           f"does not map it here{other}")
         self.total_size = sum(t.nbytes for t in self._where.values())
         ts = meta.get("total_size") if isinstance(meta, dict) else None
-        if ts is not None and ts != self.total_size:
-            raise CheckpointError(f"{index_path}: metadata.total_size={ts} but the shards hold "
-                                  f"{self.total_size} tensor bytes")
+        if ts is not None and (not isinstance(ts, int) or isinstance(ts, bool)):
+            raise CheckpointError(f"{index_path}: metadata.total_size must be an integer, got {ts!r}")
+        self.index_total_size = ts  # compared in problems(), after the per-tensor checks
 
     # ---- queries ------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -128,7 +156,15 @@ class CheckpointReader:
     def get_raw(self, name: str, index=None) -> np.ndarray:
         """Stored values (stored dtype, no dequantization); `index`: ints / slices / Ellipsis."""
         t = self.info(name)
-        return self._files[os.path.basename(t.file)].read(name, index)
+        a = self._files[os.path.basename(t.file)].read(name, index)
+        if self.check_values:
+            bad = first_nonfinite(a, t.dtype)
+            if bad is not None:
+                where = "" if index is None else " (in the block read)"
+                raise CheckpointError(f"{t.file}: tensor {name!r} holds a non-finite value (NaN/Inf) at "
+                                      f"index {list(bad)}{where}; the checkpoint is corrupt (pass "
+                                      f"--skip-value-checks to load it anyway)")
+        return a
 
     def get_scale(self, name: str) -> np.ndarray:
         """float32 block-scale grid of an FP8 weight."""
@@ -143,7 +179,13 @@ class CheckpointReader:
         if want is None or st.shape != want:
             raise CheckpointError(f"{st.file}: scale {sn!r} has shape {list(st.shape)}, expected {list(want or ())} "
                                   f"(ceil grid of {list(t.shape)} with block {list(self.block)})")
-        return self.get_raw(sn).astype(np.float32)
+        s = self.get_raw(sn).astype(np.float32)
+        if self.check_values:
+            bad = first_nonpositive(s)
+            if bad is not None:
+                raise CheckpointError(f"{st.file}: scale {sn!r} has a block scale {float(s[bad])} at {list(bad)}; "
+                                      f"block scales must be positive and finite")
+        return s
 
     def get(self, name: str, dtype=np.float32, index=None) -> np.ndarray:
         """Values of `name` (FP8 dequantized: float32(Wq) × scale per block) cast to `dtype`.
@@ -197,9 +239,14 @@ class CheckpointReader:
             if t.shape != spec.shape:
                 out.append(f"{t.file}: tensor {name!r} has shape {list(t.shape)} but {cfg_file} implies "
                            f"{list(spec.shape)}")
-            allowed = FLOAT_DTYPES + ((FP8,) if spec.kind == L.LINEAR else ())
+            allowed = allowed_dtypes(spec)
             if t.dtype not in allowed:
-                out.append(f"{t.file}: tensor {name!r} has dtype {t.dtype}, expected one of {list(allowed)}")
+                if spec.kind == L.LINEAR and L.scale_name(name) in self._where:
+                    out.append(f"{t.file}: tensor {name!r} has a block scale {L.scale_name(name)!r} but is "
+                               f"stored {t.dtype}, not {FP8}")
+                else:
+                    out.append(f"{t.file}: tensor {name!r} has dtype {t.dtype}, but the release layout stores "
+                               f"it as {' or '.join(allowed)}")
             if t.dtype == FP8 and L.scale_name(name) not in self._where:
                 out.append(f"{t.file}: tensor {name!r} is {FP8} but its scale {L.scale_name(name)!r} is missing")
         for name in expected:
@@ -209,6 +256,9 @@ class CheckpointReader:
                 continue
             out.append(f"{self.index_path}: missing tensor {name!r} (shape {list(expected[name].shape)}, "
                        f"required by {cfg_file})")
+        if not out and self.index_total_size is not None and self.index_total_size != self.total_size:
+            out.append(f"{self.index_path}: metadata.total_size={self.index_total_size} but the shards hold "
+                       f"{self.total_size} tensor bytes")
         return out
 
     def validate(self, include_mtp: bool = True) -> None:

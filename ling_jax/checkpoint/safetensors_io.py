@@ -23,12 +23,15 @@ from typing import Iterable, NamedTuple, Optional
 import ml_dtypes
 import numpy as np
 
+from ling_jax.checkpoint.atomic import clean_stale_temps, temp_path
+
 HEADER_ONLY_KEY = "ling_jax.header_only"
 MAX_HEADER_BYTES = 256 * 1024 * 1024  # sanity bound on the JSON header length
 
 DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),  # MXFP4 scales (read; we write U8, see checkpoint.mxfp4)
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F16": np.dtype(np.float16),
     "F32": np.dtype(np.float32),
@@ -238,8 +241,8 @@ class SafetensorsFile:
             raw = f.read(n)
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{path}: header is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: header is not a JSON object")
         meta = header.pop("__metadata__", None) or {}
@@ -371,12 +374,12 @@ def load_file(path: str) -> dict[str, np.ndarray]:
 
 def replace_dir(tmp: str, out_dir: str) -> None:
     """Move a finished directory `tmp` to `out_dir`, replacing any existing one only once `tmp` is
-    complete (renames within one parent directory; a reader never sees a half-written checkpoint)."""
+    complete (renames within one parent directory; a reader never sees a half-written checkpoint).
+    The replaced directory is parked under a `.ling-tmp-*` name (see `atomic`) and then deleted."""
     import shutil
-    import tempfile
     if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(os.path.abspath(out_dir)))
-        os.rename(out_dir, os.path.join(old, "x"))
+        old = temp_path(out_dir)
+        os.rename(out_dir, old)
         os.rename(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     else:
@@ -384,7 +387,8 @@ def replace_dir(tmp: str, out_dir: str) -> None:
 
 
 def prepare_out_dir(out_dir: str, overwrite: bool, flag: str = "overwrite") -> tuple[str, str]:
-    """(absolute out_dir, its parent, created): refuses a file or a non-empty directory unless `overwrite`."""
+    """(absolute out_dir, its parent): refuses a file or a non-empty directory unless `overwrite`;
+    removes stale temporaries of earlier, killed runs from the parent (`atomic.clean_stale_temps`)."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir):
         if not os.path.isdir(out_dir):
@@ -393,6 +397,7 @@ def prepare_out_dir(out_dir: str, overwrite: bool, flag: str = "overwrite") -> t
             raise ValueError(f"{out_dir}: directory exists and is not empty (use {flag})")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
+    clean_stale_temps(parent)
     return out_dir, parent
 
 
@@ -400,11 +405,23 @@ def read_index(index_path: str, error=None) -> tuple[dict, dict]:
     """(weight_map, metadata) of a `model.safetensors.index.json`; `error` is the exception class raised."""
     error = error or CheckpointError
     try:
-        with open(index_path) as f:
-            idx = json.load(f)
-    except json.JSONDecodeError as e:
-        raise error(f"{index_path}: not valid JSON ({e})") from None
+        with open(index_path, "rb") as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)
+    except OSError as e:
+        raise error(f"{index_path}: cannot read ({e.strerror or e})") from None
+    if len(raw) > MAX_HEADER_BYTES:
+        raise error(f"{index_path}: larger than {MAX_HEADER_BYTES} bytes (not an index file)")
+    try:
+        idx = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise error(f"{index_path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise error(f"{index_path}: no 'weight_map' object")
-    return wm, idx.get("metadata") or {}
+    bad = next((n for n, f in wm.items() if not isinstance(f, str)), None)
+    if bad is not None:
+        raise error(f"{index_path}: tensor {bad!r} maps to {wm[bad]!r}, not a shard file name")
+    meta = idx.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise error(f"{index_path}: 'metadata' must be an object, got {type(meta).__name__}")
+    return wm, meta or {}

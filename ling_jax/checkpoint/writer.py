@@ -2,14 +2,15 @@
 
 The output directory looks like the Hugging Face release: `config.json` (with the release
 `quantization_config` for fp8), `generation_config.json`, `model.safetensors.index.json`,
-`model-0000k-of-0000N.safetensors` shards, and a small byte-level BPE tokenizer.
+`model-0000k-of-0000N.safetensors` shards, and a small byte-level BPE tokenizer
+(`tokenizer_files.build_tokenizer`).
 
 Tensors are generated and written one at a time, in row chunks, so memory stays bounded whatever
 the config. Values are random but chosen so a forward pass is non-degenerate: linear weights
 N(0, 1/fan_in) (activations stay O(1)), norm weights 1 + 0.1·N, embeddings N(0, 1), routers with a
 larger gain so sigmoid scores spread, A_log = log U(1, 16), small dt_bias / expert_bias.
 Each tensor has its own generator seeded by (seed, crc32(name)), so its values do not depend on
-sharding, chunking or which other tensors exist (see `generate_tensor`).
+sharding, chunking or which other tensors exist (see `generate_chunks`).
 
 Which matrices are FP8 is `layout.BF16_MATRICES[fp8_layout]` (the table `ling-jax plan` uses too);
 the default stays layout B with BF16 conv taps (`layout.DEFAULT_FP8_LAYOUT`/`DEFAULT_CONV_DTYPE`).
@@ -22,15 +23,18 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import zlib
 from typing import Iterator, Optional
 
 import numpy as np
+from tqdm import tqdm
 
 from ling_jax.checkpoint import layout as L
-from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_quant_fp8
+from ling_jax.checkpoint import mxfp4 as MX
+from ling_jax.checkpoint.atomic import make_temp_dir
+from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, block_quant_fp8
 from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
+from ling_jax.checkpoint.tokenizer_files import build_tokenizer, write_tokenizer_files
 from ling_jax.config import LingConfig
 
 SHARD_TARGET_BYTES = 5_000_000_000  # default shard size (the HF "5GB" convention)
@@ -110,124 +114,6 @@ def generate_chunks(name: str, spec: L.TensorSpec, seed: int, rows_per_chunk: Op
         yield x.reshape((n,) + rest) if shape else x.reshape(())
 
 
-def generate_tensor(cfg: LingConfig, name: str, seed: int = 0) -> np.ndarray:
-    """The full float32 values `write_checkpoint` generates for `name` (before storage rounding)."""
-    spec = L.expected_tensors(cfg).get(name)
-    if spec is None:
-        raise KeyError(f"{name!r} is not a tensor of this config")
-    return np.concatenate(list(generate_chunks(name, spec, seed)), axis=0) if spec.shape else \
-        next(generate_chunks(name, spec, seed))
-
-
-# ---------------------------------------------------------------------------------------------
-# tokenizer
-# ---------------------------------------------------------------------------------------------
-_CORPUS = """\
-A language model reads a stream of tokens and predicts the next one. Each token is a small piece
-of text: a whole word, part of a word, a space, a digit or a punctuation mark. The model turns
-every token into a vector, mixes the vectors of the sequence with attention and recurrent layers,
-and finally scores every entry of its vocabulary.
-
-The river ran quietly past the old mill, where the water wheel had not turned for many years.
-Children walked along the bank in the evening, counting boats and throwing small stones into the
-current. On Saturdays the market filled the square with bread, apples, cheese, honey and flowers.
-
-Numbers matter too: 0 1 2 3 4 5 6 7 8 9, 10, 42, 100, 2025, 3.14159, 1e-6, 4096 and 128.
-Lists, dates and prices (12.50, 7.99) appear in ordinary writing as often as long sentences do.
-
-def add(a, b):
-    return a + b
-
-for i in range(10):
-    print(i, add(i, i))
-
-Questions and answers: What is the capital of France? Paris. How many days are in a week? Seven.
-Why is the sky blue? Sunlight is scattered by the air, and blue light is scattered the most.
-The user asks, the assistant answers, and the conversation continues until the end of the text.
-"""
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
-
-
-def _special_tokens(cfg: LingConfig) -> dict[int, str]:
-    """id -> content of the special tokens the config refers to (eos ids, pad, bos)."""
-    sp: dict[int, str] = {}
-    for j, e in enumerate(cfg.eos_token_id):
-        sp.setdefault(int(e), "<|endoftext|>" if j == 0 else f"<|eos_{j}|>")
-    if cfg.pad_token_id is not None:
-        sp.setdefault(int(cfg.pad_token_id), "<|pad|>")
-    if cfg.bos_token_id is not None:
-        sp.setdefault(int(cfg.bos_token_id), "<|begin_of_text|>")
-    return sp
-
-
-def with_special_ids(tok, vocab_size: int, specials: dict[int, str]) -> tuple[str, list]:
-    """A trained `tokenizers` BPE re-numbered so the special tokens sit at exactly the config's ids.
-
-    Returns (tokenizer.json text, the added-token entries). Merges refer to tokens by text, so the
-    BPE vocabulary can take the free ids in order.
-    """
-    from tokenizers import Tokenizer
-    d = json.loads(tok.to_str())
-    bpe = sorted(d["model"]["vocab"].items(), key=lambda kv: kv[1])
-    free = (i for i in range(vocab_size) if i not in specials)
-    d["model"]["vocab"] = {t: next(free) for t, _ in bpe}
-    added = []
-    for i, s in sorted(specials.items()):
-        d["model"]["vocab"][s] = i
-        added.append({"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                      "normalized": False, "special": True})
-    d["added_tokens"] = added
-    text = json.dumps(d, ensure_ascii=False)
-    Tokenizer.from_str(text)  # must load
-    return text, added
-
-
-def build_tokenizer(cfg: LingConfig) -> tuple[str, dict]:
-    """(tokenizer.json text, tokenizer_config dict): a byte-level BPE trained on a built-in text.
-
-    The BPE vocabulary has at most 512 entries and avoids the config's special ids; the special
-    tokens (eos, pad, bos) sit exactly at the ids the config names, so the model and tokenizer agree.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    specials = _special_tokens(cfg)
-    for i, s in specials.items():
-        if not 0 <= i < cfg.vocab_size:
-            raise ValueError(f"special token id {i} ({s}) is outside the vocabulary (vocab_size={cfg.vocab_size})")
-    n_bpe = min(512, cfg.vocab_size - len(specials))
-    if n_bpe < 260:
-        raise ValueError(f"vocab_size={cfg.vocab_size} is too small for a byte-level tokenizer "
-                         f"(needs >= {260 + len(specials)}); write without a tokenizer")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=n_bpe, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
-    paragraphs = [p for p in _CORPUS.split("\n\n") if p.strip()]
-    tok.train_from_iterator(paragraphs * 4, trainer)
-    text, added = with_special_ids(tok, cfg.vocab_size, specials)
-    eos = specials[int(cfg.eos_token_id[0])]
-    tcfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": eos,
-        "pad_token": specials[int(cfg.pad_token_id)] if cfg.pad_token_id is not None else None,
-        "bos_token": specials[int(cfg.bos_token_id)] if cfg.bos_token_id is not None else None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(cfg.max_position_embeddings),
-        "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
-    }
-    return text, tcfg
-
-
 # ---------------------------------------------------------------------------------------------
 # sharding
 # ---------------------------------------------------------------------------------------------
@@ -268,9 +154,9 @@ def plan_shards(entries: list[tuple[str, str, tuple[int, ...]]], num_shards: Opt
 # writer
 # ---------------------------------------------------------------------------------------------
 def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: bool = True,
-                           fp8_layout: str = L.DEFAULT_FP8_LAYOUT) -> dict:
+                           fp8_layout: str = L.DEFAULT_FP8_LAYOUT, experts: Optional[str] = None) -> dict:
     """The config.json content for a checkpoint of `cfg` in `dtype` (fp8: `fp8_layout`'s
-    `quantization_config.modules_to_not_convert`)."""
+    `quantization_config.modules_to_not_convert`; experts='mxfp4': plus the MXFP4 expert keys)."""
     d = cfg.to_dict()
     d.pop("quantization_config", None)
     for k in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
@@ -280,6 +166,8 @@ def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: boo
         d["num_nextn_predict_layers"] = 0
     if dtype == "fp8":
         d["quantization_config"] = L.quantization_config(cfg, include_mtp, fp8_layout)
+    if L.check_expert_format(experts) == "mxfp4":
+        d["quantization_config"] = L.mxfp4_quantization_config(cfg, d.get("quantization_config"), include_mtp)
     return d
 
 
@@ -290,10 +178,10 @@ def write_generation_config(d: str, cfg: LingConfig) -> None:
         gen["pad_token_id"] = cfg.pad_token_id
     if cfg.bos_token_id is not None:
         gen["bos_token_id"] = cfg.bos_token_id
-    _write_json(os.path.join(d, "generation_config.json"), gen)
+    write_json(os.path.join(d, "generation_config.json"), gen)
 
 
-def _write_json(path: str, obj) -> None:
+def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
@@ -302,7 +190,8 @@ def _write_json(path: str, obj) -> None:
 def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: int = 0,
                      num_shards: Optional[int] = None, header_only: bool = False, tokenizer: bool = True,
                      include_mtp: bool = True, overwrite: bool = False, progress: bool = True,
-                     fp8_layout: str = L.DEFAULT_FP8_LAYOUT, conv_dtype: str = L.DEFAULT_CONV_DTYPE) -> dict:
+                     fp8_layout: str = L.DEFAULT_FP8_LAYOUT, conv_dtype: str = L.DEFAULT_CONV_DTYPE,
+                     experts: Optional[str] = None) -> dict:
     """Write a seeded random checkpoint of `cfg` to `out_dir`; returns a summary dict.
 
     dtype: 'fp8' (FP8 E4M3 + float32 block scales) or 'bf16' (no quantization).
@@ -312,6 +201,9 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     conv_dtype='F32' its byte total is the published 534.35 GiB). Ignored for dtype='bf16'.
     conv_dtype: storage dtype of the KDA conv taps, 'BF16' (default, unchanged behaviour) or 'F32'
     (the spec leaves it open).
+    experts: None (routed experts stored like the other matrices) or 'mxfp4': routed experts (MTP
+    layer's included) as MXFP4 (`checkpoint.mxfp4`), encoded from their values after rounding to
+    `dtype` -- exactly what `ling-jax quantize --experts mxfp4` makes of the `dtype` checkpoint.
     header_only: write shard headers and the index with the real shapes and offsets but no tensor
     bytes (each shard is truncated right after its header and marked in its metadata).
     Everything is written into a temporary directory next to `out_dir` and renamed into place at
@@ -326,23 +218,22 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
             raise ValueError(f"special token id {i} is not a valid id for vocab_size={cfg.vocab_size}")
     fp8_layout = L.check_fp8_layout(fp8_layout)
     conv_dtype = L.check_conv_dtype(conv_dtype)
+    experts = L.check_expert_format(experts)
     out_dir, parent = prepare_out_dir(out_dir, overwrite)
     block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
     specs = L.expected_tensors(cfg, include_mtp, conv_dtype, fp8_layout)
-    entries = L.release_tensors(cfg, dtype, include_mtp, conv_dtype, block, fp8_layout)
+    entries = L.release_tensors(cfg, dtype, include_mtp, conv_dtype, block, fp8_layout, experts)
     shards = plan_shards(entries, num_shards)
     n = len(shards)
     total = sum(nbytes(d, s) for _, d, s in entries)
     tok = build_tokenizer(cfg) if tokenizer else None  # fails early on a too-small vocabulary
 
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    tmp = make_temp_dir(out_dir)  # hidden .ling-tmp-* name; cleaned by the next run if we are killed
     try:
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it 0700; a checkpoint is a normal directory
         weight_map: dict[str, str] = {}
-        from tqdm import tqdm
-
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing checkpoint",
                    disable=not progress or header_only, leave=False)
         try:
@@ -356,20 +247,21 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
                     for name, dt, shape in shard:
                         if name.endswith(L.SCALE_SUFFIX):
                             continue  # written together with its weight
-                        _write_tensor(w, name, dt, specs[name], seed, block, bar)
+                        if dt == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
+                            _write_mxfp4_expert(w, name, specs[name], seed, dtype, block, bar)
+                        else:
+                            _write_tensor(w, name, dt, specs[name], seed, block, bar)
         finally:
             bar.close()
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         if header_only:
             index["metadata"]["ling_jax_header_only"] = True
-        _write_json(os.path.join(tmp, INDEX_FILE), index)
-        _write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp, fp8_layout))
+        write_json(os.path.join(tmp, INDEX_FILE), index)
+        write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp, fp8_layout,
+                                                                            experts))
         write_generation_config(tmp, cfg)
         if tok is not None:
-            text, tcfg = tok
-            with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
-                f.write(text)
-            _write_json(os.path.join(tmp, "tokenizer_config.json"), tcfg)
+            write_tokenizer_files(tmp, tok)
         # move into place
         replace_dir(tmp, out_dir)
     except BaseException:
@@ -377,7 +269,7 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
         raise
     return {"out_dir": out_dir, "num_tensors": len(entries), "total_size": total, "num_shards": n,
             "dtype": dtype, "header_only": header_only,
-            "fp8_layout": fp8_layout if dtype == "fp8" else None, "conv_dtype": conv_dtype}
+            "fp8_layout": fp8_layout if dtype == "fp8" else None, "conv_dtype": conv_dtype, "experts": experts}
 
 
 def _write_tensor(w: ShardWriter, name: str, dt: str, spec: L.TensorSpec, seed: int, block, bar) -> None:
@@ -398,24 +290,22 @@ def _write_tensor(w: ShardWriter, name: str, dt: str, spec: L.TensorSpec, seed: 
             bar.update(c.nbytes)
 
 
-def tiny_config(**overrides) -> LingConfig:
-    """A small valid config for tests and demos (9 layers: KDA 0-6, MLA 7, trailing-group MLA 8;
-    widths deliberately not multiples of 128; 8 experts in 4 groups). `overrides` are config.json
-    fields; the SwiGLU limit lists are resized to num_hidden_layers (clamp on the last layers)."""
-    n = int(overrides.get("num_hidden_layers", 9))
-    d = {
-        "model_type": "bailing_hybrid", "vocab_size": 512, "hidden_size": 192, "num_hidden_layers": n,
-        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 320,
-        "rms_norm_eps": 1e-6, "pad_token_id": 510, "eos_token_id": 511, "layer_group_size": 8,
-        "first_k_dense_replace": min(2, max(n - 1, 0)), "num_nextn_predict_layers": 1, "short_conv_kernel_size": 4,
-        "kda_lower_bound": -5.0, "q_lora_rank": 96, "kv_lora_rank": 48, "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16, "v_head_dim": 32, "rope_theta": 6e6, "max_position_embeddings": 4096,
-        "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1, "moe_intermediate_size": 96,
-        "moe_shared_expert_intermediate_size": 96, "n_group": 4, "topk_group": 2,
-        "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-    }
-    d.update(overrides)
-    n = d["num_hidden_layers"]
-    d.setdefault("expert_swiglu_limit_list", [0.0] * max(n - 1, 0) + [4.0] * min(1, n))
-    d.setdefault("share_expert_swiglu_limit_list", [0.0] * max(n - 2, 0) + [5.0] * min(1, max(n - 1, 0)) + [7.0] * min(1, n))
-    return LingConfig.from_dict(d, "tiny_config")
+def _write_mxfp4_expert(w: ShardWriter, name: str, spec: L.TensorSpec, seed: int, dtype: str, block,
+                        bar) -> None:
+    """A routed expert as MXFP4: its values rounded to `dtype` first (FP8 blocks or BF16), as the
+    release stores them, then encoded; codes, then the E8M0 `weight_scale_inv`. One expert matrix
+    ([I, D] or [D, I]) is in memory at a time."""
+    x = generate_tensor_from_spec(name, spec, seed)
+    if dtype == "fp8":
+        x = block_dequant_fp8(*block_quant_fp8(x, block), block)
+    else:
+        x = x.astype(DTYPES["BF16"]).astype(np.float32)
+    packed, scales = MX.quantize_mxfp4(x, name)
+    w.write(name, packed)
+    w.write(L.scale_name(name), scales)
+    bar.update(packed.nbytes + scales.nbytes)
+
+
+def generate_tensor_from_spec(name: str, spec: L.TensorSpec, seed: int) -> np.ndarray:
+    """All float32 values of one tensor (the chunks of `generate_chunks`, joined)."""
+    return np.concatenate(list(generate_chunks(name, spec, seed)), axis=0)

@@ -27,6 +27,8 @@ def add_parser(sub):
     p.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer")
     p.add_argument("--force", action="store_true", help="replace an existing --out directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from ling_jax.commands.common import add_value_check_flag
+    add_value_check_flag(p)
     from sharding.distributed import add_distributed_args
     add_distributed_args(p)
     return p
@@ -39,6 +41,10 @@ def run(args) -> int:
     from ling_jax.checkpoint.convert import convert
     from sharding.distributed import init_from_args, primary_print
 
+    from ling_jax.commands.common import apply_value_check_flag, check_output_path
+
+    check_output_path(args.out, [args.checkpoint])  # also with --force: replacing --out must not delete the input
+    apply_value_check_flag(args)
     init_from_args(args)
     mesh = sharding.parse_mesh(args.mesh)
     meta = convert(args.checkpoint, args.out, mesh, dtype=args.dtype, keep_fp8=args.keep_fp8,

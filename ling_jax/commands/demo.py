@@ -25,11 +25,12 @@ def demo_checkpoint(verbose: bool = True) -> str:
         return SHIPPED
     path = os.path.join(cache_dir(), "demo-random-v1")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        from ling_jax.checkpoint.writer import tiny_config, write_checkpoint
+        from ling_jax.checkpoint.synthetic_config import synthetic_config
+        from ling_jax.checkpoint.writer import write_checkpoint
         if verbose:
             print(f"building the demo checkpoint in {path} (once)", file=sys.stderr)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_checkpoint(tiny_config(), path, dtype="fp8", seed=0, progress=False)
+        write_checkpoint(synthetic_config(), path, dtype="fp8", seed=0, progress=False)
     return path
 
 

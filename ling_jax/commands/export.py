@@ -23,10 +23,12 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    from ling_jax.commands.common import check_output_path
     from ling_jax.export import export_checkpoint, find_tokenizer, load_source
 
-    model = load_source(args.params, step=args.step)
     tok = args.tokenizer if args.tokenizer is not None else find_tokenizer(args.params)
+    check_output_path(args.out, [args.params, tok])  # also with --overwrite
+    model = load_source(args.params, step=args.step)
     summary = export_checkpoint(model, args.out, dtype=args.dtype, tokenizer_dir=tok, num_shards=args.num_shards,
                                 overwrite=args.overwrite, include_mtp=(False if args.no_mtp else None),
                                 progress=not args.json)

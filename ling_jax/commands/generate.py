@@ -4,6 +4,11 @@ from __future__ import annotations
 import json
 import sys
 
+from ling_jax.commands.common import (add_long_context_flag, add_value_check_flag, apply_value_check_flag,
+                                      check_cache_fits, check_context_length, check_ids, checkpoint_config,
+                                      generate_cache_bytes, non_negative_float, non_negative_int, parse_ids,
+                                      positive_int)
+
 
 def add_parser(sub):
     p = sub.add_parser("generate", help="generate a continuation of --prompt or --input-ids")
@@ -12,11 +17,11 @@ def add_parser(sub):
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the checkpoint)")
     src.add_argument("--input-ids", help="comma-separated prompt token ids")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template")
-    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--max-new-tokens", type=positive_int, required=True)
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default without --temperature)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--temperature", type=non_negative_float, default=None, help="finite, >= 0 (0 = greedy)")
+    p.add_argument("--top-p", type=non_negative_float, default=1.0, help="nucleus threshold in (0, 1]")
+    p.add_argument("--top-k", type=non_negative_int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative", type=int, default=0, metavar="K", help="MTP drafts per step (1..3)")
     p.add_argument("--stop-ids", default=None, help="comma-separated stop token ids (default: EOS ids)")
@@ -27,9 +32,16 @@ def add_parser(sub):
                         "matmul (the Pallas FP8 kernel with --impl pallas)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_long_context_flag(p)
+    add_value_check_flag(p)
     from sharding import add_distributed_args
     add_distributed_args(p)
     return p
+
+
+def _default_dtype() -> str:
+    from ling_jax.ops import default_dtype
+    return default_dtype()
 
 
 def jax_process_count() -> int:
@@ -38,7 +50,6 @@ def jax_process_count() -> int:
 
 
 def run(args) -> int:
-    from ling_jax.commands.logits import parse_ids
     from ling_jax.generate import generate
     from ling_jax.commands.common import load_for_args
     from ling_jax.sampling import SamplingParams
@@ -50,6 +61,13 @@ def run(args) -> int:
         raise ValueError(f"--speculative must be 0..3, got {args.speculative}")
     if args.greedy and args.temperature not in (None, 0.0):
         raise ValueError("--greedy and --temperature > 0 contradict each other")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    cfg = checkpoint_config(args.checkpoint)
+    stop = None
+    if args.stop_ids is not None:
+        stop = parse_ids(args.stop_ids, "--stop-ids")
+        check_ids(stop, cfg, "--stop-ids")
     tok = Tokenizer.from_dir(args.checkpoint)
     if args.prompt is not None:
         if tok is None:
@@ -61,6 +79,13 @@ def run(args) -> int:
             raise ValueError("--prompt: empty prompt (it encodes to no tokens)")
     else:
         ids = parse_ids(args.input_ids)
+    check_ids(ids, cfg, "--prompt" if args.prompt is not None else "--input-ids")
+    total = len(ids) + args.max_new_tokens
+    dtype_bytes = 4 if (args.dtype or _default_dtype()) == "float32" else 2
+    need = generate_cache_bytes(cfg, 1, total + args.speculative + 1, dtype_bytes, args.speculative > 0)
+    check_cache_fits(need, f"--max-new-tokens {args.max_new_tokens}")  # before anything is allocated
+    check_context_length(total, cfg, args.allow_long_context, "--max-new-tokens")
+    apply_value_check_flag(args)
     sampling = SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed)
     model, mesh = load_for_args(args, with_mtp=args.speculative > 0)
@@ -68,9 +93,7 @@ def run(args) -> int:
         raise ValueError("--mesh: generate runs sharded within one process (use `logits` for multi-process runs)")
     if args.speculative and model.mtp is None:
         raise ValueError(f"--speculative: {args.checkpoint} has no MTP layer")
-    if args.stop_ids is not None:
-        stop = parse_ids(args.stop_ids, "--stop-ids")
-    else:
+    if stop is None:
         stop = eos_token_ids(load_generation_config(args.checkpoint), tok) or list(model.cfg.eos_token_id)
     stream = None
     if not args.json and tok is not None:

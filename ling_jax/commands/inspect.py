@@ -9,6 +9,13 @@ data, file size matches), as by the checkpoint reader.
 Groups, the MTP rule (every tensor of layer index N = num_hidden_layers) and the definition of
 active parameters are those of `ling_jax.accounting` (its module docstring documents them).
 Without config.json the MTP layer is the layer holding `eh_proj`, and active counts are omitted.
+
+MXFP4 routed experts (`checkpoint.mxfp4`: U8 packed codes `[out, in/2]` + U8/F8_E8M0 E8M0
+`weight_scale_inv` `[out, in/32]`) are counted at their logical `[out, in]` parameters and their
+stored bytes; the `mxfp4` entry sums them, and a pair whose shapes disagree (odd packed width,
+scale shape) is refused naming the tensor. A header-only MXFP4 checkpoint of the real config
+(`make-checkpoint ... --header-only --fp8-layout A --conv-dtype F32 --expert-format mxfp4`)
+reports 313,151,411,712 B = 291.64 GiB, the seed article's figure.
 `fp8_layout` names the spec §12.7 layout ("A"/"B") the stored dtypes follow (None: neither / no FP8).
 
 The published release total (534.35 GiB) is reproduced from a header-only checkpoint in layout A
@@ -27,6 +34,8 @@ import os
 import sys
 
 from ling_jax import accounting as A
+from ling_jax.checkpoint import layout as L
+from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.safetensors_io import SafetensorsFile, read_index
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -93,6 +102,8 @@ def inspect_dir(d: str) -> dict:
     dtype_bytes: dict[str, int] = {}
     header_bytes = file_bytes = 0
     header_only = False
+    mx_codes: dict[str, tuple] = {}   # routed expert weight stored as MXFP4 codes -> (shape, dtype, file)
+    infos: dict = {}
     for fname in files:
         sf = SafetensorsFile(os.path.join(d, fname))  # parses the header only
         header_bytes += sf.data_start
@@ -102,8 +113,13 @@ def inspect_dir(d: str) -> dict:
             if name in where:
                 raise ValueError(f"{d}: tensor {name!r} appears in both {where[name]} and {fname}")
             where[name] = fname
-            tensors.append(A.Stored(name, tuple(t.shape), t.nbytes, t.dtype, A.is_scale_name(name)))
+            shape = tuple(t.shape)
+            if t.dtype == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
+                mx_codes[name] = (shape, t.dtype, fname)
+                shape = shape[:-1] + (2 * shape[-1],) if shape else shape  # logical [out, in]
+            tensors.append(A.Stored(name, shape, t.nbytes, t.dtype, A.is_scale_name(name)))
             dtype_bytes[t.dtype] = dtype_bytes.get(t.dtype, 0) + t.nbytes
+            infos[name] = t
     if wm is not None:
         for name, fname in wm.items():
             if where.get(name) != fname:
@@ -114,6 +130,7 @@ def inspect_dir(d: str) -> dict:
             raise ValueError(f"{os.path.join(d, where[extra])}: tensor {extra!r} is not in {INDEX_FILE}")
     if not tensors:
         raise ValueError(f"{d}: the checkpoint holds no tensors")
+    mx = _mxfp4_summary(d, mx_codes, infos)
     n_layers, k = _config_fields(d)
     if n_layers is None:  # no config: the MTP layer is the one with the eh_proj fusion
         mtp = [A._split_layer(t.name)[0] for t in tensors if t.name.endswith(".eh_proj.weight")]
@@ -130,8 +147,30 @@ def inspect_dir(d: str) -> dict:
         "num_experts_per_tok": k,
         "dtype_bytes": dict(sorted(dtype_bytes.items())),
         "fp8_layout": A.detect_fp8_layout(tensors),
+        "mxfp4": mx,
     })
     return out
+
+
+def _mxfp4_summary(d: str, mx_codes: dict, infos: dict) -> dict | None:
+    """Bytes of the MXFP4 experts (codes, scales); refuses a malformed pair (first problem + count)."""
+    if not mx_codes:
+        return None
+    probs: list[str] = []
+    code_bytes = scale_bytes = 0
+    for name, (shape, dt, fname) in mx_codes.items():
+        sn = L.scale_name(name)
+        st = infos.get(sn) or infos.get(name[: -len(".weight")] + A.MXFP4_SCALE_SUFFIX)
+        probs += [f"{os.path.join(d, fname)}: {p}" for p in
+                  MX.mxfp4_problems(name, shape, dt, sn, None if st is None else st.shape,
+                                    None if st is None else st.dtype)]
+        code_bytes += infos[name].nbytes
+        scale_bytes += 0 if st is None else st.nbytes
+    if probs:
+        more = f" (and {len(probs) - 1} more)" if len(probs) > 1 else ""
+        raise ValueError(probs[0] + more)
+    return {"experts": len(mx_codes), "group_size": MX.GROUP, "code_bytes": code_bytes,
+            "scale_bytes": scale_bytes, "bytes": code_bytes + scale_bytes}
 
 
 def format_table(r: dict) -> str:
@@ -168,6 +207,10 @@ def format_table(r: dict) -> str:
     lines.append("Stored dtypes: " + ", ".join(f"{k} {v / A.GiB:.2f} GiB" for k, v in r["dtype_bytes"].items()))
     if r.get("fp8_layout"):
         lines.append(f"FP8 layout (spec §12.7): {r['fp8_layout']}")
+    if r.get("mxfp4"):
+        m = r["mxfp4"]
+        lines.append(f"MXFP4 routed experts: {m['experts']:,} matrices, {m['code_bytes'] / A.GiB:.2f} GiB codes + "
+                     f"{m['scale_bytes'] / A.GiB:.2f} GiB E8M0 scales (one per {m['group_size']} inputs)")
     return "\n".join(lines)
 
 

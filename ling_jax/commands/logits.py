@@ -1,20 +1,22 @@
-"""`ling-jax logits`: full-sequence logits of a token list, written to an npz (CLI contract)."""
+"""`ling-jax logits`: full-sequence logits of a token list, written to an npz (CLI contract).
+
+Checked before the model is loaded: the ids (integers inside the vocabulary), the prompt length
+against max_position_embeddings (`--allow-long-context` overrides), and `--out` (not inside, equal
+to or containing the input checkpoint; its directory must exist). The npz is written under a hidden
+`.ling-tmp-*` name beside `--out` and renamed into place when complete (`checkpoint.atomic`).
+"""
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
 
+from ling_jax.checkpoint.atomic import clean_stale_temps, temp_path
+from ling_jax.commands.common import (add_long_context_flag, add_value_check_flag, apply_value_check_flag,
+                                      check_context_length, check_ids, check_output_path, checkpoint_config,
+                                      parse_ids)
 
-def parse_ids(text: str, what: str = "--input-ids") -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise ValueError(f"{what}: expected comma-separated integers like 1,2,3, got {text!r}") from None
-    if not ids:
-        raise ValueError(f"{what}: empty prompt (need at least one token id)")
-    return ids
+__all__ = ["parse_ids", "write_npz_atomic", "add_parser", "run"]
 
 
 def add_parser(sub):
@@ -30,18 +32,35 @@ def add_parser(sub):
                    help="keep FP8-stored matrices as float8 + block scales on device, dequantised inside the "
                         "matmul (the Pallas FP8 kernel with --impl pallas)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2 (or a converted Orbax dir's mesh)")
+    add_long_context_flag(p)
+    add_value_check_flag(p)
     from sharding import add_distributed_args
     add_distributed_args(p)
     return p
 
 
+def check_npz_out(path: str, checkpoint: str) -> str:
+    """Validated absolute `--out`: outside the checkpoint, not a directory, in an existing directory."""
+    check_output_path(path, [checkpoint])
+    out = os.path.abspath(path)
+    if os.path.isdir(out):
+        raise ValueError(f"--out: {path} is a directory (expected a .npz file path)")
+    d = os.path.dirname(out)
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"--out: directory {d} does not exist")
+    return out
+
+
 def write_npz_atomic(path: str, **arrays) -> None:
+    """np.savez into a hidden temporary beside `path`, then rename (a crash never leaves `path` partial);
+    stale temporaries of killed runs in that directory are removed first."""
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
         raise FileNotFoundError(f"--out: directory {d} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".npz")
+    clean_stale_temps(d)
+    tmp = temp_path(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             np.savez(f, **arrays)
         os.replace(tmp, path)
     except BaseException:
@@ -53,10 +72,14 @@ def write_npz_atomic(path: str, **arrays) -> None:
 def run(args) -> int:
     from ling_jax.commands.common import load_for_args
     from ling_jax.forward import forward
-    from ling_jax.runtime import check_ids
     from sharding import is_primary
 
     ids = parse_ids(args.input_ids)
+    cfg = checkpoint_config(args.checkpoint)
+    check_ids(ids, cfg)
+    check_context_length(len(ids), cfg, args.allow_long_context, "--input-ids")
+    out_path = check_npz_out(args.out, args.checkpoint)
+    apply_value_check_flag(args)
     model, _ = load_for_args(args, with_mtp=args.mtp)
     check_ids(ids, model.cfg)
     if args.mtp and model.mtp is None:
@@ -68,5 +91,9 @@ def run(args) -> int:
     arrays = {"logits": np.asarray(out["logits"][0], np.float32)}
     if args.mtp:
         arrays["mtp_logits"] = np.asarray(out["mtp_logits"][0], np.float32)
-    write_npz_atomic(args.out, **arrays)
+    for k, a in arrays.items():  # never write NaN logits with exit 0
+        if not np.isfinite(a).all():
+            raise ValueError(f"{args.checkpoint}: the model produced non-finite {k} (NaN/Inf at position "
+                             f"{int(np.argwhere(~np.isfinite(a))[0][0])}); nothing written to {args.out}")
+    write_npz_atomic(out_path, **arrays)
     return 0

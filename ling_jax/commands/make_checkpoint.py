@@ -1,7 +1,8 @@
 """`ling-jax make-checkpoint`: write a seeded random checkpoint in the release format.
 
     ling-jax make-checkpoint --config FILE --out DIR [--layers N] [--experts E]
-                             [--dtype fp8|bf16] [--fp8-layout A|B] [--conv-dtype BF16|F32]
+                             [--dtype fp8|bf16] [--expert-format mxfp4] [--fp8-layout A|B]
+                             [--conv-dtype BF16|F32]
                              [--seed S] [--header-only]
                              [--vocab V] [--hidden H] [--shards K] [--no-mtp] [--no-tokenizer] [--force]
 
@@ -52,6 +53,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, metavar="V", help="override vocab_size")
     p.add_argument("--hidden", type=int, metavar="H", help="override hidden_size")
     p.add_argument("--dtype", choices=("fp8", "bf16"), default="fp8", help="weight format (default fp8)")
+    p.add_argument("--expert-format", choices=("mxfp4",), default=None,
+                   help="store the routed experts (MTP layer's too) as MXFP4: U8 packed E2M1 codes + U8 E8M0 "
+                        "scales per 32 inputs, encoded from their --dtype values (what `ling-jax quantize "
+                        "--experts mxfp4` makes of the --dtype checkpoint)")
     p.add_argument("--fp8-layout", metavar="A|B", default=L.DEFAULT_FP8_LAYOUT,
                    help="which matrices fp8 keeps BF16 (spec §12.7): B = KDA b_proj + MLA head-wise g_proj "
                         "(default; the release config's modules_to_not_convert), A = KDA b_proj + MLA "
@@ -131,6 +136,8 @@ def run(args) -> int:
         conv_dtype = L.check_conv_dtype(conv_dtype)
     except ValueError:
         raise ValueError(f"unknown --conv-dtype {conv_dtype!r} (expected BF16 or F32)") from None
+    from ling_jax.commands.common import check_output_path
+    check_output_path(args.out, [args.config])  # also with --force
     cfg = LingConfig.from_json(args.config)
     cfg = apply_overrides(cfg, layers=args.layers, experts=args.experts,
                           vocab=getattr(args, "vocab", None), hidden=getattr(args, "hidden", None))
@@ -146,8 +153,11 @@ def run(args) -> int:
                          include_mtp=not getattr(args, "no_mtp", False),
                          overwrite=getattr(args, "force", False),
                          progress=not getattr(args, "quiet", False) and sys.stderr.isatty(),
-                         fp8_layout=fp8_layout, conv_dtype=conv_dtype)
+                         fp8_layout=fp8_layout, conv_dtype=conv_dtype,
+                         experts=getattr(args, "expert_format", None))
     kind = "header-only " if s["header_only"] else ""
+    if s["experts"]:
+        kind += f"{s['experts']}-expert "
     fmt = f"layout {s['fp8_layout']}, " if s["fp8_layout"] else ""
     print(f"wrote {kind}{s['dtype']} checkpoint {s['out_dir']}: {s['num_tensors']} tensors, "
           f"{s['total_size']:,} tensor bytes in {s['num_shards']} shards ({fmt}conv taps {s['conv_dtype']})")

@@ -7,7 +7,6 @@ the tokenizer files, loadable by `generate`, `logits`, `eval`).
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import time
@@ -41,34 +40,6 @@ def add_parser(sub):
     return p
 
 
-def read_corpus(path: str, pattern: str = "*") -> list[str]:
-    """Documents: the file itself, or every matching file under a directory (sorted, UTF-8, binary skipped)."""
-    if os.path.isfile(path):
-        files = [path]
-    elif os.path.isdir(path):
-        files = []
-        for root, dirs, names in os.walk(path):
-            dirs.sort()
-            files += [os.path.join(root, n) for n in sorted(names) if fnmatch.fnmatch(n, pattern)]
-    else:
-        raise FileNotFoundError(f"--text: {path} not found")
-    docs = []
-    for f in files:
-        try:
-            with open(f, "rb") as fh:
-                data = fh.read()
-        except OSError:
-            continue
-        if b"\0" in data[:4096]:
-            continue
-        text = data.decode("utf-8", errors="replace")
-        if text.strip():
-            docs.append(text)
-    if not docs:
-        raise ValueError(f"--text: no text documents found in {path}")
-    return docs
-
-
 def plot_loss(metrics: list[dict], path: str) -> None:
     import matplotlib
 
@@ -95,15 +66,18 @@ def plot_loss(metrics: list[dict], path: str) -> None:
 def run(args) -> int:
     import numpy as np
 
+    from ling_jax.checkpoint.tokenizer_files import write_tokenizer_files
     from ling_jax.config import LingConfig
     from ling_jax.export import export_checkpoint
     from ling_jax.tokenizer import Tokenizer
-    from ling_jax.train import (BatchStream, TrainConfig, Trainer, checkpoint_manager, default_model_config,
-                                init_model, pack_documents, restore_state, save_state, save_tokenizer,
+    from ling_jax.train import (BatchStream, TrainConfig, Trainer, checkpoint_manager, corpus_tokens,
+                                default_model_config, init_model, read_corpus, restore_state, save_state,
                                 train_tokenizer)
 
     if args.steps < 1 or args.batch < 1 or args.seq < 3:
         raise ValueError("--steps and --batch must be >= 1 and --seq >= 3")
+    from ling_jax.commands.common import check_output_path
+    check_output_path(args.out, [args.text, args.config])
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     docs = read_corpus(args.text, args.pattern)
@@ -115,10 +89,9 @@ def run(args) -> int:
         shutil.rmtree(orbax_dir)
     resume = os.path.isdir(orbax_dir) and bool(os.listdir(orbax_dir))
     if not (resume and os.path.isfile(os.path.join(tok_dir, "tokenizer.json"))):
-        save_tokenizer(tok_dir, train_tokenizer(docs, cfg))
+        write_tokenizer_files(tok_dir, train_tokenizer(docs, cfg))
     tok = Tokenizer.from_dir(tok_dir)
-    enc = tok.backend.encode_batch(docs, add_special_tokens=False)
-    tokens = pack_documents([e.ids for e in enc], int(cfg.eos_token_id[0]))
+    tokens = corpus_tokens(docs, tok, int(cfg.eos_token_id[0]))
     stream = BatchStream(tokens, args.batch, args.seq, args.seed)
     warm = args.warmup if args.warmup is not None else min(100, args.steps // 10)
     tcfg = TrainConfig(lr=args.lr, warmup_steps=warm, total_steps=args.steps, weight_decay=args.weight_decay,

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import compiler_params, dot, next_pow2, platform, resolve_interpret, round_up
+from pallas_kernels._common import backend_platform, compiler_params, dot, next_pow2, resolve_interpret, round_up
 
 F32 = jnp.float32
 
@@ -63,16 +63,15 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *scratch, qbk: int, n_sub: int, n_k: int
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _defaults(M, N, K, block, block_m, block_n, block_k):
-    p = platform()
+def _defaults(M, N, K, block, block_m, block_n, block_k, plat: str):
     qbn, qbk = block
     if block_m is None:
-        block_m = min(256 if p == "tpu" else 64, next_pow2(max(M, 16)))
+        block_m = min(256 if plat == "tpu" else 64, next_pow2(max(M, 16)))
     n_pad, k_pad = round_up(N, qbn), round_up(K, qbk)
     if block_n is None:  # largest tile that divides the 128-padded width (no padding beyond 128)
-        block_n = 2 * qbn if p == "tpu" and n_pad % (2 * qbn) == 0 else qbn
+        block_n = 2 * qbn if plat == "tpu" and n_pad % (2 * qbn) == 0 else qbn
     if block_k is None:  # Triton: the whole K per program (its grid programs run concurrently)
-        block_k = next(b for b in (4 * qbk, 2 * qbk, qbk) if k_pad % b == 0) if p == "tpu" else k_pad
+        block_k = next(b for b in (4 * qbk, 2 * qbk, qbk) if k_pad % b == 0) if plat == "tpu" else k_pad
     return block_m, block_n, block_k
 
 
@@ -115,17 +114,20 @@ def _run(x, wq, scale, block, interpret, block_m, block_n, block_k, plat):
 
 
 def fp8_linear_pallas(x, wq, scale, block=(128, 128), interpret=None, *, block_m: int | None = None,
-                      block_n: int | None = None, block_k: int | None = None):
+                      block_n: int | None = None, block_k: int | None = None, platform: str | None = None):
     """x [M,K] (bf16/f32) @ dequant(wq [N,K] float8_e4m3fn, scale [⌈N/128⌉,⌈K/128⌉] f32).T → [M,N] in x's dtype.
 
     block: the quantisation block (rows, cols) of the scale grid. block_m/n/k: kernel tiles
     (n, k multiples of block; defaults TPU 256/256/512, GPU 64/128/whole K, M rounded to ≥ 16).
     Leading batch dims of x are flattened.
+    platform: target backend "tpu" | "gpu" | "cpu" for the tile defaults, interpret default and compiler
+      parameters (None = the default backend; set it to lower ahead of time for another backend).
     """
-    interpret = resolve_interpret(interpret)
+    plat = backend_platform(platform)
+    interpret = resolve_interpret(interpret, plat)
     block = (int(block[0]), int(block[1]))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    bm, bn, bk = _defaults(x2.shape[0], wq.shape[0], wq.shape[1], block, block_m, block_n, block_k)
-    out = _run(x2, wq, scale, block, interpret, bm, bn, bk, plat=platform())
+    bm, bn, bk = _defaults(x2.shape[0], wq.shape[0], wq.shape[1], block, block_m, block_n, block_k, plat)
+    out = _run(x2, wq, scale, block, interpret, bm, bn, bk, plat=plat)
     return out.reshape(lead + (wq.shape[0],))

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import compiler_params, dot, platform, resolve_interpret
+from pallas_kernels._common import backend_platform, compiler_params, dot, resolve_interpret
 
 F32 = jnp.float32
 
@@ -106,12 +106,11 @@ def _kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, s0_ref, o_ref, s_ref, *, chu
     s_ref[...] = jax.lax.fori_loop(0, n_chunks, body, s_ref[...])
 
 
-def _defaults(block_t, block_v, dv):
-    p = platform()
-    if block_t is None and p == "tpu":
+def _defaults(block_t, block_v, dv, plat: str):
+    if block_t is None and plat == "tpu":
         block_t = 512  # ~6 inputs × 512×128 f32, double-buffered: a few MiB of VMEM
     if block_v is None:
-        block_v = min(dv, 64) if p == "gpu" else dv  # Triton: keep the [dk, bv] state in registers
+        block_v = min(dv, 64) if plat == "gpu" else dv  # Triton: keep the [dk, bv] state in registers
     return block_t, block_v
 
 
@@ -167,7 +166,7 @@ def _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, blo
 
 
 def kda_chunk_scan_pallas(q, k, v, g, beta, state, chunk_size: int = 64, interpret=None, *, sub_chunk: int = 16,
-                          block_t: int | None = None, block_v: int | None = None):
+                          block_t: int | None = None, block_v: int | None = None, platform: str | None = None):
     """Chunked KDA (same arguments and result as `kda.reference.kda_chunk_scan`).
 
     q, k, g: [B,T,H,dk]; v: [B,T,H,dv]; beta: [B,T,H]; state: [B,H,dk,dv] f32. Returns
@@ -178,7 +177,10 @@ def kda_chunk_scan_pallas(q, k, v, g, beta, state, chunk_size: int = 64, interpr
       Triton whose grid programs run concurrently; TPU default 512 to bound VMEM).
     block_v: value columns per program (default dv; 64 on GPU).
     interpret: None = interpret mode on CPU only.
+    platform: target backend "tpu" | "gpu" | "cpu" for the tile defaults, interpret default and compiler
+      parameters (None = the default backend; set it to lower ahead of time for another backend).
     """
-    interpret = resolve_interpret(interpret)
-    block_t, block_v = _defaults(block_t, block_v, v.shape[-1])
-    return _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v, plat=platform())
+    plat = backend_platform(platform)
+    interpret = resolve_interpret(interpret, plat)
+    block_t, block_v = _defaults(block_t, block_v, v.shape[-1], plat)
+    return _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v, plat=plat)

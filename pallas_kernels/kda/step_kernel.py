@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import compiler_params, platform, resolve_interpret
+from pallas_kernels._common import backend_platform, compiler_params, resolve_interpret
 
 F32 = jnp.float32
 
@@ -38,12 +38,11 @@ def _kernel(s_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, s_out_ref):
     s_out_ref[...] = s.astype(s_out_ref.dtype)
 
 
-def _defaults(block_h, block_v, H, dv):
-    p = platform()
+def _defaults(block_h, block_v, H, dv, plat: str):
     if block_h is None:
-        block_h = 1 if p == "gpu" else next(h for h in (8, 4, 2, 1) if H % h == 0)
+        block_h = 1 if plat == "gpu" else next(h for h in (8, 4, 2, 1) if H % h == 0)
     if block_v is None:
-        block_v = min(dv, 64) if p == "gpu" else dv
+        block_v = min(dv, 64) if plat == "gpu" else dv
     return block_h, block_v
 
 
@@ -73,19 +72,22 @@ def _run(state, q, k, v, g, beta, interpret, block_h, block_v, plat):
 
 
 def kda_recurrent_step_pallas(state, q, k, v, g, beta, interpret=None, *, block_h: int | None = None,
-                              block_v: int | None = None):
+                              block_v: int | None = None, platform: str | None = None):
     """One KDA token for a batch (same arguments and result as `kda.reference.kda_recurrent_step`).
 
     state [B,H,dk,dv] f32 (updated in place when donated); q (normalised, scaled), k (normalised),
     g (log-decay) [B,H,dk]; v [B,H,dv]; beta [B,H]. Returns (o [B,H,dv] f32, new state).
     block_h heads per program (default 8 on TPU, 1 on GPU); block_v value columns (default dv; 64 on GPU).
+    platform: target backend "tpu" | "gpu" | "cpu" for the tile defaults, interpret default and compiler
+      parameters (None = the default backend; set it to lower ahead of time for another backend).
     """
-    interpret = resolve_interpret(interpret)
-    block_h, block_v = _defaults(block_h, block_v, state.shape[1], state.shape[3])
-    return _run(state, q, k, v, g, beta, interpret, block_h, block_v, plat=platform())
+    plat = backend_platform(platform)
+    interpret = resolve_interpret(interpret, plat)
+    block_h, block_v = _defaults(block_h, block_v, state.shape[1], state.shape[3], plat)
+    return _run(state, q, k, v, g, beta, interpret, block_h, block_v, plat=plat)
 
 
-def kda_recurrent_scan_pallas(q, k, v, g, beta, state, **kernel_kw):
+def kda_recurrent_scan_pallas(q, k, v, g, beta, state, *, platform: str | None = None, **kernel_kw):
     """Token-by-token KDA with the step kernel (same arguments and result as
     `kda.reference.kda_recurrent_scan` without `return_all_states`).
 
@@ -93,14 +95,15 @@ def kda_recurrent_scan_pallas(q, k, v, g, beta, state, **kernel_kw):
     (o [B,T,H,dv] f32, final state). T = 1 (decode) is one kernel call; longer inputs a `lax.scan`
     of it. Per-token states (speculative verify) come from the reference scan: it has to
     materialise every state anyway, which is what its scan already does. kernel_kw: see
-    `kda_recurrent_step_pallas`.
+    `kda_recurrent_step_pallas`; platform: as there (one target for every step).
     """
     if q.shape[1] == 1:
-        o, s = kda_recurrent_step_pallas(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], **kernel_kw)
+        o, s = kda_recurrent_step_pallas(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], platform=platform,
+                                         **kernel_kw)
         return o[:, None], s
 
     def step(s, xs):
-        o, s = kda_recurrent_step_pallas(s, *xs, **kernel_kw)
+        o, s = kda_recurrent_step_pallas(s, *xs, platform=platform, **kernel_kw)
         return s, o
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))

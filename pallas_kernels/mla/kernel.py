@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import NEG, compiler_params, dot, next_pow2, platform, resolve_interpret
+from pallas_kernels._common import NEG, backend_platform, compiler_params, dot, next_pow2, resolve_interpret
 
 F32 = jnp.float32
 
@@ -105,15 +105,14 @@ def _loop_kernel(q_ref, qpe_ref, lim_ref, c_ref, kpe_ref, acc_ref, m_ref, l_ref,
     acc_ref[...] = acc
 
 
-def _defaults(mode, block_s, num_splits, block_q, B):
-    p = platform()
+def _defaults(mode, block_s, num_splits, block_q, B, plat: str):
     if mode is None:
-        mode = "grid" if p == "tpu" else "loop"
+        mode = "grid" if plat == "tpu" else "loop"
     if block_s is None:
-        block_s = {"tpu": 512, "gpu": 64}.get(p, 128)
+        block_s = {"tpu": 512, "gpu": 64}.get(plat, 128)
     if num_splits is None:
-        num_splits = 1 if p != "gpu" else max(1, 132 // max(B, 1))  # fill the H200's 132 SMs
-    if block_q is None and p == "gpu":
+        num_splits = 1 if plat != "gpu" else max(1, 132 // max(B, 1))  # fill the H200's 132 SMs
+    if block_q is None and plat == "gpu":
         block_q = 32  # [32, 512] f32 accumulator per program: fits the register file with 8 warps
     return mode, block_s, num_splits, block_q
 
@@ -199,7 +198,8 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
 
 
 def latent_attention_pallas(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s: int | None = None, interpret=None,
-                            *, num_splits: int | None = None, block_q: int | None = None, mode: str | None = None):
+                            *, num_splits: int | None = None, block_q: int | None = None, mode: str | None = None,
+                            platform: str | None = None):
     """Absorbed-MLA core; equals `latent_attention(q_hat, q_pe, c, k_pe, attention_mask(q_pos, S, kv_len), scale)`.
 
     q_hat [B,T,H,r]; q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; kv_len [B] valid cache length;
@@ -208,8 +208,11 @@ def latent_attention_pallas(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s:
     block_s: keys per block (TPU 512, GPU 64, CPU 128). num_splits: parallel key partitions
       (flash decoding; TPU 1, GPU ⌊132/B⌋). block_q: query rows (T·H) per program (GPU 32; else the
       rows rounded up to a power of two ≥ 16, at most 256). mode: "grid" | "loop" (see module doc).
+    platform: target backend "tpu" | "gpu" | "cpu" for the tile defaults, interpret default and compiler
+      parameters (None = the default backend; set it to lower ahead of time for another backend).
     """
-    interpret = resolve_interpret(interpret)
-    mode, block_s, num_splits, block_q = _defaults(mode, block_s, num_splits, block_q, q_hat.shape[0])
+    plat = backend_platform(platform)
+    interpret = resolve_interpret(interpret, plat)
+    mode, block_s, num_splits, block_q = _defaults(mode, block_s, num_splits, block_q, q_hat.shape[0], plat)
     return _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, float(scale), block_s, interpret, num_splits, block_q, mode,
-                plat=platform())
+                plat=plat)
