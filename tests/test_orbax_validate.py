@@ -16,7 +16,8 @@ from flax import nnx
 
 from ling_jax.checkpoint.orbax import key_of
 from ling_jax.checkpoint.orbax_validate import CheckpointError, validate_converted
-from ling_jax.checkpoint.writer import tiny_config, write_checkpoint
+from ling_jax.checkpoint.synthetic_config import synthetic_config as tiny_config
+from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.cli import main
 from ling_jax.loader import abstract_model, converted_entries
 
