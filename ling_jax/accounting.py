@@ -71,12 +71,16 @@ from __future__ import annotations
 import copy
 import json
 import math
-import re
 from fractions import Fraction
 from typing import Iterable, NamedTuple, Optional
 
 from ling_jax.checkpoint import layout as L
+from ling_jax.checkpoint.blocks import fp8_block
 from ling_jax.config import KDA, MLA, LingConfig
+from ling_jax.loader import param_layout
+from ling_jax.placement import block_fp8_specs
+from sharding.mesh import parse_mesh_shape
+from sharding.rules import cache_axes, spec
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -395,53 +399,57 @@ def cache_bytes(cfg: LingConfig, cache_dtype_bytes: int = 2, state_dtype_bytes: 
 # ---------------------------------------------------------------------------------------------
 # meshes and memory plans
 # ---------------------------------------------------------------------------------------------
-MESH_AXES = ("data", "expert", "model")
+def _split(pspec, mesh: dict[str, int]) -> int:
+    """Number of devices one copy of an array with `pspec` is spread over on `mesh`."""
+    return math.prod(mesh.get(a, 1) for a in pspec if a is not None)
 
 
-def parse_mesh(spec: Optional[str]) -> dict[str, int]:
-    """`"data=1,expert=8,model=4"` -> {"data": 1, "expert": 8, "model": 4}; missing axes are 1."""
-    mesh = {a: 1 for a in MESH_AXES}
-    if spec is None:
-        return mesh
-    usage = (f"bad mesh spec {spec!r}: expected AXIS=N[,AXIS=N...] with AXIS one of "
-             f"{', '.join(MESH_AXES)} and N a positive integer")
-    seen = set()
-    items = [x.strip() for x in str(spec).split(",")]
-    if not any(items):
-        raise ValueError(usage)
-    for item in items:
-        if not item:
-            continue
-        if item.count("=") != 1:
-            raise ValueError(usage)
-        axis, val = (x.strip() for x in item.split("="))
-        if axis not in MESH_AXES:
-            raise ValueError(f"bad mesh spec {spec!r}: unknown axis {axis!r} (expected one of "
-                             f"{', '.join(MESH_AXES)})")
-        if axis in seen:
-            raise ValueError(f"bad mesh spec {spec!r}: axis {axis!r} given twice")
-        if not re.fullmatch(r"[0-9]+", val) or int(val) < 1:
-            raise ValueError(f"bad mesh spec {spec!r}: size of axis {axis!r} must be a positive "
-                             f"integer, got {val!r}")
-        seen.add(axis)
-        mesh[axis] = int(val)
-    return mesh
+def _weight_name(t: Stored) -> str:
+    """The matrix a stored tensor belongs to (itself, or the weight of a scale tensor)."""
+    if not t.scale:
+        return t.name
+    for suf in SCALE_SUFFIXES:
+        if t.name.endswith(suf):
+            return t.name[: -len(suf)] + ".weight"
+    return t.name
 
 
-def per_device_weight_bytes(cfg: LingConfig, by_group: dict, mesh: dict[str, int]) -> dict:
-    """Weight bytes on the most loaded device of `mesh` (sharding rule of `plan`).
-
-    Routed experts (main and MTP, with their scales): the expert dimension over the ``expert``
-    axis (ceil(E/expert) whole experts per device) and each expert over the ``model`` axis.
-    Every other tensor: over the ``model`` axis. Everything is replicated over ``data``.
-    `by_group` must split the routed experts' bytes out: {"routed": int, "other": int}.
+def per_device_weight_bytes(cfg: LingConfig, tensors: Iterable[Stored], mesh: dict[str, int]) -> dict:
+    """Weight bytes of the stored `tensors` on one device of `mesh`, placed exactly as the loader
+    places them: each tensor's parameter declares logical axes (`ling_jax.loader.param_layout`),
+    `sharding.rules.spec` maps them to mesh axes with the divisibility fallback (a dimension that
+    does not divide is replicated), and block scales follow `block_fp8_specs` (dense-matrix scales
+    replicated, routed-expert scales split with their experts; MXFP4 scales, one per 32 inputs, split
+    like their weight wherever their grid divides). Every device of a full mesh holds the same amount.
+    Returns {"routed", "other", "total"}; "routed" = the routed experts (main and MTP) with their scales.
     """
-    ep, tp = mesh.get("expert", 1), mesh.get("model", 1)
-    E = max(cfg.num_experts, 1)
-    experts_per_device = -(-E // ep)
-    routed = -(-(by_group["routed"] * experts_per_device) // (E * tp))
-    other = -(-by_group["other"] // tp)
-    return {"routed": routed, "other": other, "total": routed + other}
+    layout = param_layout(cfg)
+    heads = cfg.num_attention_heads
+    specs: dict = {}
+    routed = other = Fraction(0)
+    for t in tensors:
+        name = _weight_name(t)
+        if name not in layout:
+            raise ValueError(f"{t.name}: no model parameter holds this tensor (not part of the model of this config)")
+        path, axes, shape = layout[name]
+        key = (path, t.scale, t.name.endswith(MXFP4_SCALE_SUFFIX))
+        if key not in specs:
+            where = "/".join(map(str, path))
+            if key[2]:  # MXFP4 scales [.., out, in/32]: split like the weight wherever the grid divides
+                grid = tuple(shape[:-1]) + (-(-shape[-1] // MXFP4_GROUP),)
+                vs = spec(axes, grid, mesh, heads, where=where)
+            else:
+                vs = spec(axes, shape, mesh, heads, where=where)
+                if t.scale:
+                    vs = block_fp8_specs(vs, fp8_block(path, cfg), len(shape))
+            specs[key] = _split(vs, mesh)
+        share = Fraction(t.nbytes, specs[key])
+        if ".mlp.experts." in t.name:
+            routed += share
+        else:
+            other += share
+    r, o = math.ceil(routed), math.ceil(other)
+    return {"routed": r, "other": o, "total": r + o}
 
 
 def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
@@ -451,7 +459,7 @@ def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
     """Weight and cache memory of serving `cfg` on `mesh` (see `ling-jax plan --help`)."""
     _check_format(fmt)
     _check_layout(fp8_layout)
-    mesh = dict(mesh or parse_mesh(None))
+    mesh = dict(mesh or parse_mesh_shape(None))
     if device_memory_gib is not None and not (isinstance(device_memory_gib, (int, float))
                                               and math.isfinite(device_memory_gib) and device_memory_gib > 0):
         raise ValueError(f"device memory must be a positive number of GiB, got {device_memory_gib!r}")
@@ -460,17 +468,18 @@ def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
     if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 0:
         raise ValueError(f"sequences must be a non-negative integer, got {sequences!r}")
     summ = summary(cfg, fmt, include_mtp, fp8_layout, conv_dtype)
-    split = {"routed": summ["routed_bytes"], "other": summ["bytes"]["total"] - summ["routed_bytes"]}
-    dev = per_device_weight_bytes(cfg, split, mesh)
+    dev = per_device_weight_bytes(cfg, stored_tensors(cfg, fmt, include_mtp, fp8_layout, conv_dtype), mesh)
     cache = cache_bytes(cfg)
     use_mtp = include_mtp and cfg.has_mtp
     mla_tok = cache["mla_bytes_per_token_with_mtp"] if use_mtp else cache["mla_bytes_per_token"]
-    tp = mesh["model"]
-    # KDA state and conv buffers split by head / channel over the model axis; the MLA latent has a
-    # single KV head, so every device of a model replica keeps the full latent cache.
-    heads_dev = -(-cfg.num_attention_heads // tp)
-    kda_dev = cache["num_kda_layers"] * heads_dev * cfg.head_dim * cfg.head_dim * cache["state_dtype_bytes"]
-    conv_dev = -(-cache["kda_conv_state_bytes_per_sequence"] // tp)
+    # KDA state and conv buffers split by head over `model` by the cache rules (when the head count
+    # divides); the MLA latent has a single KV head, so every device of a model replica keeps all of it.
+    H, d, K = cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
+    one = {**mesh, "data": 1}  # per sequence: the batch split over `data` is not part of it
+    state_split = _split(spec(cache_axes("cache/layers/0/recurrent"), (1, H, d, d), one, H), one)
+    conv_split = _split(spec(cache_axes("cache/layers/0/conv_q"), (1, max(K - 1, 1), H * d), one, H), one)
+    kda_dev = -(-cache["kda_state_bytes_per_sequence"] // state_split)
+    conv_dev = -(-cache["kda_conv_state_bytes_per_sequence"] // conv_split)
     out = {
         "weights": fmt,
         "fp8_layout": fp8_layout if fmt != "bf16" else None,

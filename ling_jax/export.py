@@ -8,7 +8,7 @@ are stored FP8 E4M3 + float32 `weight_scale_inv` per 128×128 block (dtype='fp8'
 copied from `tokenizer_dir` when given. The directory is written under a temporary name next to
 `out_dir` and renamed into place, so a failure never leaves a partial checkpoint.
 
-The inverse of `checkpoint.load.checkpoint_names`: stacked experts `[E, out, in]` become per-expert
+The inverse of `checkpoint.layout.checkpoint_names`: stacked experts `[E, out, in]` become per-expert
 `[out, in]` matrices, conv taps `[P, K]` become `[P, 1, K]`, the MTP layer's `mtp.*` / `mtp.block.*`
 becomes `model.layers.{N}.*`.
 """
@@ -23,12 +23,13 @@ from flax import nnx
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_quant_fp8
-from ling_jax.checkpoint.load import checkpoint_names
 from ling_jax.checkpoint.atomic import make_temp_dir
+from ling_jax.checkpoint.layout import checkpoint_names
 from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
 from ling_jax.checkpoint.writer import (INDEX_FILE, checkpoint_config_dict, plan_shards, shard_file_name,
                                        write_generation_config, write_json)
 from ling_jax.config import LingConfig
+from ling_jax.quantized import BlockFP8
 from ling_jax.train.state import load_trained_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -40,7 +41,7 @@ def model_tensors(model) -> dict[str, np.ndarray]:
     cfg: LingConfig = model.cfg
     out: dict[str, np.ndarray] = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if str(path[-1]).endswith(("_scale", "_scale_inv")) or np.dtype(var.get_value().dtype) == FP8_NP:
+        if isinstance(var.get_value(), BlockFP8) or np.dtype(var.get_value().dtype) == FP8_NP:
             raise ValueError("export needs a float model: this one keeps FP8 weights + block scales (loaded "
                              "with --keep-fp8); load it without that option")
         _, names, _ = checkpoint_names(path, cfg)
@@ -193,7 +194,7 @@ def load_source(path: str, dtype: str = "float32", step: Optional[int] = None):
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: directory not found")
     if os.path.isfile(os.path.join(path, "config.json")):
-        from ling_jax.runtime import load_model
+        from ling_jax.loader import load_model
         return load_model(path, dtype, with_mtp=True, progress=False)
     base = os.path.basename(path)
     if base.isdigit() and step is None:

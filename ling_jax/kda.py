@@ -74,16 +74,18 @@ class KimiDeltaAttention(nnx.Module):
         D, H, d, K = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
         P = H * d
         self.cfg = cfg
-        for name in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj"):
-            setattr(self, name, Linear(D, P, dtype=dtype, rngs=rngs))
-        self.b_proj = Linear(D, H, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(P, D, dtype=dtype, rngs=rngs)
+        for name in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj"):  # [H*dk, D]
+            setattr(self, name, Linear(D, P, axes=("heads", "embed"), dtype=dtype, rngs=rngs))
+        self.b_proj = Linear(D, H, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(P, D, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
             taps = jax.random.normal(rngs.params(), (P, K), jnp.float32) / K
-            setattr(self, name, nnx.Param(taps.astype(dtype)))  # checkpoint [P,1,K] squeezed to [P,K]
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0)))
-        self.dt_bias = nnx.Param(jnp.zeros((P,), jnp.float32))
-        self.o_norm = nnx.Param(jnp.ones((d,), dtype))  # gated RMSNorm weight shared by heads
+            # checkpoint [P,1,K] squeezed to [P,K]
+            setattr(self, name, nnx.Param(taps.astype(dtype), axes=("heads", "conv")))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0)),
+                               axes=("heads",))
+        self.dt_bias = nnx.Param(jnp.zeros((P,), jnp.float32), axes=("heads",))
+        self.o_norm = nnx.Param(jnp.ones((d,), dtype), axes=("head_dim",))  # gated RMSNorm weight shared by heads
 
     def __call__(self, x, state: KDAState, n_valid, ex: ExecConfig):
         """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after).

@@ -26,8 +26,12 @@ def init_normal(rngs: nnx.Rngs, shape, dtype, fan_in: int | None = None):
 
 
 class Linear(nnx.Module):
-    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(init_normal(rngs, (out_features, in_features), dtype))
+    """`weight` [out, in]: a float array, or a `BlockFP8` when the checkpoint's FP8 matrix is kept
+    quantised. `axes` = (logical name of `out`, of `in`) (vocabulary: sharding/rules.py), declared
+    here so the sharding rules place the weight without knowing its path."""
+
+    def __init__(self, in_features: int, out_features: int, *, axes: tuple, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(init_normal(rngs, (out_features, in_features), dtype), axes=tuple(axes))
 
     def __call__(self, x: jax.Array, ex: ExecConfig | None = None) -> jax.Array:
         """`x @ weight.T` in x's dtype; a BlockFP8 weight is dequantised inside the matmul by the

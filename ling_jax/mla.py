@@ -69,17 +69,22 @@ class MultiheadLatentAttention(nnx.Module):
         D, H = cfg.hidden_size, cfg.num_attention_heads
         self.cfg = cfg
         qd = H * cfg.qk_head_dim
+        # the latent down-projections are shared by all heads; the per-head up-projections, the
+        # head-wise gate and the output projection carry a `heads` dimension
         if cfg.q_lora_rank:
-            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype=dtype, rngs=rngs)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype)  # eps hard-coded in the reference
-            self.q_b_proj = Linear(cfg.q_lora_rank, qd, dtype=dtype, rngs=rngs)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, axes=("q_lora", "embed"), dtype=dtype, rngs=rngs)
+            # eps hard-coded in the reference
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype, axis="q_lora")
+            self.q_b_proj = Linear(cfg.q_lora_rank, qd, axes=("heads", "q_lora"), dtype=dtype, rngs=rngs)
         else:
-            self.q_proj = Linear(D, qd, dtype=dtype, rngs=rngs)
-        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype, rngs=rngs)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dtype, rngs=rngs)
-        self.g_proj = Linear(D, H, dtype=dtype, rngs=rngs)
-        self.dense = Linear(H * cfg.v_head_dim, D, dtype=dtype, rngs=rngs)
+            self.q_proj = Linear(D, qd, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, axes=("kv_lora", "embed"),
+                                         dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype, axis="kv_lora")
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                axes=("heads", "kv_lora"), dtype=dtype, rngs=rngs)
+        self.g_proj = Linear(D, H, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.dense = Linear(H * cfg.v_head_dim, D, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
         inv_freq, af = rope_parameters(cfg)
         # plain floats, not arrays: NNX would otherwise treat them as state
         self.inv_freq, self.rope_factor, self.scale = tuple(map(float, inv_freq)), float(af), softmax_scale(cfg)

@@ -59,7 +59,8 @@ def layer_cache(cache: HybridCache, cfg: LingConfig, layer: int):
 
 class Embedding(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab, dim), jnp.float32).astype(dtype))
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab, dim), jnp.float32).astype(dtype),
+                                axes=("vocab", "embed"))
 
     def __call__(self, ids):
         return jnp.take(self.weight[...], ids, axis=0)
@@ -103,7 +104,7 @@ class MTPLayer(nnx.Module):
         D = cfg.hidden_size
         self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.eh_proj = Linear(2 * D, D, dtype=dtype, rngs=rngs)
+        self.eh_proj = Linear(2 * D, D, axes=("embed", "embed_cat"), dtype=dtype, rngs=rngs)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, attn_type="mla")
         self.final_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
 
@@ -129,7 +130,7 @@ class LingModel(nnx.Module):
 
 
 class LingForCausalLM(nnx.Module):
-    """Whole model. Parameter paths mirror the checkpoint names (see checkpoint/load.py).
+    """Whole model. Parameter paths mirror the checkpoint names (`checkpoint.layout.checkpoint_names`).
 
     `exec` is the model's ExecConfig (how it runs; static under jit): by default the defaults of
     the current backend for this config (`ExecConfig.for_backend`). A call may pass another.
@@ -142,7 +143,7 @@ class LingForCausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.exec = exec if exec is not None else ExecConfig.for_backend(None, cfg)
         self.model = LingModel(cfg, dtype=dtype, rngs=rngs)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs)
         self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs) if (with_mtp and cfg.has_mtp) else None
 
     def logits(self, z, exec: ExecConfig | None = None):

@@ -27,7 +27,7 @@ from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision
 from ling_jax.quantized import BlockFP8, dequantize
 from ling_jax.swiglu import SwiGLU, SwiGLULimit, swiglu_act
-from sharding.rules import resolve
+from ling_jax.placement import value_specs
 
 
 def route(x: jax.Array, w: jax.Array, bias: jax.Array, cfg: LingConfig):
@@ -119,19 +119,23 @@ def experts_gathered(x, idx, wg, wu, wd, limit, gathered: bool = False):
 
 class Router(nnx.Module):
     def __init__(self, cfg: LingConfig, *, rngs: nnx.Rngs):
-        self.weight = nnx.Param(init_normal(rngs, (cfg.num_experts, cfg.hidden_size), jnp.float32))
-        self.expert_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))
+        self.weight = nnx.Param(init_normal(rngs, (cfg.num_experts, cfg.hidden_size), jnp.float32),
+                                axes=("router", "embed"))
+        self.expert_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32), axes=("router",))
 
 
 class Experts(nnx.Module):
     """Routed experts, stacked in the checkpoint's per-expert `[out, in]` layout: gate/up [E,I,D],
-    down [E,D,I] (the orientation XLA:CPU's batched matmuls read fastest, see `experts_capacity`)."""
+    down [E,D,I] (the orientation XLA:CPU's batched matmuls read fastest, see `experts_capacity`).
+    Each holds a float array or, kept quantised, a `BlockFP8` with block (1, bi) for gate/up and
+    (bo, 1) for down (built by `ling_jax.loader`)."""
 
     def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs):
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = nnx.Param(init_normal(rngs, (E, I, D), dtype, fan_in=D))
-        self.up_proj = nnx.Param(init_normal(rngs, (E, I, D), dtype, fan_in=D))
-        self.down_proj = nnx.Param(init_normal(rngs, (E, D, I), dtype, fan_in=I))
+        gate_up, down = ("expert", "expert_mlp", "embed"), ("expert", "embed", "expert_mlp")
+        self.gate_proj = nnx.Param(init_normal(rngs, (E, I, D), dtype, fan_in=D), axes=gate_up)
+        self.up_proj = nnx.Param(init_normal(rngs, (E, I, D), dtype, fan_in=D), axes=gate_up)
+        self.down_proj = nnx.Param(init_normal(rngs, (E, D, I), dtype, fan_in=I), axes=down)
 
 
 def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: str):
@@ -191,25 +195,17 @@ def experts_ep(x, idx, wts, weights, specs, limit, mesh, path: str, grouped_matm
     return fn(x, idx, wts, lim, tuple(weights))
 
 
-def weight_specs(names, weights, mesh, heads=None) -> tuple:
-    """PartitionSpec of each routed-expert weight on `mesh` by the partition rules; a BlockFP8 gets
-    a BlockFP8 of specs (its scales split like the values on axes whose block is 1, else replicated)."""
-    out = []
-    for n, w in zip(names, weights):
-        if isinstance(w, BlockFP8):
-            vs = resolve(f"model/layers/0/mlp/experts/{n}", w.shape, mesh, heads)
-            ss = P(*(a if b == 1 else None for a, b in zip(tuple(vs)[-2:], w.block)))
-            out.append(BlockFP8(vs, P(*tuple(vs)[:-2], *ss), w.block))
-        else:
-            out.append(resolve(f"model/layers/0/mlp/experts/{n}", w.shape, mesh, heads))
-    return tuple(out)
+def weight_specs(experts: "Experts", names, mesh, heads=None) -> tuple:
+    """PartitionSpec of each routed-expert weight on `mesh` from its declared logical axes (the
+    placement the loader gave it); a BlockFP8 gets a BlockFP8 of specs (`placement.block_fp8_specs`)."""
+    return tuple(value_specs(("experts", n), getattr(experts, n), mesh, heads) for n in names)
 
 
 class MoE(nnx.Module):
     def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         routed_limit, shared_limit = cfg.swiglu_limits(layer)
-        self.routed_limit = SwiGLULimit(jnp.asarray(routed_limit, jnp.float32))
+        self.routed_limit = SwiGLULimit(jnp.asarray(routed_limit, jnp.float32), axes=())
         self.gate = Router(cfg, rngs=rngs)
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
         self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts,
@@ -242,7 +238,7 @@ class MoE(nnx.Module):
         weights = tuple(getattr(self.experts, n).get_value() for n in names)
         limit = self.routed_limit[...]
         if ex.mesh is not None:
-            specs = weight_specs(names, weights, ex.mesh, self.cfg.num_attention_heads)
+            specs = weight_specs(self.experts, names, ex.mesh, self.cfg.num_attention_heads)
             y = experts_ep(xf, idx, wts, weights, specs, limit, ex.mesh, path, ex.grouped_matmul)
         else:  # one device holds every expert: the local kernel with all of them
             y = experts_local(xf, idx, wts, 0, weights, limit, path, ex.grouped_matmul)

@@ -27,8 +27,10 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, width: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((width,), dtype))
+    """`axis`: logical name of the normalised dimension (sharding/rules.py; replicated in practice)."""
+
+    def __init__(self, width: int, eps: float, dtype, axis: str = "embed"):
+        self.weight = nnx.Param(jnp.ones((width,), dtype), axes=(axis,))
         self.eps = eps
 
     def __call__(self, x):

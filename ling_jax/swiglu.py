@@ -35,10 +35,10 @@ class SwiGLU(nnx.Module):
     """Dense FFN and the shared expert: `down(act(gate(x), up(x)))`."""
 
     def __init__(self, d: int, inter: int, *, dtype, rngs: nnx.Rngs, limit: float | None = None):
-        self.gate_proj = Linear(d, inter, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d, inter, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(inter, d, dtype=dtype, rngs=rngs)
-        self.limit = SwiGLULimit(jnp.asarray(limit, jnp.float32)) if limit is not None else None
+        self.gate_proj = Linear(d, inter, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, inter, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, d, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.limit = SwiGLULimit(jnp.asarray(limit, jnp.float32), axes=()) if limit is not None else None
 
     def __call__(self, x, ex: ExecConfig | None = None):
         """x: [..., d] → [..., d]; `ex.kernels` runs quantised projections (see ling_jax/linear.py)."""

@@ -14,7 +14,8 @@ One size may be `-1` (or `*`): it takes whatever the others leave. Axes are laid
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import re
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -24,48 +25,64 @@ AXES = ("data", "expert", "model")
 ALIASES = {"dp": "data", "batch": "data", "ep": "expert", "experts": "expert", "tp": "model", "mp": "model"}
 
 
-def parse_mesh_spec(spec: str | None, n_devices: int) -> dict[str, int]:
-    """`"data=1,expert=8,model=4"` → {"data": 1, "expert": 8, "model": 4}, checked against n_devices.
+def parse_mesh_shape(spec: str | None, n_devices: int | None = None) -> dict[str, int]:
+    """`"data=1,expert=8,model=4"` → {"data": 1, "expert": 8, "model": 4}: THE mesh-spec parser
+    (`--mesh` of logits / generate / convert and of `plan`, which plans meshes it does not have).
 
-    None / "" / "auto" → `default_mesh_shape(n_devices)`. Raises ValueError with the reason otherwise.
+    None / "auto" → `default_mesh_shape(n_devices or 1)` (every device on `expert`). Omitted axes
+    are 1; aliases dp/tp/ep. One size may be `-1`/`*` (the rest of the devices): that needs
+    `n_devices`. With `n_devices`, the product must equal it. Raises ValueError naming the problem.
     """
-    if spec is None or spec.strip() in ("", "auto"):
-        return default_mesh_shape(n_devices)
+    if spec is None or (isinstance(spec, str) and spec.strip() == "auto"):
+        return default_mesh_shape(1 if n_devices is None else n_devices)
+
+    def bad(why: str):
+        return ValueError(f"--mesh: bad mesh spec {spec!r}: {why}")
+
+    items = [x.strip() for x in str(spec).split(",")]
+    if not any(items):
+        raise bad("empty (expected axis=size items like expert=4,model=2)")
     sizes: dict[str, int] = {}
     free = None
-    for part in spec.replace(" ", "").split(","):
+    for part in items:
         if not part:
             continue
-        if "=" not in part:
-            raise ValueError(f"--mesh: expected axis=size items like expert=4,model=2, got {part!r} in {spec!r}")
-        name, val = part.split("=", 1)
+        if part.count("=") != 1:
+            raise bad(f"expected axis=size items like expert=4,model=2, got {part!r}")
+        name, val = (x.strip() for x in part.split("="))
         name = ALIASES.get(name, name)
         if name not in AXES:
-            raise ValueError(f"--mesh: unknown axis {name!r} in {spec!r} (axes: {', '.join(AXES)})")
+            raise bad(f"unknown axis {name!r} (axes: {', '.join(AXES)})")
         if name in sizes or name == free:
-            raise ValueError(f"--mesh: axis {name!r} given twice in {spec!r}")
+            raise bad(f"axis {name!r} given twice")
         if val in ("-1", "*"):
             if free is not None:
-                raise ValueError(f"--mesh: only one axis may be -1 in {spec!r}")
+                raise bad("only one axis may be -1")
+            if n_devices is None:
+                raise bad(f"size {val} of {name!r} (the rest of the devices) needs a device count; give every size")
             free = name
             continue
-        try:
-            n = int(val)
-        except ValueError:
-            raise ValueError(f"--mesh: size of {name!r} must be an integer, got {val!r}") from None
+        if not re.fullmatch(r"[+-]?[0-9]+", val):
+            raise bad(f"size of {name!r} must be an integer, got {val!r}")
+        n = int(val)
         if n < 1:
-            raise ValueError(f"--mesh: size of {name!r} must be >= 1, got {n}")
+            raise bad(f"size of {name!r} must be >= 1, got {n}")
         sizes[name] = n
     used = math.prod(sizes.values())
     if free is not None:
         if n_devices % used:
-            raise ValueError(f"--mesh: {spec!r}: {n_devices} devices are not divisible by {used}")
+            raise bad(f"{n_devices} devices are not divisible by {used}")
         sizes[free] = n_devices // used
         used = n_devices
-    if used != n_devices:
-        raise ValueError(f"--mesh: {spec!r} needs {used} devices but {n_devices} are available "
-                         f"(the product of the axis sizes must equal the device count)")
+    if n_devices is not None and used != n_devices:
+        raise bad(f"it needs {used} devices but {n_devices} are available "
+                  f"(the product of the axis sizes must equal the device count)")
     return {a: sizes.get(a, 1) for a in AXES}
+
+
+def parse_mesh_spec(spec: str | None, n_devices: int) -> dict[str, int]:
+    """`parse_mesh_shape` checked against `n_devices` (what a mesh over real devices needs)."""
+    return parse_mesh_shape(spec, n_devices)
 
 
 def default_mesh_shape(n_devices: int) -> dict[str, int]:
@@ -101,6 +118,9 @@ def parse_mesh(spec: str | None = None, devices: Sequence | None = None) -> Mesh
 
 
 def mesh_sizes(mesh) -> dict[str, int]:
+    """{axis: size} of a Mesh / AbstractMesh, or of a plain {axis: size} dict (planning without devices)."""
+    if isinstance(mesh, Mapping):
+        return {str(k): int(v) for k, v in mesh.items()}
     return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 

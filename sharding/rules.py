@@ -1,187 +1,168 @@
-"""THE partition-rule table: every parameter and cache array of the model gets its PartitionSpec here.
+"""THE sharding rules: logical axis names → mesh axes, with the divisibility fallback.
 
-Paths are the NNX parameter paths joined with "/" (`model/layers/3/mlp/experts/gate_proj`,
-`mtp/block/attention/kv_b_proj/weight`); cache arrays are addressed by their pytree path in the
-HybridCache, e.g. `cache/layers/<i>/<field>` (or `cache/layers/<block>/<run>/<field>` for the
-layer-stacked cache), `cache/mtp/<field>` and `cache/lengths` (KDAState / MLACache field names). The first
-rule whose regex fully matches wins; a path no rule matches raises `UnknownParameterError`.
+Every parameter declares, where it is created, one *logical* axis name per dimension
+(`nnx.Param(w, axes=("vocab", "embed"))`); every cache array gets its names from `CACHE_AXES`
+below (caches are pytrees of the generation code, not module parameters). One rules object,
+`RULES`, says which mesh axis (`sharding/mesh.py`: data, expert, model) each logical name is split
+over; `spec(axes, shape, mesh, heads)` turns names into a PartitionSpec. Nothing here knows a
+parameter's path or module: the model says what a dimension *is*, the rules say where it goes.
 
-A spec entry per array dimension is
-  None            - replicated along every mesh axis,
-  "axis"          - split evenly over that mesh axis,
-  "axis:heads"    - split over that axis at attention-head boundaries (the dimension is H equal
-                    head blocks; only split when num_attention_heads is divisible by the axis size).
-A rule whose first entry is `...` matches arrays with any number of extra LEADING dimensions, which
-stay replicated (the layer-stacked caches `[repeats, n, B, ...]` of ling_jax.layer_stack; the entries
-after `...` describe the trailing dims). An entry of `REPLICATED` for the whole rule means
-"replicated, whatever the rank". Entries naming
-an axis of size 1 (or one the mesh lacks) resolve to None, so specs show only real splits.
+Logical names (`LOGICAL_AXES`, the whole vocabulary):
 
-Divisibility fallback (documented rule): a dimension whose size - or, for ":heads" entries, whose
-head count - is not divisible by the mesh axis size is REPLICATED along that axis instead (its
-entry becomes None). Nothing is padded and nothing is split unevenly; the model stays correct, it
-only uses more memory. Each fallback is logged once (logger "sharding.rules").
+=============  ===========  ==============================================================
+name           mesh axis    what the dimension is
+=============  ===========  ==============================================================
+vocab          model        vocabulary rows of the embedding and the LM head
+embed          -            the hidden size D (activations are replicated along it)
+embed_cat      model        the MTP projection's input [enorm(emb); hnorm(h)], 2·D wide
+heads          model        H equal blocks of one attention head each (H·dk, H·dv, H, ...):
+                            split only at head boundaries (see `heads=` below)
+head_dim       -            one head's width (KDA's shared gated-norm weight)
+q_lora         -            MLA query latent (q_lora_rank): shared by all heads
+kv_lora        -            MLA key/value latent (kv_lora_rank [+ rope dims]): shared by all heads
+conv           -            the short-conv taps (kernel size)
+mlp            model        intermediate width of the dense FFN and the shared expert
+expert         expert       the stacked routed experts
+expert_mlp     model        a routed expert's intermediate width
+router         -            the router's per-expert scores (every token scores every expert)
+batch          data         sequences of a batch (caches, inputs)
+=============  ===========  ==============================================================
+
+A dimension is split over its mesh axis only when that axis has more than one device and the
+dimension's size is divisible by it; for `heads` dimensions the head count (`heads=`, normally
+`num_attention_heads`) must divide it too. Otherwise the dimension is REPLICATED along that axis:
+nothing is padded, nothing is split unevenly, results stay exact and only memory grows. Each such
+fallback is logged once (logger "sharding.rules"). Axes of size 1 resolve to None, so specs show
+only real splits (and match what XLA reports back after a jit).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import re
-from typing import Any, Optional
+from typing import Mapping, Optional
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sharding.mesh import mesh_sizes
+
 log = logging.getLogger(__name__)
-
-REPLICATED = "replicated"
-_L = r"(?:model/layers/\d+|mtp/block)"  # a decoder layer (main stack or the MTP layer's block)
-
-# (regex over the "/"-joined path, spec per dimension). Order matters only where noted.
-RULES: tuple[tuple[str, Any], ...] = (
-    # embeddings / LM head: vocabulary rows over `model`
-    (r"model/word_embeddings/weight", ("model", None)),
-    (r"lm_head/weight", ("model", None)),
-    # RMSNorm weights (1-D): replicated
-    (rf"model/norm/weight|mtp/(?:enorm|hnorm|final_layernorm)/weight"
-     rf"|{_L}/(?:input_layernorm|post_attention_layernorm)/weight"
-     rf"|{_L}/attention/(?:q_a_layernorm|kv_a_layernorm)/weight", REPLICATED),
-    # KDA: q/k/v/f/g/b projections [H*dk or H, D] split by head rows; o_proj [D, H*dv] by columns;
-    # conv taps [H*dk, K], dt_bias [H*dk] and A_log [H] follow their heads; o_norm [dk] is shared.
-    # (MLA's head-wise g_proj [H, D] and a LoRA-free q_proj [H*192, D] match the same rule.)
-    (rf"{_L}/attention/(?:q|k|v|f|g|b)_proj/weight", ("model:heads", None)),
-    (rf"{_L}/attention/o_proj/weight", (None, "model:heads")),
-    (rf"{_L}/attention/(?:q|k|v)_conv1d", ("model:heads", None)),
-    (rf"{_L}/attention/(?:dt_bias|A_log)", ("model:heads",)),
-    (rf"{_L}/attention/o_norm", REPLICATED),
-    # MLA: the latent down-projections are shared by all heads (replicated); the per-head
-    # up-projections q_b [H*192, q_lora] and kv_b [H*256, 512] split by head rows, dense by columns.
-    (rf"{_L}/attention/(?:q_a_proj|kv_a_proj_with_mqa)/weight", REPLICATED),
-    (rf"{_L}/attention/(?:q_b_proj|kv_b_proj)/weight", ("model:heads", None)),
-    (rf"{_L}/attention/dense/weight", (None, "model:heads")),
-    # MoE: router replicated (every token scores every expert); routed experts [E, I, D] / [E, D, I]
-    # split over `expert`, their intermediate width I over `model` (FP8 scales likewise).
-    (rf"{_L}/mlp/gate/(?:weight|expert_bias)", REPLICATED),
-    (rf"{_L}/mlp/experts/(?:gate_proj|up_proj)(?:_scale)?", ("expert", "model", None)),
-    (rf"{_L}/mlp/experts/down_proj(?:_scale)?", ("expert", None, "model")),
-    # dense FFN and shared expert: intermediate width over `model`
-    (rf"{_L}/mlp/(?:shared_experts/)?(?:gate_proj|up_proj)/weight", ("model", None)),
-    (rf"{_L}/mlp/(?:shared_experts/)?down_proj/weight", (None, "model")),
-    # per-layer SwiGLU clamp limits (scalar constants, not parameters)
-    (rf"{_L}/mlp/(?:routed_limit|(?:shared_experts/)?limit)", REPLICATED),
-    # MTP input projection [D, 2D]: input columns over `model`
-    (r"mtp/eh_proj/weight", (None, "model")),
-    # FP8-kept projections (`--keep-fp8`, ling_jax.linear.FP8Linear): the float8 weight is split by the
-    # rule of its `.../weight` above; its block-scale grid [ceil(out/128), ceil(in/128)] is REPLICATED.
-    # It is 1/4096 of the weight's bytes, and a split of the weight need not fall on 128-row/column
-    # block boundaries (12 heads x 192 rows over model=4: 576 rows = 4.5 blocks each); inside jit,
-    # GSPMD uses the slice of the expanded scale that matches each device's weight block.
-    (rf"{_L}/attention/(?:(?:q|k|v|f|g|b|o|q_a|q_b|kv_b)_proj|kv_a_proj_with_mqa|dense)/weight_scale_inv",
-     REPLICATED),
-    (rf"{_L}/mlp/(?:shared_experts/)?(?:gate|up|down)_proj/weight_scale_inv", REPLICATED),
-    (r"mtp/eh_proj/weight_scale_inv", REPLICATED),
-    # ---- caches: batch over `data`; KDA state and conv states by head; MLA latent replicated over `model`.
-    # `...`: per-layer caches may be stacked with leading [repeats, n] dims (replicated).
-    (r"cache/layers/(?:\d+/)+recurrent", (..., "data", "model:heads", None, None)),    # [B, H, dk, dv]
-    (r"cache/layers/(?:\d+/)+conv_(?:q|k|v)", (..., "data", None, "model:heads")),     # [B, K-1, H*dk]
-    (r"cache/(?:layers/(?:\d+/)+|mtp/)(?:c|k_pe)", (..., "data", None, None)),        # [B, S, 512] / [B, S, 64]
-    (r"cache/lengths", ("data",)),                                                    # [B]
-)
-_COMPILED = tuple((re.compile(p), s) for p, s in RULES)
-_WARNED: set = set()
 
 
 class UnknownParameterError(KeyError):
-    """A parameter / cache path that no partition rule covers."""
+    """A parameter without logical axis names, an unknown logical name, or a cache array no rule covers."""
 
     def __str__(self):
         return str(self.args[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalRules:
+    """Logical axis name → mesh axis name (None: replicated); `head_split`: the names whose
+    dimension consists of equal attention-head blocks (split only when the head count divides)."""
+    mesh_axes: Mapping[str, Optional[str]]
+    head_split: frozenset
+
+    def mesh_axis(self, name: str, where: str = "") -> Optional[str]:
+        if name not in self.mesh_axes:
+            raise UnknownParameterError(
+                f"sharding: unknown logical axis {name!r}{f' of {where}' if where else ''} "
+                f"(known: {', '.join(sorted(self.mesh_axes))}; add it to sharding/rules.py RULES)")
+        return self.mesh_axes[name]
+
+
+LOGICAL_AXES: dict[str, Optional[str]] = {
+    "vocab": "model",
+    "embed": None,
+    "embed_cat": "model",
+    "heads": "model",
+    "head_dim": None,
+    "q_lora": None,
+    "kv_lora": None,
+    "conv": None,
+    "mlp": "model",
+    "expert": "expert",
+    "expert_mlp": "model",
+    "router": None,
+    "batch": "data",
+}
+RULES = LogicalRules(LOGICAL_AXES, frozenset({"heads"}))
+
+_WARNED: set = set()
+
+
+def spec(axes, shape, mesh, heads: Optional[int] = None, *, rules: LogicalRules = RULES, where: str = "") -> P:
+    """The PartitionSpec of an array of `shape` whose dimensions have the logical names `axes`.
+
+    axes: one logical name (or None: replicated) per dimension; a leading `...` matches any number
+    of extra leading dimensions, which stay replicated (layer-stacked caches `[repeats, n, B, ...]`).
+    mesh: a Mesh, AbstractMesh or {axis: size} dict. heads: head count of `heads` dimensions (None:
+    the dimension's own size). where: a name for error and fallback messages.
+    """
+    shape = tuple(int(d) for d in shape)
+    axes = tuple(axes)
+    if axes and axes[0] is Ellipsis:
+        axes = axes[1:]
+        if len(shape) < len(axes):
+            raise ValueError(f"sharding: {where or 'array'} has shape {shape}, fewer dims than its axes {axes}")
+        axes = (None,) * (len(shape) - len(axes)) + axes
+    if len(axes) != len(shape):
+        raise ValueError(f"sharding: {where or 'array'} has {len(shape)} dims {shape} but {len(axes)} logical "
+                         f"axes {axes}")
+    sizes = mesh_sizes(mesh)
+    out, used = [], set()
+    for d, name in zip(shape, axes):
+        axis = None if name is None else rules.mesh_axis(name, where)
+        n = sizes.get(axis, 1) if axis is not None else 1
+        if n == 1:  # replicated, an absent axis or one of size 1: same layout, and what XLA reports back
+            out.append(None)
+            continue
+        if axis in used:
+            raise ValueError(f"sharding: {where or 'array'}: two dims {axes} map to mesh axis {axis!r}")
+        blocks = (heads if heads is not None else d) if name in rules.head_split else d
+        if d % n == 0 and blocks % n == 0:
+            out.append(axis)
+            used.add(axis)
+            continue
+        out.append(None)
+        key = (name, axis, d, blocks, n)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            what = f"{blocks} heads" if name in rules.head_split else f"size {d}"
+            log.warning("sharding: %s dimension (%s) not divisible by %s=%d: replicated along %s (e.g. %s %s)",
+                        name, what, axis, n, axis, where or "an array", shape)
+    return P(*out)
+
+
+# ---------------------------------------------------------------------------------------------
+# caches: pytrees of the generation code, named by their path in the HybridCache
+# ---------------------------------------------------------------------------------------------
+# (regex over the "/"-joined path below "cache/", logical axes); `...`: per-layer caches may be
+# stacked with leading [repeats, n] dims (replicated). KDA state and conv states by head; the MLA
+# latent has one KV head, so it is replicated over `model`.
+CACHE_AXES: tuple[tuple[str, tuple], ...] = (
+    (r"cache/layers/(?:\d+/)+recurrent", (..., "batch", "heads", None, None)),     # [B, H, dk, dv]
+    (r"cache/layers/(?:\d+/)+conv_(?:q|k|v)", (..., "batch", None, "heads")),      # [B, K-1, H*dk]
+    (r"cache/(?:layers/(?:\d+/)+|mtp/)(?:c|k_pe)", (..., "batch", None, None)),     # [B, S, 512] / [B, S, 64]
+    (r"cache/lengths", ("batch",)),                                                # [B]
+)
+_CACHE = tuple((re.compile(p), a) for p, a in CACHE_AXES)
 
 
 def path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def rule_for(path) -> tuple[str, Any]:
-    """(pattern, spec entries) of the first rule matching `path` (tuple or "/"-string)."""
+def cache_axes(path) -> tuple:
+    """Logical axes of the cache array at `path` ("cache/..." string or key path)."""
     s = path if isinstance(path, str) else path_str(path)
-    for rx, spec in _COMPILED:
+    for rx, axes in _CACHE:
         if rx.fullmatch(s):
-            return rx.pattern, spec
-    raise UnknownParameterError(f"sharding: no partition rule for {s!r}; add one to sharding/rules.py RULES "
-                                f"(every parameter and cache array must have an explicit rule)")
+            return axes
+    raise UnknownParameterError(f"sharding: no cache rule for {s!r}; add one to sharding/rules.py CACHE_AXES")
 
 
-def _sizes(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))
-
-
-def resolve(path, shape, mesh, heads: Optional[int]) -> P:
-    """The PartitionSpec of an array of `shape` at `path` on `mesh`, with the divisibility fallback."""
-    s = path if isinstance(path, str) else path_str(path)
-    pattern, entries = rule_for(s)
-    shape = tuple(shape)
-    if entries == REPLICATED:
-        return P(*([None] * len(shape)))
-    if entries and entries[0] is Ellipsis:
-        entries = entries[1:]
-        if len(shape) < len(entries):
-            raise ValueError(f"sharding: rule {pattern!r} needs at least {len(entries)} dims but {s} has shape {shape}")
-        entries = (None,) * (len(shape) - len(entries)) + tuple(entries)
-    if len(entries) != len(shape):
-        raise ValueError(f"sharding: rule {pattern!r} has {len(entries)} dims but {s} has shape {shape}")
-    sizes = _sizes(mesh)
-    out = []
-    for d, e in zip(shape, entries):
-        if e is None:
-            out.append(None)
-            continue
-        axis, _, unit = e.partition(":")
-        n = sizes.get(axis, 1)
-        if n == 1:  # absent or size-1 axis: same layout as replicated, and what XLA reports back
-            out.append(None)
-            continue
-        blocks = d if unit != "heads" else (heads if heads is not None else d)
-        if d % n == 0 and blocks % n == 0:
-            out.append(axis)
-        else:
-            out.append(None)
-            key = (pattern, axis, d, n)
-            if key not in _WARNED:
-                _WARNED.add(key)
-                what = f"{blocks} heads" if unit == "heads" else f"size {d}"
-                log.warning("sharding: %s (%s) not divisible by %s=%d: replicated along %s (e.g. %s %s)",
-                            pattern, what, axis, n, axis, s, shape)
-    return P(*out)
-
-
-def named(mesh, spec: P) -> NamedSharding:
-    return NamedSharding(mesh, spec)
-
-
-# ---------------------------------------------------------------------------------------------
-# parameters
-# ---------------------------------------------------------------------------------------------
-def param_specs(state, mesh, cfg) -> dict[tuple, P]:
-    """{NNX path tuple: PartitionSpec} for every Variable of an nnx State (or a Module)."""
-    from flax import nnx
-
-    if isinstance(state, nnx.Module):
-        state = nnx.state(state)
-    out = {}
-    for path, var in nnx.to_flat_state(state):
-        v = var.get_value() if hasattr(var, "get_value") else var
-        out[tuple(path)] = resolve(path, v.shape, mesh, cfg.num_attention_heads)
-    return out
-
-
-def param_shardings(state, mesh, cfg) -> dict[tuple, NamedSharding]:
-    return {k: NamedSharding(mesh, s) for k, s in param_specs(state, mesh, cfg).items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# caches
-# ---------------------------------------------------------------------------------------------
 def _cache_heads(cache) -> Optional[int]:
     """Head count from the first KDA state (its recurrent state is [..., B, H, dk, dv])."""
     for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
@@ -193,8 +174,11 @@ def _cache_heads(cache) -> Optional[int]:
 def cache_specs(cache, mesh, heads: Optional[int] = None):
     """Pytree of PartitionSpecs with the structure of a HybridCache (None leaves stay None)."""
     heads = heads if heads is not None else _cache_heads(cache)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: resolve("cache/" + path_str(path), x.shape, mesh, heads), cache)
+
+    def one(path, x):
+        s = "cache/" + path_str(path)
+        return spec(cache_axes(s), x.shape, mesh, heads, where=s)
+    return jax.tree_util.tree_map_with_path(one, cache)
 
 
 def cache_shardings(cache, mesh, heads: Optional[int] = None):
@@ -204,42 +188,3 @@ def cache_shardings(cache, mesh, heads: Optional[int] = None):
     """
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), cache_specs(cache, mesh, heads),
                                   is_leaf=lambda x: isinstance(x, P))
-
-
-# ---------------------------------------------------------------------------------------------
-# the expert-parallel plan handed to ling_jax.moe
-# ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class EPPlan:
-    """What `ling_jax.moe.experts_ep` needs: the mesh and the specs the expert weights were placed
-    with, in the order (gate, up, down[, gate_scale, up_scale, down_scale]). Hashable (static)."""
-    mesh: Any
-    specs: tuple
-
-    def __repr__(self):
-        return f"EPPlan({_sizes(self.mesh)}, gate={self.specs[0]}, down={self.specs[2]})"
-
-
-def expert_shapes(cfg, fp8: bool = False) -> list[tuple[str, tuple[int, ...]]]:
-    E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    out = [("gate_proj", (E, I, D)), ("up_proj", (E, I, D)), ("down_proj", (E, D, I))]
-    if fp8:
-        bo, bi = cfg.weight_block_size
-        out += [("gate_proj_scale", (E, I, -(-D // bi))), ("up_proj_scale", (E, I, -(-D // bi))),
-                ("down_proj_scale", (E, -(-D // bo), I))]
-    return out
-
-
-def ep_plan(mesh, cfg, fp8: bool = False) -> EPPlan:
-    specs = tuple(resolve(f"model/layers/0/mlp/experts/{n}", shp, mesh, cfg.num_attention_heads)
-                  for n, shp in expert_shapes(cfg, fp8))
-    return EPPlan(mesh, specs)
-
-
-def context_ep_plan(cfg, fp8: bool = False) -> EPPlan:
-    """EP plan for the mesh installed with `jax.set_mesh(mesh)` (used by `impl="ep"` without a plan)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        raise ValueError("moe impl='ep' needs a mesh: place the model with sharding.shard_model / "
-                         "load_sharded, or run under `with jax.set_mesh(mesh):`")
-    return ep_plan(mesh, cfg, fp8)

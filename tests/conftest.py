@@ -24,8 +24,8 @@ class DictReader:
 def load_from_dict(cfg, params, dtype="float32", with_mtp=True):
     import jax.numpy as jnp
 
-    from ling_jax.checkpoint.load import load_params
-    return load_params(DictReader(params), cfg, jnp.dtype(dtype), with_mtp=with_mtp, progress=False)
+    from ling_jax.loader import load_from_reader
+    return load_from_reader(DictReader(params), cfg, dtype=jnp.dtype(dtype), with_mtp=with_mtp, progress=False)
 
 
 def rel_err(a, b):

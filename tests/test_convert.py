@@ -1,5 +1,5 @@
-"""`ling-jax convert` / sharding.convert: HF checkpoint → Orbax, restore on other meshes, atomicity,
-and bounded host memory."""
+"""`ling-jax convert` / ling_jax.checkpoint.convert: HF checkpoint → Orbax, restore on other meshes
+(ling_jax.loader.load_model), atomicity, and bounded host memory."""
 import json
 import os
 import subprocess
@@ -11,7 +11,11 @@ import pytest
 from flax import nnx
 
 import sharding as S
+from ling_jax.checkpoint.convert import convert
+from ling_jax.checkpoint.orbax import is_converted
 from ling_jax.cli import main as cli_main
+from ling_jax.loader import load_model
+from ling_jax.quantized import BlockFP8
 from ling_jax.config import LingConfig
 from ling_jax.checkpoint.writer import write_checkpoint
 from test_sharding import small_cfg_dict, write_small
@@ -29,7 +33,15 @@ def ckpt(tmp_path_factory):
 
 
 def flat_params(model):
-    return {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+    """{path: array}, a BlockFP8's values and scales as two entries."""
+    out = {}
+    for p, v in nnx.to_flat_state(nnx.state(model)):
+        k, a = "/".join(map(str, p)), v.get_value()
+        if isinstance(a, BlockFP8):
+            out[k], out[k + ":scales"] = a.values, a.scales
+        else:
+            out[k] = a
+    return out
 
 
 def assert_same_params(a, b, mesh=None):
@@ -45,8 +57,8 @@ def assert_same_params(a, b, mesh=None):
 
 def test_convert_then_restore_on_another_mesh(ckpt, tmp_path):
     out = tmp_path / "orbax"
-    meta = S.convert(ckpt, str(out), S.parse_mesh("expert=4,model=2"), dtype="float32", progress=False)
-    assert S.is_converted(str(out)) and not os.path.exists(tmp_path / ".orbax.converting")
+    meta = convert(ckpt, str(out), S.parse_mesh("expert=4,model=2"), dtype="float32", progress=False)
+    assert is_converted(str(out)) and not os.path.exists(tmp_path / ".orbax.converting")
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / f).is_file(), f
     assert not any(f.endswith(".safetensors") for f in os.listdir(out))
@@ -55,13 +67,13 @@ def test_convert_then_restore_on_another_mesh(ckpt, tmp_path):
     assert meta["mesh"] == "data=1,expert=4,model=2" and on_disk["dtype"] == "float32"
     # restore onto a different mesh shape: same values as loading the HF checkpoint there directly
     mesh = S.parse_mesh("data=2,model=4")
-    restored = S.load_any(str(out), mesh, "float32", progress=False)
-    direct = S.load_any(ckpt, mesh, "float32", progress=False)  # HF directory → load_sharded
+    restored = load_model(str(out), "float32", mesh=mesh, progress=False)
+    direct = load_model(ckpt, "float32", mesh=mesh, progress=False)  # the HF directory itself
     assert_same_params(restored, direct, mesh)
     g = restored.model.layers[1].mlp.experts.gate_proj[...]
-    assert tuple(g.sharding.spec) == (None, "model", None) and restored.model.layers[1].mlp.ep_plan is not None
+    assert tuple(g.sharding.spec) == (None, "model", None) and restored.exec.mesh == mesh
     # stored float32, restored as bfloat16: a plain cast
-    bf = S.load_any(str(out), S.parse_mesh("expert=8"), "bfloat16", progress=False)
+    bf = load_model(str(out), "bfloat16", mesh=S.parse_mesh("expert=8"), progress=False)
     x = bf.model.layers[2].mlp.experts.down_proj[...]
     assert x.dtype == jnp.bfloat16 and tuple(x.sharding.spec)[:1] == ("expert",)
     np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)),
@@ -71,35 +83,36 @@ def test_convert_then_restore_on_another_mesh(ckpt, tmp_path):
 
 def test_convert_keep_fp8(ckpt, tmp_path):
     """convert --keep-fp8 (float32 for the rest) → restore on other meshes: the FP8 matrices (experts
-    and FP8Linear projections) come back float8 + scales, equal to a direct keep_fp8 load, and the
-    logits equal the dequantising single-device load."""
-    from ling_jax.runtime import full_logits, load_model
+    and dense projections) come back as BlockFP8 (float8 + scales), equal to a direct keep_fp8 load,
+    and the logits equal the dequantising single-device load."""
+    from ling_jax.forward import forward
     from test_sharding import IDS
 
     out = tmp_path / "fp8"
-    S.convert(ckpt, str(out), S.parse_mesh("expert=8"), dtype="float32", keep_fp8=True, progress=False)
+    convert(ckpt, str(out), S.parse_mesh("expert=8"), dtype="float32", keep_fp8=True, progress=False)
     mesh = S.parse_mesh("expert=4,model=2")
-    restored = S.load_any(str(out), mesh, "bfloat16", progress=False)
-    direct = S.load_sharded(ckpt, mesh, "bfloat16", keep_fp8=True, progress=False)
+    restored = load_model(str(out), "bfloat16", mesh=mesh, progress=False)
+    direct = load_model(ckpt, "bfloat16", mesh=mesh, keep_fp8=True, progress=False)
     assert_same_params(restored, direct, mesh)
-    assert restored.model.layers[1].mlp.experts.up_proj[...].dtype == jnp.float8_e4m3fn
-    assert restored.model.layers[0].attention.q_proj.weight[...].dtype == jnp.float8_e4m3fn
-    assert restored.mtp.eh_proj.weight_scale_inv[...].dtype == jnp.float32
+    assert restored.model.layers[1].mlp.experts.up_proj.get_value().values.dtype == jnp.float8_e4m3fn
+    assert restored.model.layers[0].attention.q_proj.weight.get_value().values.dtype == jnp.float8_e4m3fn
+    assert restored.mtp.eh_proj.weight.get_value().scales.dtype == jnp.float32
     with pytest.raises(ValueError, match="converted with --keep-fp8"):
-        S.load_any(str(out), mesh, "bfloat16", keep_fp8=False, progress=False)
+        load_model(str(out), "bfloat16", mesh=mesh, keep_fp8=False, progress=False)
     mesh = S.parse_mesh("data=2,model=4")
-    got = S.sharded_logits(S.load_any(str(out), mesh, "float32", progress=False), IDS, mesh)
-    ref = full_logits(load_model(ckpt, "float32", progress=False), IDS)["logits"]
+    got = np.asarray(forward(load_model(str(out), "float32", mesh=mesh, progress=False), IDS)["logits"])
+    ref = forward(load_model(ckpt, "float32", progress=False), IDS)["logits"]
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
 
 
 def _partial_run(ckpt, out, code):
     """Run a conversion in a subprocess that dies (os._exit, like kill -9) after the 2nd group."""
     prog = (f"import os, sharding as S\n"
+            f"from ling_jax.checkpoint.convert import convert\n"
             f"def hook(g):\n"
             f"    if g == 'layer_000':\n"
             f"        {code}\n"
-            f"S.convert({ckpt!r}, {out!r}, S.parse_mesh('expert=8'), progress=False, _after_group=hook)\n")
+            f"convert({ckpt!r}, {out!r}, S.parse_mesh('expert=8'), progress=False, _after_group=hook)\n")
     return subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
 
 
@@ -109,7 +122,7 @@ def test_v1_conversion_is_refused_with_the_reason(tmp_path):
     d.mkdir()
     (d / "ling_jax_orbax.json").write_text(json.dumps({"format": "ling-jax-orbax", "version": 1}))
     with pytest.raises(ValueError, match=r"v1, written before routed experts moved to the \[E, out, in\]"):
-        S.load_converted(str(d), S.parse_mesh("expert=8"))
+        load_model(str(d), mesh=S.parse_mesh("expert=8"))
 
 
 def test_interrupted_conversion_leaves_nothing_complete(ckpt, tmp_path):
@@ -124,20 +137,29 @@ def test_interrupted_conversion_leaves_nothing_complete(ckpt, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        S.convert(ckpt, out, S.parse_mesh("expert=8"), progress=False, _after_group=boom)
+        convert(ckpt, out, S.parse_mesh("expert=8"), progress=False, _after_group=boom)
     assert calls == ["globals", "layer_000"] and not os.path.exists(out) and not os.path.exists(partial)
     # a hard kill mid-way: only the hidden `.conv.converting` directory remains, without the marker
     p = _partial_run(ckpt, out, "os._exit(9)")
     assert p.returncode == 9, p.stderr[-2000:]
     assert not os.path.exists(out) and os.path.isdir(partial)
-    assert os.listdir(os.path.join(partial, "params")) and not S.is_converted(partial)
+    assert os.listdir(os.path.join(partial, "params")) and not is_converted(partial)
     with pytest.raises(ValueError, match="incomplete conversion"):
-        S.load_any(partial, S.parse_mesh("expert=8"))
+        load_model(partial, mesh=S.parse_mesh("expert=8"))
     with pytest.raises(FileNotFoundError):
-        S.load_any(out, S.parse_mesh("expert=8"))
+        load_model(out, mesh=S.parse_mesh("expert=8"))
     # the next run starts over and completes
     assert cli_main(["convert", "--checkpoint", ckpt, "--out", out, "--quiet"]) == 0
-    assert S.is_converted(out) and not os.path.exists(partial)
+    assert is_converted(out) and not os.path.exists(partial)
+
+
+def test_converted_dir_loads_by_relative_path_on_one_device(ckpt, tmp_path, monkeypatch):
+    """A converted directory is a checkpoint like any other: a relative path, no mesh (issue 15.6)."""
+    convert(ckpt, str(tmp_path / "rel"), S.parse_mesh("expert=8"), progress=False, with_mtp=False)
+    monkeypatch.chdir(tmp_path)
+    m = load_model("rel", "bfloat16", with_mtp=False, progress=False)
+    assert m.exec.mesh is None and len(m.lm_head.weight[...].sharding.device_set) == 1
+    assert_same_params(m, load_model(ckpt, "bfloat16", with_mtp=False, progress=False))
 
 
 def test_cli_convert(ckpt, tmp_path, capsys):
@@ -147,10 +169,10 @@ def test_cli_convert(ckpt, tmp_path, capsys):
     msg = capsys.readouterr().out
     assert "converted" in msg and "groups" in msg and "mesh data=1,expert=4,model=2" in msg
     assert "mtp" not in json.loads(open(os.path.join(out, "ling_jax_orbax.json")).read())["groups"]
-    m = S.load_any(out, S.parse_mesh("expert=8"), "float32", with_mtp=False, progress=False)
+    m = load_model(out, "float32", mesh=S.parse_mesh("expert=8"), with_mtp=False, progress=False)
     assert m.mtp is None
     with pytest.raises(ValueError, match="without the MTP layer"):
-        S.load_any(out, S.parse_mesh("expert=8"), "float32", progress=False)
+        load_model(out, "float32", mesh=S.parse_mesh("expert=8"), progress=False)
     assert cli_main(["convert", "--checkpoint", ckpt, "--out", out, "--quiet"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert cli_main(["convert", "--checkpoint", ckpt, "--out", out, "--quiet", "--force", "--mesh", "expert=3"]) == 2
@@ -158,7 +180,7 @@ def test_cli_convert(ckpt, tmp_path, capsys):
     assert cli_main(["convert", "--checkpoint", ckpt, "--out", out, "--quiet", "--force"]) == 0
     assert "mtp" in json.loads(open(os.path.join(out, "ling_jax_orbax.json")).read())["groups"]
     with pytest.raises(ValueError, match="--keep-fp8"):
-        S.load_sharded(ckpt_bf16(tmp_path), S.parse_mesh("expert=8"), keep_fp8=True, progress=False)
+        load_model(ckpt_bf16(tmp_path), mesh=S.parse_mesh("expert=8"), keep_fp8=True, progress=False)
 
 
 def ckpt_bf16(tmp_path):

@@ -53,7 +53,7 @@ def test_demo_model_beats_unigram_on_held_out_text():
     import textwrap
 
     from ling_jax.commands.eval import perplexity
-    from ling_jax.runtime import load_model
+    from ling_jax.loader import load_model
     from ling_jax.tokenizer import Tokenizer
 
     res = _results()

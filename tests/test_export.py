@@ -21,7 +21,8 @@ from flax import nnx
 from conftest import rel_err
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.export import export_checkpoint, model_tensors, quantize_like_export
-from ling_jax.runtime import full_logits, load_model
+from ling_jax.forward import forward
+from ling_jax.loader import load_model
 from ling_jax.tokenizer import Tokenizer
 from test_train import small_cfg, small_model, synthetic_tokens
 
@@ -31,14 +32,14 @@ def setup():
     cfg = small_cfg()
     model = small_model(cfg, 0)
     ids = synthetic_tokens(cfg).reshape(4, 24)
-    ref = full_logits(model, ids, mtp=True)
+    ref = forward(model, ids, mtp=True)
     return cfg, model, ids, ref
 
 
 def _logits_in_graph(model, loaded, ids):
     """Forward the loaded parameters through `model`'s graph (shares its compiled forward)."""
     graphdef, _ = nnx.split(model)
-    return full_logits(nnx.merge(graphdef, nnx.state(loaded)), ids, mtp=True)
+    return forward(nnx.merge(graphdef, nnx.state(loaded)), ids, mtp=True)
 
 
 def test_export_fp8_roundtrip(setup, tmp_path):
@@ -67,12 +68,12 @@ def test_export_fp8_roundtrip(setup, tmp_path):
 
     loaded = load_model(str(out), "float32", progress=False)
     got = _logits_in_graph(model, loaded, ids)
-    want = full_logits(quantize_like_export(model, "fp8"), ids, mtp=True)
+    want = forward(quantize_like_export(model, "fp8"), ids, mtp=True)
     assert rel_err(got["logits"], want["logits"]) < 1e-6
     assert rel_err(got["mtp_logits"], want["mtp_logits"]) < 1e-6
     assert rel_err(got["logits"], ref["logits"]) < 0.4 and rel_err(got["mtp_logits"], ref["mtp_logits"]) < 0.4
     graphdef, _ = nnx.split(model)
-    forced = full_logits(nnx.merge(graphdef, nnx.state(loaded)), ids, mtp=True, forced_routing=ref["routing"])
+    forced = forward(nnx.merge(graphdef, nnx.state(loaded)), ids, mtp=True, forced_routing=ref["routing"])
     e_main, e_mtp = rel_err(forced["logits"], ref["logits"]), rel_err(forced["mtp_logits"], ref["mtp_logits"])
     assert e_main < 0.15 and e_mtp < 0.15, (e_main, e_mtp)
 
@@ -92,7 +93,7 @@ def test_export_bf16_roundtrip_and_overwrite(setup, tmp_path):
     assert len(set(idx["weight_map"].values())) == 3
     loaded = load_model(str(out), "float32", progress=False)
     got = _logits_in_graph(model, loaded, ids)
-    want = full_logits(quantize_like_export(model, "bf16"), ids, mtp=True)
+    want = forward(quantize_like_export(model, "bf16"), ids, mtp=True)
     assert rel_err(got["logits"], want["logits"]) < 1e-6
     assert rel_err(got["mtp_logits"], want["mtp_logits"]) < 1e-6
     e = rel_err(got["logits"], ref["logits"])

@@ -21,7 +21,8 @@ from ling_jax.checkpoint.fp8 import block_dequant_fp8, block_quant_fp8
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.config import LingConfig
-from ling_jax.runtime import full_logits, load_model
+from ling_jax.forward import forward
+from ling_jax.loader import load_model
 
 SEED = 11
 LAYOUT_MATRICES = ("attention.kv_a_proj_with_mqa.weight", "attention.g_proj.weight")
@@ -108,7 +109,7 @@ def test_logits_equal_dequantized_reference_in_both_layouts(ckpts):
     for layout in ("B", "A"):
         d, _, params = out[layout]
         models[layout] = model = load_model(d, "float32", progress=False)
-        o = full_logits(model, ids[None], mtp=True)
+        o = forward(model, ids[None], mtp=True)
         ref = R.forward(params, cfg, ids, mtp=True)
         assert rel_err(o["logits"][0], ref["logits"]) < 1e-4, layout
         assert rel_err(o["mtp_logits"][0], ref["mtp_logits"]) < 1e-4, layout

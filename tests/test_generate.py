@@ -10,7 +10,7 @@ from conftest import load_from_dict
 from ling_jax.cli import main as cli_main
 from ling_jax.generate import DecodeState, decode_loop, generate, prefill
 from ling_jax.model import init_cache
-from ling_jax.runtime import full_logits
+from ling_jax.forward import forward
 from ling_jax.sampling import SamplingParams
 
 
@@ -21,7 +21,7 @@ def _check_greedy_against_full_forward(model, prompts, result):
     ids = np.zeros((len(seqs), lens.max()), np.int32)
     for b, s in enumerate(seqs):
         ids[b, :len(s)] = s
-    logits = np.asarray(full_logits(model, ids, n_valid=lens)["logits"])
+    logits = np.asarray(forward(model, ids, n_valid=lens)["logits"])
     for b, (p, t) in enumerate(zip(prompts, result.tokens)):
         pred = logits[b, len(p) - 1:len(p) - 1 + len(t)].argmax(-1)
         assert pred.tolist() == list(t), b
@@ -181,7 +181,7 @@ def test_scanned_layers_equal_unrolled_layers():
     for mode in ("scan", "unroll"):  # unrolled last: generation below uses it
         model.exec = model.exec.replace(layer_loop=mode)  # static: jitted functions retrace
         assert model.stacked_layers() is None if mode == "unroll" else model.stacked_layers() is not None
-        out[mode] = np.asarray(full_logits(model, ids, n_valid=np.array([19, 11]))["logits"])
+        out[mode] = np.asarray(forward(model, ids, n_valid=np.array([19, 11]))["logits"])
     # cached decoding (plain and speculative) with unrolled layers = the full forward's argmax; the
     # scanned ones are what the other tests run (tiny models scan)
     assert model.exec.layer_loop == "unroll"

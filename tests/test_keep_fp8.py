@@ -1,5 +1,5 @@
 """`--keep-fp8`: every matrix the checkpoint stores as F8_E4M3 stays float8_e4m3fn + float32 block
-scales on device (`FP8Linear`, `FP8Experts`) and is dequantised inside the matmul.
+scales on device (a `BlockFP8` value in its normal Linear / Experts) and is dequantised inside the matmul.
 
 On a tiny written FP8 checkpoint (float32): the set of float8 parameters is exactly the set of
 F8_E4M3 tensors in the headers, those matrices take ~half their bf16 bytes, the logits equal the
@@ -7,18 +7,22 @@ dequantising load's (1e-5), and `ling-jax logits --keep-fp8 --impl pallas` (the 
 interpret mode on CPU) equals the XLA twin. On a mesh and through Orbax: tests/test_sharding.py,
 tests/test_convert.py.
 """
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from conftest import rel_err
-from ling_jax.checkpoint.load import checkpoint_names
+from ling_jax.checkpoint.blocks import release_fp8
+from ling_jax.checkpoint.layout import checkpoint_names
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.cli import main as cli_main
 from ling_jax.config import LingConfig
-from ling_jax.linear import FP8Linear, Linear
-from ling_jax.runtime import full_logits, load_model
+from ling_jax.linear import Linear
+from ling_jax.forward import forward
+from ling_jax.loader import abstract_model, load_model
+from ling_jax.quantized import BlockFP8
 from test_sharding import IDS, write_small
 
 TOL = 1e-5
@@ -39,7 +43,7 @@ def fp8_model(ckpt):
 
 @pytest.fixture(scope="module")
 def fp8_logits(fp8_model):
-    out = full_logits(fp8_model, IDS, mtp=True, impl="xla")
+    out = forward(fp8_model, IDS, mtp=True, exec=fp8_model.exec.replace(kernels="xla"))
     return np.asarray(out["logits"]), np.asarray(out["mtp_logits"])
 
 
@@ -47,25 +51,25 @@ def flat(model):
     return {tuple(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
-def scale_of(path):
-    return path[:-1] + ("weight_scale_inv",) if path[-1] == "weight" else path[:-1] + (path[-1] + "_scale",)
-
-
 def test_keep_fp8_holds_every_fp8_matrix(ckpt, fp8_model):
     m, params = fp8_model, flat(fp8_model)
-    f8 = [p for p, v in params.items() if v.dtype == F8]
+    f8 = [p for p, v in params.items() if isinstance(v, BlockFP8)]
+    assert all(params[p].values.dtype == F8 for p in f8)
+    assert not any(v.dtype == F8 for v in params.values() if not isinstance(v, BlockFP8))
     held = {n for p in f8 for n in checkpoint_names(p, m.cfg)[1]}
     with CheckpointReader(ckpt) as r:
         stored = {n for n in r.names() if r.info(n).dtype == "F8_E4M3"}
     assert stored and held == stored
-    assert all(params[scale_of(p)].dtype == jnp.float32 for p in f8)
-    # a mix, as stored: KDA b_proj (BF16 in the checkpoint) stays a float Linear beside FP8 q_proj
+    assert all(params[p].scales.dtype == jnp.float32 for p in f8)
+    # a mix, as stored: KDA b_proj (BF16 in the checkpoint) holds a float weight beside FP8 q_proj,
+    # both in the one Linear class
     att = m.model.layers[0].attention
-    assert type(att.q_proj) is FP8Linear and type(att.b_proj) is Linear
+    assert type(att.q_proj) is Linear and type(att.b_proj) is Linear
+    assert isinstance(att.q_proj.weight.get_value(), BlockFP8)
     assert att.b_proj.weight[...].dtype == jnp.float32
     # weight bytes of the FP8-stored matrices on device vs the same matrices in bfloat16
-    kept = sum(params[p].nbytes + params[scale_of(p)].nbytes for p in f8)
-    bf16 = sum(params[p].size * 2 for p in f8)
+    kept = sum(params[p].values.nbytes + params[p].scales.nbytes for p in f8)
+    bf16 = sum(params[p].values.size * 2 for p in f8)
     assert 0.5 < kept / bf16 < 0.55, kept / bf16  # expert scales expanded along I: +3% at 64/24 wide
 
 
@@ -80,26 +84,25 @@ def test_keep_fp8_halves_the_real_model():
     """Shape-only, the release config (first 8 layers + MTP): with every FP8-stored matrix kept FP8 the
     whole model (bf16 embeddings, lm_head, norms, routers included) takes ~half its bfloat16 bytes
     (0.529 here; 0.517 for all 73 layers: 591 GB vs 1145 GB)."""
-    from sharding.load import abstract_model
-
     full = LingConfig.from_json("/work/shared/spec/config.ling-3.1-flash.json")
     cfg = full.replace(num_hidden_layers=8, expert_swiglu_limit_list=list(full.expert_swiglu_limit_list[-8:]),
                        share_expert_swiglu_limit_list=list(full.share_expert_swiglu_limit_list[-8:]))
-    nbytes = lambda m: sum(v.size * jnp.dtype(v.dtype).itemsize for v in flat(m).values())  # noqa: E731
-    ratio = nbytes(abstract_model(cfg, jnp.bfloat16, True, True)) / nbytes(abstract_model(cfg, jnp.bfloat16))
+    nbytes = lambda m: sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize  # noqa: E731
+                           for a in jax.tree.leaves(list(flat(m).values())))
+    ratio = nbytes(abstract_model(cfg, jnp.bfloat16, True, release_fp8(cfg))) / nbytes(abstract_model(cfg, jnp.bfloat16))
     assert 0.5 < ratio < 0.535, ratio
 
 
 def test_keep_fp8_logits_equal_dequantised_load(ckpt, fp8_logits):
-    ref = full_logits(load_model(ckpt, "float32", progress=False), IDS, mtp=True)
+    ref = forward(load_model(ckpt, "float32", progress=False), IDS, mtp=True)
     assert rel_err(fp8_logits[0], ref["logits"]) < TOL
     assert rel_err(fp8_logits[1], ref["mtp_logits"]) < TOL
 
 
 def test_cli_logits_keep_fp8_pallas_equals_xla(ckpt, fp8_logits, tmp_path, monkeypatch):
     """`ling-jax logits --keep-fp8 --impl pallas`: the FP8 Pallas kernel (interpret mode on CPU) in
-    every FP8Linear gives the XLA twin's logits."""
-    import ling_jax.linear as linear_mod  # FP8Linear's module: the name its __call__ looks up
+    every FP8-kept Linear gives the XLA twin's logits."""
+    import ling_jax.linear as linear_mod  # Linear's module: the name its __call__ looks up
 
     calls = []
     real = linear_mod.fp8_linear_pallas

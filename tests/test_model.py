@@ -14,7 +14,8 @@ from conftest import rel_err
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.cli import main as cli_main
-from ling_jax.runtime import full_logits, load_model
+from ling_jax.forward import forward
+from ling_jax.loader import load_model
 
 VARIANTS = {
     # name: (config overrides, dtype on disk)
@@ -69,7 +70,7 @@ def test_full_model_float32_matches_reference(written):
     model = load_model(path, "float32", progress=False)
     ids = _ids(1, 23, cfg.vocab_size)
     ref = R.forward(params, cfg, ids, mtp=True)
-    out = full_logits(model, ids[None], mtp=True)
+    out = forward(model, ids[None], mtp=True)
     assert rel_err(out["logits"][0], ref["logits"]) < 1e-4, name
     assert rel_err(out["mtp_logits"][0], ref["mtp_logits"]) < 1e-4, name
     # routing decisions agree with the float64 reference
@@ -85,7 +86,7 @@ def test_bfloat16_with_pinned_routing(written):
     ids = _ids(2, 17, cfg.vocab_size)
     ref = R.forward(params, cfg, ids, mtp=True)
     forced = {k: jnp.asarray(v[None], jnp.int32) for k, v in ref["routing"].items()}
-    out = full_logits(model, ids[None], mtp=True, forced_routing=forced)
+    out = forward(model, ids[None], mtp=True, forced_routing=forced)
     # ~7e-2 measured over 10 bf16 layers (each module is within 2e-2, see test_modules.py)
     assert rel_err(out["logits"][0], ref["logits"]) < 1e-1, name
     assert rel_err(out["mtp_logits"][0], ref["mtp_logits"]) < 1e-1, name
@@ -114,9 +115,9 @@ def test_batch_of_different_lengths_equals_each_alone(tiny_model, tiny_cfg):
     seqs = [rng.integers(0, tiny_cfg.vocab_size, n) for n in lens]
     for b, s in enumerate(seqs):
         ids[b, :len(s)] = s
-    out = full_logits(tiny_model, ids, n_valid=np.array(lens), mtp=True)
+    out = forward(tiny_model, ids, n_valid=np.array(lens), mtp=True)
     for b, s in enumerate(seqs):
-        alone = full_logits(tiny_model, s[None], mtp=True)
+        alone = forward(tiny_model, s[None], mtp=True)
         assert rel_err(out["logits"][b, :len(s)], alone["logits"][0]) < 1e-5
         assert rel_err(out["mtp_logits"][b, :len(s)], alone["mtp_logits"][0]) < 1e-5
 

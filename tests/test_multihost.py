@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from ling_jax.runtime import full_logits, load_model
+from ling_jax.forward import forward
+from ling_jax.loader import load_model
 from test_sharding import IDS, write_small
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +52,7 @@ def test_two_processes_match_single_process(tmp_path):
     out = tmp_path / "logits.npz"
     ids = ";".join(",".join(map(str, row)) for row in IDS)
     def reference():  # computed while the two processes run
-        return np.asarray(full_logits(load_model(str(ckpt), "float32", with_mtp=False, progress=False), IDS)["logits"])
+        return np.asarray(forward(load_model(str(ckpt), "float32", with_mtp=False, progress=False), IDS)["logits"])
 
     procs, outs, ref = run_two_processes(["--checkpoint", str(ckpt), "--mesh", "expert=4,model=2", "--ids", ids,
                                           "--out", str(out), "--convert", str(tmp_path / "converted")],

@@ -12,13 +12,14 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from ling_jax.checkpoint.orbax import key_of
 from ling_jax.checkpoint.orbax_validate import CheckpointError, validate_converted
 from ling_jax.checkpoint.synthetic_config import synthetic_config as tiny_config
 from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.cli import main
-from sharding.convert import key_of
-from sharding.load import abstract_model, is_param, iter_state
+from ling_jax.loader import abstract_model, converted_entries
 
 META = "ling_jax_orbax.json"
 
@@ -26,9 +27,10 @@ META = "ling_jax_orbax.json"
 def expected_shapes(cfg, meta):
     """{parameter key: shape} of the model config.json describes, as the converted dir stores it."""
     f8 = str(jnp.dtype(jnp.float8_e4m3fn))
-    stored = lambda p: meta["params"].get(key_of(p), {}).get("dtype") == f8  # noqa: E731
-    _, flat = iter_state(abstract_model(cfg, jnp.float32, meta["with_mtp"] and cfg.has_mtp, meta["keep_fp8"], stored))
-    return {key_of(p): tuple(v.get_value().shape) for p, v in flat if is_param(v)}
+    stored = (lambda p: meta["params"].get(key_of(p), {}).get("dtype") == f8) if meta["keep_fp8"] else None  # noqa: E731
+    model = abstract_model(cfg, jnp.float32, meta["with_mtp"] and cfg.has_mtp, stored)
+    return {k: tuple(a.shape) for p, v in nnx.to_flat_state(nnx.state(model)) if isinstance(v, nnx.Param)
+            for k, a in converted_entries(p, v.get_value()).items()}
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,14 @@
-"""Sharding: mesh specs, the partition-rule table, sharded loading and expert-parallel logits.
+"""Sharding: mesh specs, the logical-axis rules, sharded loading and expert-parallel logits.
 
-A tiny written checkpoint (4 heads, 8 experts, vocab 300: divisible by every mesh below) is loaded
-straight into sharded arrays on several meshes of the 8 simulated CPU devices; float32 logits must
-equal the single-device result within 1e-5 relative, and the arrays must be split as the rules say.
+Every parameter's PartitionSpec comes from the logical axes it declares (sharding/rules.py); an
+explicit table (EXPECTED_SPECS, taken from the path-regex rule table these rules replaced) pins
+them on five meshes, with and without FP8-kept matrices. A tiny written checkpoint (4 heads, 8
+experts, vocab 300: divisible by every mesh below) is loaded straight into sharded arrays on
+several meshes of the 8 simulated CPU devices; float32 logits must equal the single-device result
+within 1e-5 relative, and the arrays must be split as the rules say.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,9 +19,14 @@ from jax.sharding import PartitionSpec as P
 import np_reference as R
 import sharding as S
 from conftest import rel_err
+from ling_jax.checkpoint.blocks import release_fp8
 from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.config import LingConfig
-from ling_jax.runtime import full_logits, load_model
+from ling_jax.forward import forward
+from ling_jax.linear import Linear
+from ling_jax.loader import abstract_model, load_model
+from ling_jax.placement import block_fp8_specs, param_specs, shard_model, variable_sharding
+from ling_jax.quantized import BlockFP8
 
 TOL = 1e-5
 IDS = (np.arange(2 * 9) * 37 % 295).reshape(2, 9).astype(np.int32)
@@ -49,7 +59,7 @@ def ckpt(tmp_path_factory):
 def reference(ckpt):
     """Single-device float32 logits and MTP logits of IDS."""
     model = load_model(ckpt, "float32", progress=False)
-    out = full_logits(model, IDS, mtp=True)
+    out = forward(model, IDS, mtp=True)
     return np.asarray(out["logits"]), np.asarray(out["mtp_logits"])
 
 
@@ -80,12 +90,151 @@ def test_parse_mesh_specs():
             S.parse_mesh(bad)
 
 
+def test_parse_mesh_shape_for_planning():
+    """`plan` plans meshes it does not have: the same parser without a device count."""
+    assert S.parse_mesh_shape("data=1,expert=8,model=4") == {"data": 1, "expert": 8, "model": 4}
+    assert S.parse_mesh_shape(None) == {"data": 1, "expert": 1, "model": 1}
+    with pytest.raises(ValueError, match="needs a device count"):
+        S.parse_mesh_shape("expert=-1")
+
+
 # ---------------------------------------------------------------------------------------------
-# the rule table
+# the rules
 # ---------------------------------------------------------------------------------------------
 def _abstract(cfg, fp8=False):
-    from sharding.load import abstract_model
-    return abstract_model(cfg, jnp.bfloat16, True, fp8)
+    return abstract_model(cfg, jnp.bfloat16, True, release_fp8(cfg) if fp8 else None)
+
+
+def flat_specs(specs) -> dict[str, tuple]:
+    """{"/"-path: spec tuple} with a BlockFP8's scales under "<path>:scales"."""
+    out = {}
+    for k, v in specs.items():
+        p = "/".join(map(str, k))
+        if isinstance(v, BlockFP8):
+            out[p], out[p + ":scales"] = tuple(v.values), tuple(v.scales)
+        else:
+            out[p] = tuple(v)
+    return out
+
+
+MESHES = ('expert=8', 'expert=4,model=2', 'data=2,model=4', 'model=8', 'data=2,expert=2,model=2')
+EXPECTED_SPECS = {  # parameter path (layer index *) -> spec per mesh of MESHES; '-' replicated, M model, E expert
+    'lm_head/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/A_log': ('-', 'M', 'M', '-', 'M'),
+    'model/layers/*/attention/b_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/dense/weight': ('--', '-M', '-M', '--', '-M'),
+    'model/layers/*/attention/dt_bias': ('-', 'M', 'M', '-', 'M'),
+    'model/layers/*/attention/f_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/g_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/k_conv1d': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/k_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/kv_a_layernorm/weight': ('-', '-', '-', '-', '-'),
+    'model/layers/*/attention/kv_a_proj_with_mqa/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/kv_b_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/o_norm': ('-', '-', '-', '-', '-'),
+    'model/layers/*/attention/o_proj/weight': ('--', '-M', '-M', '--', '-M'),
+    'model/layers/*/attention/q_a_layernorm/weight': ('-', '-', '-', '-', '-'),
+    'model/layers/*/attention/q_a_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/q_b_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/q_conv1d': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/q_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/v_conv1d': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/attention/v_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'model/layers/*/input_layernorm/weight': ('-', '-', '-', '-', '-'),
+    'model/layers/*/mlp/down_proj/weight': ('--', '-M', '-M', '-M', '-M'),
+    'model/layers/*/mlp/experts/down_proj': ('E--', 'E-M', '--M', '--M', 'E-M'),
+    'model/layers/*/mlp/experts/gate_proj': ('E--', 'EM-', '-M-', '-M-', 'EM-'),
+    'model/layers/*/mlp/experts/up_proj': ('E--', 'EM-', '-M-', '-M-', 'EM-'),
+    'model/layers/*/mlp/gate/expert_bias': ('-', '-', '-', '-', '-'),
+    'model/layers/*/mlp/gate/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/mlp/gate_proj/weight': ('--', 'M-', 'M-', 'M-', 'M-'),
+    'model/layers/*/mlp/routed_limit': ('', '', '', '', ''),
+    'model/layers/*/mlp/shared_experts/down_proj/weight': ('--', '-M', '-M', '-M', '-M'),
+    'model/layers/*/mlp/shared_experts/gate_proj/weight': ('--', 'M-', 'M-', 'M-', 'M-'),
+    'model/layers/*/mlp/shared_experts/limit': ('', '', '', '', ''),
+    'model/layers/*/mlp/shared_experts/up_proj/weight': ('--', 'M-', 'M-', 'M-', 'M-'),
+    'model/layers/*/mlp/up_proj/weight': ('--', 'M-', 'M-', 'M-', 'M-'),
+    'model/layers/*/post_attention_layernorm/weight': ('-', '-', '-', '-', '-'),
+    'model/norm/weight': ('-', '-', '-', '-', '-'),
+    'model/word_embeddings/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'mtp/block/attention/dense/weight': ('--', '-M', '-M', '--', '-M'),
+    'mtp/block/attention/g_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'mtp/block/attention/kv_a_layernorm/weight': ('-', '-', '-', '-', '-'),
+    'mtp/block/attention/kv_a_proj_with_mqa/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/attention/kv_b_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'mtp/block/attention/q_a_layernorm/weight': ('-', '-', '-', '-', '-'),
+    'mtp/block/attention/q_a_proj/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/attention/q_b_proj/weight': ('--', 'M-', 'M-', '--', 'M-'),
+    'mtp/block/input_layernorm/weight': ('-', '-', '-', '-', '-'),
+    'mtp/block/mlp/experts/down_proj': ('E--', 'E-M', '--M', '--M', 'E-M'),
+    'mtp/block/mlp/experts/gate_proj': ('E--', 'EM-', '-M-', '-M-', 'EM-'),
+    'mtp/block/mlp/experts/up_proj': ('E--', 'EM-', '-M-', '-M-', 'EM-'),
+    'mtp/block/mlp/gate/expert_bias': ('-', '-', '-', '-', '-'),
+    'mtp/block/mlp/gate/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/mlp/routed_limit': ('', '', '', '', ''),
+    'mtp/block/mlp/shared_experts/down_proj/weight': ('--', '-M', '-M', '-M', '-M'),
+    'mtp/block/mlp/shared_experts/gate_proj/weight': ('--', 'M-', 'M-', 'M-', 'M-'),
+    'mtp/block/mlp/shared_experts/limit': ('', '', '', '', ''),
+    'mtp/block/mlp/shared_experts/up_proj/weight': ('--', 'M-', 'M-', 'M-', 'M-'),
+    'mtp/block/post_attention_layernorm/weight': ('-', '-', '-', '-', '-'),
+    'mtp/eh_proj/weight': ('--', '-M', '-M', '-M', '-M'),
+    'mtp/enorm/weight': ('-', '-', '-', '-', '-'),
+    'mtp/final_layernorm/weight': ('-', '-', '-', '-', '-'),
+    'mtp/hnorm/weight': ('-', '-', '-', '-', '-'),
+}
+EXPECTED_FP8_SCALE_SPECS = {  # BlockFP8 scales of the parameters kept FP8, per mesh of MESHES
+    'model/layers/*/attention/dense/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/f_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/g_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/k_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/kv_a_proj_with_mqa/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/kv_b_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/o_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/q_a_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/q_b_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/q_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/attention/v_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/mlp/down_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/mlp/experts/down_proj': ('E--', 'E-M', '--M', '--M', 'E-M'),
+    'model/layers/*/mlp/experts/gate_proj': ('E--', 'EM-', '-M-', '-M-', 'EM-'),
+    'model/layers/*/mlp/experts/up_proj': ('E--', 'EM-', '-M-', '-M-', 'EM-'),
+    'model/layers/*/mlp/gate_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/mlp/shared_experts/down_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/mlp/shared_experts/gate_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/mlp/shared_experts/up_proj/weight': ('--', '--', '--', '--', '--'),
+    'model/layers/*/mlp/up_proj/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/attention/dense/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/attention/kv_a_proj_with_mqa/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/attention/kv_b_proj/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/attention/q_a_proj/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/attention/q_b_proj/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/mlp/experts/down_proj': ('E--', 'E-M', '--M', '--M', 'E-M'),
+    'mtp/block/mlp/experts/gate_proj': ('E--', 'EM-', '-M-', '-M-', 'EM-'),
+    'mtp/block/mlp/experts/up_proj': ('E--', 'EM-', '-M-', '-M-', 'EM-'),
+    'mtp/block/mlp/shared_experts/down_proj/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/mlp/shared_experts/gate_proj/weight': ('--', '--', '--', '--', '--'),
+    'mtp/block/mlp/shared_experts/up_proj/weight': ('--', '--', '--', '--', '--'),
+    'mtp/eh_proj/weight': ('--', '--', '--', '--', '--'),
+}
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_param_specs_match_the_table(fp8):
+    """Every parameter (and SwiGLU constant) of the small model gets exactly the table's spec on each
+    mesh — the specs of the former path-regex rules, incl. the head/vocab divisibility fallback on
+    model=8 — and, kept FP8, its BlockFP8 scales: dense grids replicated, expert scales split."""
+    cfg = LingConfig.from_dict(small_cfg_dict())
+    abstract = _abstract(cfg, fp8)
+    for m, spec in enumerate(MESHES):
+        got = flat_specs(param_specs(abstract, S.parse_mesh(spec)))
+        generic = {}
+        for p, sp in got.items():
+            q = re.sub(r"layers/\d+", "layers/*", p)
+            sp = "".join("-" if a is None else {"model": "M", "expert": "E", "data": "D"}[a] for a in sp)
+            generic.setdefault(q, set()).add(sp)
+        want = {q: {v[m]} for q, v in EXPECTED_SPECS.items()}
+        if fp8:
+            want.update({q + ":scales": {v[m]} for q, v in EXPECTED_FP8_SCALE_SPECS.items()})
+        assert generic == want, spec
 
 
 def test_rules_cover_the_real_model_and_split_it():
@@ -97,12 +246,12 @@ def test_rules_cover_the_real_model_and_split_it():
                        share_expert_swiglu_limit_list=list(full.share_expert_swiglu_limit_list[-8:]))
     mesh = jax.sharding.AbstractMesh((1, 8, 4), S.AXES)  # 32 devices: shapes only
     abstract = _abstract(cfg, fp8=True)
-    specs = S.param_specs(abstract, mesh, cfg)
-    by = {"/".join(map(str, k)): as_tuple(v, 3) for k, v in specs.items()}
+    specs = param_specs(abstract, mesh)
+    by = {k: as_tuple(v, 3) for k, v in flat_specs(specs).items()}
     assert by["model/layers/5/mlp/experts/gate_proj"] == ("expert", "model", None)
     assert by["model/layers/5/mlp/experts/down_proj"] == ("expert", None, "model")
-    assert by["model/layers/5/mlp/experts/down_proj_scale"] == ("expert", None, "model")
-    assert by["model/layers/0/attention/q_proj/weight_scale_inv"][:2] == (None, None)  # FP8Linear scales
+    assert by["model/layers/5/mlp/experts/down_proj:scales"] == ("expert", None, "model")
+    assert by["model/layers/0/attention/q_proj/weight:scales"][:2] == (None, None)  # dense FP8 scales
     assert by["model/layers/0/attention/q_proj/weight"][:2] == ("model", None)
     assert by["model/layers/0/attention/o_proj/weight"][:2] == (None, "model")
     assert by["model/layers/0/attention/q_conv1d"][:2] == ("model", None)
@@ -119,35 +268,49 @@ def test_rules_cover_the_real_model_and_split_it():
     # bytes per device: the routed experts (97% of the model) are split 32 ways
     total = per_dev = 0
     for path, var in nnx.to_flat_state(nnx.state(abstract)):
-        v = var.get_value()
-        n = int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
-        split = np.prod([dict(mesh.shape)[a] for a in specs[tuple(path)] if a is not None] or [1])
-        total += n
-        per_dev += n / split
+        v, sp = var.get_value(), specs[tuple(path)]
+        for a, s in ((v.values, sp.values), (v.scales, sp.scales)) if isinstance(v, BlockFP8) else ((v, sp),):
+            n = int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+            split = np.prod([dict(mesh.shape)[x] for x in s if x is not None] or [1])
+            total += n
+            per_dev += n / split
     assert total > 40e9 and per_dev < total / 12  # (4 of these 8 layers are dense; the full model: ~/28)
 
 
 def test_unknown_parameter_fails_loudly():
+    """A parameter created without logical axes, an unknown logical name, a cache array without a
+    rule and axes of the wrong rank all fail with the name of what is wrong."""
     mesh = S.parse_mesh("expert=8")
-    with pytest.raises(S.UnknownParameterError, match="no partition rule for 'model/layers/0/attention/new_proj"):
-        S.resolve(("model", "layers", 0, "attention", "new_proj", "weight"), (4, 4), mesh, 4)
+    model = _abstract(LingConfig.from_dict(small_cfg_dict()))
+    model.model.layers[0].attention.new_proj = nnx.eval_shape(
+        lambda: type("NoAxes", (nnx.Module,), {"__init__": lambda self: setattr(self, "weight", nnx.Param(
+            jnp.zeros((4, 4))))})())
+    with pytest.raises(S.UnknownParameterError, match="parameter 'model/layers/0/attention/new_proj/weight' has no"):
+        param_specs(model, mesh)
+    model.model.layers[0].attention.new_proj = nnx.eval_shape(
+        lambda: Linear(4, 4, axes=("mystery", "embed"), dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    with pytest.raises(S.UnknownParameterError, match="unknown logical axis 'mystery' of model/layers/0/attention"):
+        param_specs(model, mesh)
     with pytest.raises(S.UnknownParameterError, match="cache/layers/0/mystery"):
-        S.resolve("cache/layers/0/mystery", (2,), mesh, 4)
-    with pytest.raises(ValueError, match="has 2 dims"):
-        S.resolve("lm_head/weight", (4, 4, 4), mesh, 4)
+        S.cache_axes("cache/layers/0/mystery")
+    with pytest.raises(ValueError, match="has 3 dims .* but 2 logical axes"):
+        S.spec(("vocab", "embed"), (4, 4, 4), mesh, 4, where="lm_head/weight")
 
 
 def test_divisibility_fallback_replicates_that_dim():
     mesh = S.parse_mesh("model=8")
     # vocab 300 % 8 != 0 → replicated; 4 heads over model=8 → head-split dims replicated even though
     # the row count (64) divides 8; dense widths that divide stay split.
-    assert S.resolve("lm_head/weight", (300, 64), mesh, 4) == P(None, None)
-    assert S.resolve("model/layers/0/attention/q_proj/weight", (64, 64), mesh, 4) == P(None, None)
-    assert S.resolve("model/layers/0/attention/q_proj/weight", (64, 64), mesh, 8) == P("model", None)
-    assert S.resolve("model/layers/0/mlp/up_proj/weight", (96, 64), mesh, 4) == P("model", None)
+    assert S.spec(("vocab", "embed"), (300, 64), mesh, 4) == P(None, None)       # lm_head
+    assert S.spec(("heads", "embed"), (64, 64), mesh, 4) == P(None, None)        # q_proj
+    assert S.spec(("heads", "embed"), (64, 64), mesh, 8) == P("model", None)
+    assert S.spec(("mlp", "embed"), (96, 64), mesh, 4) == P("model", None)       # dense up_proj
     mesh = S.parse_mesh("expert=8")
-    assert S.resolve("model/layers/1/mlp/experts/gate_proj", (12, 24, 64), mesh, 4) == P(None, None, None)
-    assert S.resolve("model/layers/1/mlp/experts/gate_proj", (16, 24, 64), mesh, 4) == P("expert", None, None)
+    experts = ("expert", "expert_mlp", "embed")
+    assert S.spec(experts, (12, 24, 64), mesh, 4) == P(None, None, None)
+    assert S.spec(experts, (16, 24, 64), mesh, 4) == P("expert", None, None)
+    # the mesh may be a plain {axis: size} dict (plans for meshes one does not have)
+    assert S.spec(experts, (16, 24, 64), {"expert": 8, "model": 4}, 4) == P("expert", "model", None)
 
 
 def cache_leaf_specs(specs):
@@ -200,7 +363,7 @@ MESHES = ["expert=8", "expert=4,model=2", "data=2,model=4"]
 @pytest.mark.parametrize("spec", MESHES)
 def test_sharded_logits_match_single_device(ckpt, reference, spec):
     mesh = S.parse_mesh(spec)
-    model = S.load_sharded(ckpt, mesh, "float32", progress=False)
+    model = load_model(ckpt, "float32", mesh=mesh, progress=False)
     sizes = dict(mesh.shape)
     e, m = ("expert" if sizes["expert"] > 1 else None), ("model" if sizes["model"] > 1 else None)
     L = model.model.layers
@@ -222,39 +385,41 @@ def test_sharded_logits_match_single_device(ckpt, reference, spec):
     # each device really holds only its block
     g = L[1].mlp.experts.gate_proj[...]
     assert g.addressable_shards[0].data.shape == (8 // sizes["expert"], 24 // sizes["model"], 64)
-    assert L[1].mlp.ep_plan is not None
+    assert model.exec.mesh == mesh  # the routed experts run expert-parallel (was: an EPPlan per MoE block)
     ref, ref_mtp = reference
     if spec == "expert=4,model=2":  # the MTP layer too (once: each variant is a separate compile)
-        logits, mtp_logits = S.sharded_logits(model, IDS, mesh, mtp=True)
+        out = forward(model, IDS, mtp=True)
+        logits, mtp_logits = out["logits"], out["mtp_logits"]
         assert rel_err(mtp_logits, ref_mtp) < TOL
     else:
-        logits = S.sharded_logits(model, IDS, mesh)
+        logits = forward(model, IDS)["logits"]
     assert rel_err(logits, ref) < TOL
 
 
 def test_keep_fp8_on_mesh(ckpt, reference):
-    """--keep-fp8: every FP8-stored matrix stays float8 (+ float32 scales) on device, sharded by the
-    rules (FP8Linear weights like their float twins, their scale grids replicated); the
+    """--keep-fp8: every FP8-stored matrix stays float8 (+ float32 scales, a BlockFP8) on device,
+    sharded by the rules (values like their float twins, dense scale grids replicated); the
     dequantise-in-matmul result equals the dequantised single-device model."""
     mesh = S.parse_mesh("expert=4,model=2")
-    model = S.load_sharded(ckpt, mesh, "float32", keep_fp8=True, progress=False)
+    model = load_model(ckpt, "float32", mesh=mesh, keep_fp8=True, progress=False)
     L = model.model.layers
     ex = L[2].mlp.experts
-    assert type(ex).__name__ == "FP8Experts"
-    assert ex.gate_proj[...].dtype == jnp.float8_e4m3fn and ex.down_proj_scale[...].dtype == jnp.float32
-    assert spec_of(ex.gate_proj[...]) == ("expert", "model", None)
-    assert spec_of(ex.gate_proj_scale[...]) == ("expert", "model", None)
-    assert spec_of(ex.down_proj_scale[...]) == ("expert", None, "model")
+    assert all(isinstance(getattr(ex, n).get_value(), BlockFP8) for n in ("gate_proj", "up_proj", "down_proj"))
+    gate, down = ex.gate_proj.get_value(), ex.down_proj.get_value()
+    assert gate.values.dtype == jnp.float8_e4m3fn and down.scales.dtype == jnp.float32
+    assert spec_of(gate.values) == ("expert", "model", None)
+    assert spec_of(gate.scales) == ("expert", "model", None)
+    assert spec_of(down.scales) == ("expert", None, "model")
     for lin, want in [(L[0].attention.q_proj, ("model", None)), (L[0].attention.o_proj, (None, "model")),
                       (L[3].attention.kv_b_proj, ("model", None)), (L[3].attention.dense, (None, "model")),
                       (L[3].attention.q_a_proj, (None, None)), (L[0].mlp.gate_proj, ("model", None)),
                       (L[1].mlp.shared_experts.down_proj, (None, "model")), (model.mtp.eh_proj, (None, "model"))]:
-        assert type(lin).__name__ == "FP8Linear", lin
-        w, s = lin.weight[...], lin.weight_scale_inv[...]
+        assert isinstance(lin.weight.get_value(), BlockFP8), lin
+        w, s = lin.weight.get_value().values, lin.weight.get_value().scales
         assert w.dtype == jnp.float8_e4m3fn and s.dtype == jnp.float32
         assert spec_of(w) == want and spec_of(s) == (None, None)
     assert L[0].attention.b_proj.weight[...].dtype == jnp.float32  # stored BF16: loaded as dtype
-    logits = S.sharded_logits(model, IDS, mesh)
+    logits = forward(model, IDS)["logits"]
     assert rel_err(logits, reference[0]) < TOL
 
 
@@ -264,7 +429,7 @@ def test_shard_model_and_sharded_cache_prefill(ckpt, reference):
     from ling_jax.model import init_cache
 
     mesh = S.parse_mesh("data=2,model=4")
-    model = S.shard_model(load_model(ckpt, "float32", progress=False), mesh)
+    model = shard_model(load_model(ckpt, "float32", progress=False), mesh)
     assert spec_of(model.model.layers[0].attention.q_proj.weight[...]) == ("model", None)
     T = IDS.shape[1]
     cache = S.shard_cache(init_cache(model.cfg, 2, 16, jnp.float32), mesh)
@@ -284,9 +449,10 @@ def test_shard_model_and_sharded_cache_prefill(ckpt, reference):
 
 def test_expert_parallel_kernel():
     """experts_ep (shard_map + psum) equals the single-device grouped MoE for both inner paths
-    (grouped / gather), dense and FP8 (dequantised inside the matmul) weights, a traced SwiGLU limit
-    and tokens split over `data`."""
-    from ling_jax.moe import dequant_cols, dequant_rows, experts_ep, experts_grouped
+    (grouped / gather), dense and FP8 (BlockFP8, dequantised inside the matmul) weights, a traced
+    SwiGLU limit and tokens split over `data`; the weights placed by their logical axes."""
+    from ling_jax.moe import experts_ep, experts_grouped
+    from ling_jax.quantized import dequantize
 
     mesh = S.parse_mesh("data=2,expert=2,model=2")  # all three axes at once
     E, D, I, N, k, b = 8, 64, 24, 6, 3, 16
@@ -297,35 +463,42 @@ def test_expert_parallel_kernel():
     f8 = [jnp.asarray(np.clip(r.standard_normal(s) * 100, -440, 440), jnp.float32).astype(jnp.float8_e4m3fn)
           for s in ((E, I, D), (E, I, D), (E, D, I))]
     sc = [jnp.asarray(r.uniform(1e-3, 2e-3, s), jnp.float32) for s in ((E, I, D // b), (E, I, D // b), (E, D // b, I))]
-    dense = [dequant_cols(f8[0], sc[0], b, jnp.float32), dequant_cols(f8[1], sc[1], b, jnp.float32),
-             dequant_rows(f8[2], sc[2], b, jnp.float32)]
+    blocks = ((1, b), (1, b), (b, 1))
+    quant = [BlockFP8(q, s, bl) for q, s, bl in zip(f8, sc, blocks)]
+    dense = [dequantize(q, jnp.float32) for q in quant]
     limit = jnp.asarray(0.6, jnp.float32)
     ref = jnp.einsum("nkd,nk->nd", experts_grouped(x, idx, *dense, 0.6), wts, precision="highest")
-    names = ["gate_proj", "up_proj", "down_proj", "gate_proj_scale", "up_proj_scale", "down_proj_scale"]
+    gu = S.spec(("expert", "expert_mlp", "embed"), (E, I, D), mesh, 4)
+    dn = S.spec(("expert", "embed", "expert_mlp"), (E, D, I), mesh, 4)
+    assert gu == P("expert", "model", None)
     for fp8 in (False, True):
-        ws = f8 + sc if fp8 else dense
-        specs = tuple(S.resolve(f"model/layers/1/mlp/experts/{n}", w.shape, mesh, 4) for n, w in zip(names, ws))
-        assert specs[0] == P("expert", "model", None)
-        ws = [jax.device_put(w, jax.sharding.NamedSharding(mesh, sp)) for w, sp in zip(ws, specs)]
-        plan = S.EPPlan(mesh, specs)
-        for impl in ("grouped", "gather"):
-            f = jax.jit(lambda x, i, w, lim, *ws: experts_ep(x, i, w, ws, lim, plan, impl, (b, b) if fp8 else None))
-            y = f(S.global_batch(np.asarray(x), mesh), idx, wts, limit, *ws)
-            assert rel_err(y, ref) < TOL, (fp8, impl)
+        ws = quant if fp8 else dense
+        specs = tuple(BlockFP8(v, block_fp8_specs(v, bl, 3), bl) if fp8 else v
+                      for v, bl in zip((gu, gu, dn), blocks))
+        named = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+        ws = jax.device_put(ws, list(named))
+        for path in ("grouped", "gather"):
+            f = jax.jit(lambda x, i, w, lim, ws: experts_ep(x, i, w, ws, specs, lim, mesh, path, "ragged"))
+            y = f(S.global_batch(np.asarray(x), mesh), idx, wts, limit, tuple(ws))
+            assert rel_err(y, ref) < TOL, (fp8, path)
 
 
-def test_moe_impl_ep_under_context_mesh():
-    """A MoE block without an attached plan runs expert-parallel with impl='ep' under
-    `sharding.use_mesh(mesh)` (the context mesh), and equals the single-device block."""
+def test_moe_expert_parallel_under_exec_mesh():
+    """A MoE block whose ExecConfig carries a mesh runs expert-parallel (weights placed by their
+    declared axes) and equals the single-device block."""
+    from ling_jax.exec_config import ExecConfig
     from ling_jax.moe import MoE
 
     cfg = LingConfig.from_dict(small_cfg_dict())
     moe = MoE(cfg, 3, dtype=jnp.float32, rngs=nnx.Rngs(1))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, cfg.hidden_size)), jnp.float32)
-    call = nnx.jit(lambda m, x, impl: m(x, impl=impl)[0], static_argnums=2)
-    ref = call(moe, x, "grouped")
-    with pytest.raises(ValueError, match="needs a mesh"):
-        call(moe, x, "ep")
-    with S.use_mesh(S.parse_mesh("expert=4,model=2")):
-        got = call(moe, x, "ep")
+    call = nnx.jit(lambda m, x, ex: m(x, ex)[0], static_argnums=2)
+    ex = ExecConfig.for_backend(None, cfg, experts="grouped")
+    ref = call(moe, x, ex)
+    mesh = S.parse_mesh("expert=4,model=2")
+    heads = cfg.num_attention_heads
+    for p, v in nnx.to_flat_state(nnx.state(moe)):
+        v.set_value(jax.device_put(v.get_value(), variable_sharding(p, v, mesh, heads)))
+    assert spec_of(moe.experts.gate_proj[...]) == ("expert", "model", None)
+    got = call(moe, x, ex.replace(mesh=mesh))
     assert rel_err(got, ref) < TOL

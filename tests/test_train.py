@@ -107,12 +107,12 @@ def test_resume_reproduces_next_loss_exactly(trained):
 
 def test_remat_forward_equals_model_call(trained):
     """The remat forward (layer scans with jax.checkpoint bodies) gives model.__call__'s logits."""
-    from ling_jax.runtime import full_logits
+    from ling_jax.forward import forward
 
     model = trained["trainer"].model()
     ids = jnp.asarray(trained["stream"].next())
     lg, mt, routing = nnx_jit_forward(model, ids)
-    ref = full_logits(model, ids, mtp=True)
+    ref = forward(model, ids, mtp=True)
     np.testing.assert_allclose(np.asarray(lg), np.asarray(ref["logits"]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(mt), np.asarray(ref["mtp_logits"]), rtol=1e-5, atol=1e-5)
     assert sorted(routing) == sorted(ref["routing"])

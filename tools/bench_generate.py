@@ -129,7 +129,7 @@ def main():
     from ling_jax.config import LingConfig
     from ling_jax.generate import DecodeState, decode_loop, prefill
     from ling_jax.model import init_cache
-    from ling_jax.runtime import load_model
+    from ling_jax.loader import load_model
     from ling_jax.sampling import SamplingParams
 
     cfg = LingConfig.from_json(a.config)

@@ -30,7 +30,8 @@ def main():
     from ling_jax.checkpoint.synthetic_config import synthetic_config
     from ling_jax.checkpoint.writer import write_checkpoint
     from ling_jax.config import LingConfig
-    from ling_jax.runtime import full_logits, load_model
+    from ling_jax.forward import forward
+    from ling_jax.loader import load_model
 
     ckpt = a.checkpoint
     if ckpt is None:
@@ -40,9 +41,9 @@ def main():
     m32 = load_model(ckpt, "float32", progress=False)
     m16 = load_model(ckpt, "bfloat16", progress=False)
     ids = np.random.default_rng(a.seed).integers(0, m32.cfg.vocab_size, (1, a.tokens))
-    o32 = full_logits(m32, ids, mtp=True)
-    o16 = full_logits(m16, ids, mtp=True)
-    pinned = full_logits(m16, ids, mtp=True, forced_routing=o32["routing"])
+    o32 = forward(m32, ids, mtp=True)
+    o16 = forward(m16, ids, mtp=True)
+    pinned = forward(m16, ids, mtp=True, forced_routing=o32["routing"])
     flips, total = 0, 0
     for layer, idx in o32["routing"].items():
         a32 = np.sort(np.asarray(idx), -1)

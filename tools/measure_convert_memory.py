@@ -1,4 +1,4 @@
-"""Peak host memory of `sharding.convert` (used by tests/test_convert.py; also a manual tool).
+"""Peak host memory of `ling_jax.checkpoint.convert.convert` (used by tests/test_convert.py; also a manual tool).
 
     python tools/measure_convert_memory.py CKPT OUT [--warmup SMALL_CKPT] [--mesh expert=8] [--dtype bfloat16]
 
@@ -43,13 +43,15 @@ def main() -> int:
     import numpy as np
 
     import sharding as S
+    from ling_jax.checkpoint.convert import convert
+    from ling_jax.checkpoint.orbax import trim_host_memory
 
     mesh = S.parse_mesh(a.mesh)
     jnp.zeros(8).block_until_ready()
     if a.warmup:
-        S.convert(a.warmup, a.out + ".warmup", mesh, dtype=a.dtype, progress=False)
+        convert(a.warmup, a.out + ".warmup", mesh, dtype=a.dtype, progress=False)
         shutil.rmtree(a.out + ".warmup")
-    S.convert.__globals__["trim_host_memory"]()
+    trim_host_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
@@ -59,7 +61,7 @@ def main() -> int:
     base = status()
     tracemalloc.start()
     t0 = time.time()
-    meta = S.convert(a.checkpoint, a.out, mesh, dtype=a.dtype, progress=False)
+    meta = convert(a.checkpoint, a.out, mesh, dtype=a.dtype, progress=False)
     _, py_peak = tracemalloc.get_traced_memory()
     end = status()
     groups: dict = {}

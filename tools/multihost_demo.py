@@ -34,17 +34,21 @@ def main() -> int:
     import jax
     import numpy as np
 
+    from ling_jax.checkpoint.convert import convert
+    from ling_jax.forward import forward
+    from ling_jax.loader import load_model
+
     mesh = sharding.parse_mesh(a.mesh)
     sharding.primary_print(f"processes={jax.process_count()} (multi={multi}) devices={jax.device_count()} "
                            f"local={jax.local_device_count()} mesh={sharding.mesh_spec_string(mesh)}")
     src = a.checkpoint
     if a.convert:
-        sharding.convert(a.checkpoint, a.convert, mesh, dtype=a.dtype, progress=False, overwrite=True)
+        convert(a.checkpoint, a.convert, mesh, dtype=a.dtype, progress=False, overwrite=True)
         src = a.convert
-    model = sharding.load_any(src, mesh, a.dtype, with_mtp=a.mtp, progress=False)
+    model = load_model(src, a.dtype, mesh=mesh, with_mtp=a.mtp, progress=False)
     ids = np.asarray([[int(t) for t in row.split(",")] for row in a.ids.split(";")], np.int32)
-    out = sharding.sharded_logits(model, ids, mesh, mtp=a.mtp)
-    arrays = {"logits": out[0], "mtp_logits": out[1]} if a.mtp else {"logits": out}
+    out = forward(model, ids, mtp=a.mtp)  # NumPy on every process (the outputs span both)
+    arrays = {k: np.asarray(out[k]) for k in (("logits", "mtp_logits") if a.mtp else ("logits",))}
     if sharding.is_primary():
         tmp = a.out + ".tmp.npz"
         np.savez(tmp, **arrays)

@@ -82,7 +82,7 @@ def evaluate(ckpt: str, corpus: str, held_out: str) -> dict:
     from ling_jax.commands.eval import perplexity
     from ling_jax.train.data import read_corpus
     from ling_jax.generate import generate
-    from ling_jax.runtime import load_model
+    from ling_jax.loader import load_model
     from ling_jax.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(ckpt)

@@ -23,7 +23,9 @@ uses it: it recognises a quantised tensor by its stored dtype and sibling `weigh
 from __future__ import annotations
 
 import re
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
 
 from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, scale_grid_shape
@@ -324,3 +326,38 @@ def mxfp4_quantization_config(cfg: LingConfig, base: Optional[dict], include_mtp
 def count_params(cfg: LingConfig, include_mtp: bool = True) -> int:
     """Number of model parameters (scales excluded)."""
     return sum(s.numel for s in expected_tensors(cfg, include_mtp).values())
+
+
+# ---------------------------------------------------------------------------------------------
+# model parameter paths <-> checkpoint tensor names (the one place that maps them)
+# ---------------------------------------------------------------------------------------------
+# The NNX module tree mirrors the checkpoint names, so the mapping is a path join plus three
+# structural differences: routed experts are stacked `[E, out, in]` (one parameter, E tensors),
+# conv taps drop their middle axis (`[P,1,K]` -> `[P,K]`), and the MTP layer
+# (`model.layers.{N}.*`) lives under `mtp` with its attention/MLP block under `mtp.block`.
+EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+CONV_TAPS = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+def is_expert_path(path) -> bool:
+    """A stacked routed-expert projection (`.../mlp/experts/gate_proj`)."""
+    p = [str(x) for x in path]
+    return len(p) >= 2 and p[-2] == "experts" and p[-1] in EXPERT_PROJ
+
+
+def checkpoint_names(path: tuple, cfg: LingConfig) -> tuple[str, list[str], Callable]:
+    """For an NNX parameter path: (display name, checkpoint tensor names, assemble(arrays) -> array)."""
+    p = [str(x) for x in path]
+    if p[0] == "mtp":
+        rest = p[2:] if p[1] == "block" else p[1:]
+        p = ["model", "layers", str(cfg.num_hidden_layers)] + rest
+    name = ".".join(p)
+    if is_expert_path(path):
+        prefix = ".".join(p[:-1])
+        names = [f"{prefix}.{e}.{p[-1]}.weight" for e in range(cfg.num_experts)]
+        return name, names, lambda arrs: np.stack(arrs)
+    if p[-1] in CONV_TAPS:
+        return name, [name + ".weight"], lambda arrs: arrs[0].reshape(arrs[0].shape[0], -1)
+    if p[-1] == "o_norm":
+        return name, [name + ".weight"], lambda arrs: arrs[0]
+    return name, [name], lambda arrs: arrs[0]

@@ -1,6 +1,6 @@
 """Up-front validation of a converted (Orbax) checkpoint directory, before anything is restored.
 
-A converted directory (`ling-jax convert`, layout in sharding/convert.py) is trusted by Orbax as
+A converted directory (`ling-jax convert`, layout in ling_jax/checkpoint/orbax.py) is trusted by Orbax as
 written: a missing `groups` entry, a parameter recorded with the wrong shape, a group whose Orbax
 commit marker is gone or a truncated data file were accepted, or failed deep inside TensorStore with
 `OUT_OF_RANGE` / `DATA_LOSS` tracebacks. `validate_converted(path)` checks, in order, and raises one
@@ -27,12 +27,10 @@ import json
 import os
 import re
 
+from ling_jax.checkpoint.orbax import FORMAT, META, VERSION
 from ling_jax.checkpoint.safetensors_io import CheckpointError
 from ling_jax.config import ConfigError, LingConfig
 
-META = "ling_jax_orbax.json"
-FORMAT = "ling-jax-orbax"
-VERSION = 2
 COMMIT_MARKER = "commit_success.txt"
 ORBAX_METADATA = "_METADATA"
 STORED_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")

@@ -406,11 +406,12 @@ def read_index(index_path: str, error=None) -> tuple[dict, dict]:
     error = error or CheckpointError
     try:
         with open(index_path, "rb") as f:
-            raw = f.read(MAX_HEADER_BYTES + 1)
+            # size first: `f.read(n)` allocates n bytes up front (256 MiB for every index read)
+            if os.fstat(f.fileno()).st_size > MAX_HEADER_BYTES:
+                raise error(f"{index_path}: larger than {MAX_HEADER_BYTES} bytes (not an index file)")
+            raw = f.read()
     except OSError as e:
         raise error(f"{index_path}: cannot read ({e.strerror or e})") from None
-    if len(raw) > MAX_HEADER_BYTES:
-        raise error(f"{index_path}: larger than {MAX_HEADER_BYTES} bytes (not an index file)")
     try:
         idx = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:

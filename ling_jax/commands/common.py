@@ -1,12 +1,12 @@
-"""Shared checks of command-line input: token ids, numbers, context length, memory, output paths.
+"""CLI glue shared by the commands: checks of command-line input (token ids, numbers, context
+length, memory, output paths) and loading the model a command's flags ask for (`load_for_args`).
 
 Every refusal here is a `ValueError` subclass whose message names the argument and what was expected;
 `ling_jax.cli.main` prints it as the one `error: ...` line. All checks run before a model is loaded
 or anything is allocated or written (e.g. `--max-new-tokens` is refused with the cache bytes it
 would need, computed by `ling_jax.accounting` arithmetic, before the cache exists).
 
-These functions are self-contained (no state, no imports of the loaders), so this module can be
-merged with the one that builds models for the commands.
+The checks are self-contained (no state); `load_for_args` is the one place a command loads a model.
 """
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ import re
 import sys
 from typing import Iterable, Optional
 
+import sharding as S
 from ling_jax import accounting as A
 from ling_jax.checkpoint.reader import SKIP_VALUE_CHECKS_ENV
 from ling_jax.config import LingConfig
+from ling_jax.loader import load_model
 
 ID_LIMIT = 2**31  # token ids are int32 on device
 _INT_RE = re.compile(r"[+-]?\d+")
@@ -199,3 +201,19 @@ def check_output_path(out: str, inputs: Iterable[Optional[str]], what: str = "--
             raise ArgumentValueError(f"{what}: {out} contains the input {inp} (writing or replacing it would "
                                      f"destroy the input)")
     return o
+
+
+# ---- loading ------------------------------------------------------------------------------------
+def load_for_args(args, with_mtp: bool):
+    """Model for a CLI command: on `--mesh` (or over every process of a multi-host run) when asked,
+    else on one device; `--checkpoint` may be an HF or a converted directory.
+
+    Returns (model, mesh or None). Multi-host: `jax.distributed` is initialised from the flags or the
+    JAX_* environment variables before anything else touches the devices.
+    """
+    multi = S.init_from_args(args)
+    keep = True if getattr(args, "keep_fp8", False) else None
+    mesh = S.parse_mesh(args.mesh) if (getattr(args, "mesh", None) or multi) else None
+    model = load_model(args.checkpoint, args.dtype, mesh=mesh, with_mtp=with_mtp, keep_quantized=keep,
+                       progress=False)
+    return model, mesh

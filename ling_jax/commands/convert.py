@@ -5,8 +5,8 @@
 
 The output holds one Orbax checkpoint per layer group plus copies of config.json / tokenizer files
 and a `ling_jax_orbax.json` marker; it is written into `.DIR2.converting` and renamed only when
-complete. Load it (or the HF directory itself) with `sharding.load_any(path, mesh, dtype)`, on any
-mesh. Multi-host: run the same command on every host (flags or JAX_* env vars); process 0 writes
+complete. Load it (or the HF directory itself) with `ling_jax.loader.load_model(path, mesh=...)`, on
+any mesh. Multi-host: run the same command on every host (flags or JAX_* env vars); process 0 writes
 the side files and the marker, every process writes its own parameter blocks (shared filesystem).
 """
 from __future__ import annotations
@@ -38,6 +38,7 @@ def run(args) -> int:
     import sys
 
     import sharding
+    from ling_jax.checkpoint.convert import convert
     from sharding.distributed import init_from_args, primary_print
 
     from ling_jax.commands.common import apply_value_check_flag, check_output_path
@@ -46,9 +47,8 @@ def run(args) -> int:
     apply_value_check_flag(args)
     init_from_args(args)
     mesh = sharding.parse_mesh(args.mesh)
-    meta = sharding.convert(args.checkpoint, args.out, mesh, dtype=args.dtype, keep_fp8=args.keep_fp8,
-                            with_mtp=not args.no_mtp, overwrite=args.force,
-                            progress=not args.quiet and sys.stderr.isatty())
+    meta = convert(args.checkpoint, args.out, mesh, dtype=args.dtype, keep_fp8=args.keep_fp8,
+                   with_mtp=not args.no_mtp, overwrite=args.force, progress=not args.quiet and sys.stderr.isatty())
     n = len(meta["params"])
     primary_print(f"converted {args.checkpoint} -> {args.out}: {n} parameters in {len(meta['groups'])} groups, "
                   f"dtype {meta['dtype']}{', FP8 matrices kept FP8' if meta['keep_fp8'] else ''}, "

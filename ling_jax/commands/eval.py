@@ -45,7 +45,7 @@ def perplexity(model, ids, window: int = 256, batch: int = 4) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from ling_jax.runtime import full_logits
+    from ling_jax.forward import forward
 
     if len(ids) < 2:
         raise ValueError("--text-file: fewer than 2 tokens; nothing to score")
@@ -53,7 +53,7 @@ def perplexity(model, ids, window: int = 256, batch: int = 4) -> dict:
         raise ValueError("--window and --batch must be positive")
     total, count = 0.0, 0
     for rows, n_valid in window_batches(ids, window, batch):
-        logits = full_logits(model, rows, n_valid=jnp.asarray(np.maximum(n_valid, 1)))["logits"]
+        logits = forward(model, rows, n_valid=jnp.asarray(np.maximum(n_valid, 1)))["logits"]
         logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
         tgt = jnp.asarray(rows[:, 1:])
         nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
@@ -65,7 +65,7 @@ def perplexity(model, ids, window: int = 256, batch: int = 4) -> dict:
 
 
 def run(args) -> int:
-    from ling_jax.runtime import load_model
+    from ling_jax.loader import load_model
     from ling_jax.tokenizer import Tokenizer
 
     if not os.path.isfile(args.text_file):

@@ -40,7 +40,7 @@ def add_parser(sub):
 
 
 def _default_dtype() -> str:
-    from ling_jax.runtime import default_dtype
+    from ling_jax.ops import default_dtype
     return default_dtype()
 
 
@@ -51,7 +51,7 @@ def jax_process_count() -> int:
 
 def run(args) -> int:
     from ling_jax.generate import generate
-    from ling_jax.runtime import load_for_args
+    from ling_jax.commands.common import load_for_args
     from ling_jax.sampling import SamplingParams
     from ling_jax.tokenizer import Tokenizer, eos_token_ids, load_generation_config
 

@@ -70,7 +70,9 @@ def write_npz_atomic(path: str, **arrays) -> None:
 
 
 def run(args) -> int:
-    from ling_jax.runtime import full_logits, load_for_args
+    from ling_jax.commands.common import load_for_args
+    from ling_jax.forward import forward
+    from sharding import is_primary
 
     ids = parse_ids(args.input_ids)
     cfg = checkpoint_config(args.checkpoint)
@@ -78,20 +80,14 @@ def run(args) -> int:
     check_context_length(len(ids), cfg, args.allow_long_context, "--input-ids")
     out_path = check_npz_out(args.out, args.checkpoint)
     apply_value_check_flag(args)
-    model, mesh = load_for_args(args, with_mtp=args.mtp)
+    model, _ = load_for_args(args, with_mtp=args.mtp)
     check_ids(ids, model.cfg)
     if args.mtp and model.mtp is None:
         raise ValueError(f"--mtp: checkpoint {args.checkpoint} has no MTP layer (num_nextn_predict_layers=0)")
-    if mesh is not None:
-        import sharding as S
-        out = S.sharded_logits(model, np.asarray([ids], np.int32), mesh, mtp=args.mtp,
-                               exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
-        out = {"logits": out[0], "mtp_logits": out[1]} if args.mtp else {"logits": out}
-        if not S.is_primary():
-            return 0
-    else:
-        out = full_logits(model, np.asarray([ids], np.int32), mtp=args.mtp,
-                          exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
+    out = forward(model, np.asarray([ids], np.int32), mtp=args.mtp,
+                  exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
+    if not is_primary():
+        return 0
     arrays = {"logits": np.asarray(out["logits"][0], np.float32)}
     if args.mtp:
         arrays["mtp_logits"] = np.asarray(out["mtp_logits"][0], np.float32)

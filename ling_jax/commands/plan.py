@@ -13,14 +13,13 @@ Both layouts come from one table, `ling_jax.checkpoint.layout.BF16_MATRICES`, wh
 make-checkpoint --fp8-layout A|B --conv-dtype BF16|F32` writes, so `ling-jax inspect` on a header-only
 checkpoint written with `--fp8-layout A --conv-dtype F32` reports the same bytes as this command.
 
-Sharding rule over `--mesh data=D,expert=E,model=M` (missing axes are 1):
-  * routed experts (main and MTP, with their scales): experts over the `expert` axis
-    (ceil(num_experts / E) per device), each expert's matrices over the `model` axis;
-  * every other weight: over the `model` axis;
-  * everything replicated over `data`.
-So `model=4` alone splits all weights four ways (tensor parallel with the experts split too).
-Per-device numbers are for the most loaded device and ignore padding of dimensions that do not
-divide the axis size.
+Sharding over `--mesh data=D,expert=E,model=M` (missing axes are 1; the same parser and the same
+rules as loading onto a mesh, `sharding/rules.py`): every weight is placed by the logical axes its
+parameter declares. Routed experts (main and MTP, with their scales) split over `expert` and their
+intermediate width over `model`; attention heads, vocabulary and dense FFN widths over `model`;
+the latent MLA down-projections, routers, norms and dense-matrix FP8 scales are replicated; everything
+is replicated over `data`. A dimension that does not divide its axis (for head dimensions: a head
+count that does not divide) is replicated along it, exactly as the loader does.
 
 Cache: the MLA latent cache (BF16, kv_lora_rank + qk_rope_head_dim = 576 values per token per MLA
 layer, MTP layer included unless --no-mtp) has a single KV head, so each device of a model replica
@@ -39,6 +38,7 @@ import sys
 
 from ling_jax import accounting as A
 from ling_jax.config import LingConfig
+from sharding.mesh import parse_mesh_shape
 
 
 def add_parser(subparsers):
@@ -49,7 +49,7 @@ def add_parser(subparsers):
                    help="config.json (or a checkpoint directory holding one)")
     p.add_argument("--weights", required=True, metavar="FORMAT", help="bf16, fp8 (release format) or mxfp4")
     p.add_argument("--mesh", metavar="SPEC", default=None,
-                   help="mesh axes, e.g. data=1,expert=8,model=4 (axes data, expert, model; default all 1)")
+                   help="mesh axes, e.g. data=1,expert=8,model=4 (axes data, expert, model; default one device)")
     p.add_argument("--device-memory", metavar="GiB", default=None,
                    help="memory per device in GiB (e.g. 80 for H100, 141 for H200); enables tokens_fit")
     p.add_argument("--reserve", metavar="GiB", default="0",
@@ -82,7 +82,7 @@ def plan_from_args(args) -> dict:
     layout = str(args.fp8_layout).upper()
     if layout not in A.FP8_LAYOUTS:
         raise ValueError(f"unknown --fp8-layout {args.fp8_layout!r} (expected A or B)")
-    mesh = A.parse_mesh(args.mesh)
+    mesh = parse_mesh_shape(args.mesh)
     mem = None if args.device_memory is None else _number(args.device_memory, "--device-memory", False)
     reserve = _number(args.reserve, "--reserve", True)
     try:

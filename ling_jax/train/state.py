@@ -13,10 +13,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from flax import nnx
 
-from ling_jax.checkpoint.load import ShapeOnlyRngs
 from ling_jax.config import LingConfig
+from ling_jax.loader import abstract_model
 from ling_jax.model import LingForCausalLM
 from ling_jax.train.config import TrainConfig
 from ling_jax.train.flat import merge_model, split_model
@@ -74,8 +73,7 @@ def load_trained_model(directory: str, step: Optional[int] = None, dtype=jnp.flo
     step, meta = read_meta(directory, step)
     cfg = LingConfig.from_dict(meta["model_config"], f"{directory} (orbax metadata)")
     # Shapes only: every array (parameters and the per-layer constants in `rest`) is restored below.
-    model = nnx.eval_shape(lambda: LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(),
-                                                   with_mtp=meta.get("with_mtp", True)))
+    model = abstract_model(cfg, dtype, meta.get("with_mtp", True))
     graphdef, params, bias, rest, paths = split_model(model)
     tcfg = TrainConfig.from_dict(meta.get("train_config") or {})
     # Restore only the model arrays (optimizer state is not needed): build its abstract tree.

@@ -1,0 +1,86 @@
+"""Where each parameter lives on a mesh: its declared logical axes through `sharding.rules`.
+
+Every `nnx.Variable` of the model carries `axes` metadata where it is created (one logical name
+per dimension, e.g. `Linear(..., axes=("heads", "embed"))`); `sharding.rules.spec` maps them to a
+PartitionSpec. A quantised value (`BlockFP8`) places its values like a float weight of the same
+axes and its scales by `block_fp8_specs`. A Variable without `axes` fails loudly with its path.
+"""
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ling_jax.quantized import BlockFP8
+from sharding.rules import UnknownParameterError, path_str, spec
+
+
+def block_fp8_specs(values_spec: P, block, ndim: int) -> P:
+    """Spec of a BlockFP8's scales [..., ceil(R/br), ceil(C/bc)] given its values' spec [..., R, C]:
+    leading dims and the dims whose block is 1 (scale grid = values) follow the values; a blocked
+    dim is replicated (a split of the values need not fall on block boundaries, and the grid is
+    1/block of the bytes). So dense-weight scales are replicated, expert scales split like today."""
+    vs = tuple(values_spec) + (None,) * (ndim - len(values_spec))
+    lead, (r, c) = vs[:-2], vs[-2:]
+    return P(*lead, r if block[0] == 1 else None, c if block[1] == 1 else None)
+
+
+def variable_axes(path, var) -> tuple:
+    """The logical axes declared on `var` (an nnx.Variable at `path`), or UnknownParameterError."""
+    axes = var.get_metadata().get("axes") if isinstance(var, nnx.Variable) else None
+    if axes is None:
+        raise UnknownParameterError(
+            f"sharding: parameter {path_str(path)!r} has no logical axes; declare them where it is created, "
+            f"e.g. nnx.Param(value, axes=(...)) (vocabulary: sharding/rules.py)")
+    return tuple(axes)
+
+
+def value_specs(path, var, mesh, heads: int | None):
+    """PartitionSpec of the Variable's value, or BlockFP8(values spec, scales spec) for a quantised one."""
+    axes, v = variable_axes(path, var), var.get_value()
+    where = path_str(path)
+    if isinstance(v, BlockFP8):
+        vs = spec(axes, v.values.shape, mesh, heads, where=where)
+        return BlockFP8(vs, block_fp8_specs(vs, v.block, v.ndim), v.block)
+    return spec(axes, v.shape, mesh, heads, where=where)
+
+
+def _named(mesh, s):
+    if isinstance(s, BlockFP8):
+        return BlockFP8(NamedSharding(mesh, s.values), NamedSharding(mesh, s.scales), s.block)
+    return NamedSharding(mesh, s)
+
+
+def param_specs(model_or_state, mesh, heads: int | None = None) -> dict[tuple, object]:
+    """{NNX path: PartitionSpec (or BlockFP8 of two)} for every Variable (parameters and constants).
+    heads: head count of `heads` dims (default: the model's `cfg.num_attention_heads`)."""
+    state = model_or_state
+    if isinstance(state, nnx.Module):
+        heads = heads if heads is not None else state.cfg.num_attention_heads
+        state = nnx.state(state)
+    return {tuple(p): value_specs(p, v, mesh, heads) for p, v in nnx.to_flat_state(state)}
+
+
+def variable_sharding(path, var, mesh, heads: int | None):
+    """NamedSharding (or BlockFP8 of two) of one Variable's value on `mesh`."""
+    return _named(mesh, value_specs(path, var, mesh, heads))
+
+
+def shard_model(model, mesh):
+    """Place an already-built model's variables on `mesh` by their axes (updated in place; returned).
+
+    Single-process only for arbitrary values (`jax.device_put` of host-visible arrays); multi-host
+    runs load with `ling_jax.loader.load_model`, which reads only each process's slices.
+    """
+    heads = model.cfg.num_attention_heads
+    for path, var in nnx.to_flat_state(nnx.state(model)):  # Variables are shared with the model
+        var.set_value(jax.device_put(var.get_value(), variable_sharding(path, var, mesh, heads)))
+    return attach_mesh(model, mesh)
+
+
+def attach_mesh(model, mesh):
+    """Run `model` on `mesh`: its ExecConfig gets the mesh when it has more than one device (the
+    routed experts then run expert-parallel); mesh=None or one device: the single-device path."""
+    one = mesh is None or mesh.devices.size == 1
+    model.exec = model.exec.replace(mesh=None if one else mesh)
+    return model
