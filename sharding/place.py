@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -37,7 +38,6 @@ def global_batch(x, mesh) -> jax.Array:
 def to_host(x) -> np.ndarray:
     """Full value of a (possibly multi-process) global array as numpy, on every process."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils  # only multi-process runs need it
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
