@@ -4,7 +4,6 @@ Parameters are placed where they are loaded (`ling_jax.loader`), by their declar
 """
 from __future__ import annotations
 
-import contextlib
 
 import jax
 from jax.experimental import multihost_utils
@@ -40,10 +39,3 @@ def to_host(x) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
-
-
-@contextlib.contextmanager
-def use_mesh(mesh):
-    """`with use_mesh(mesh):` installs `mesh` as the context mesh (for MoE impl='ep' without a plan)."""
-    with jax.set_mesh(mesh):
-        yield mesh
