@@ -32,10 +32,9 @@ by the data axis).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
 
+from ling_jax.commands.common import print_report
 from ling_jax import accounting as A
 from ling_jax.config import LingConfig
 from sharding.mesh import parse_mesh_shape
@@ -125,10 +124,4 @@ def format_text(r: dict) -> str:
 
 
 def run(args) -> int:
-    r = plan_from_args(args)
-    if args.json:
-        json.dump(r, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(format_text(r))
-    return 0
+    return print_report(plan_from_args(args), args.json, format_text)
