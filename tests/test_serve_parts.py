@@ -145,3 +145,40 @@ def test_scheduler_preempts_youngest_and_chunks(tiny_cfg):
     assert reqs[2].state == QUEUED and reqs[2].slot is None and sch.preemptions == 1
     assert plan.decode == [reqs[0], reqs[1]] and sch.queue[0] is reqs[2]
     assert sch.alloc.used == 5
+
+
+def test_engine_policy_stress_with_a_stub_model(tiny_model):
+    """The host side of the engine under a stub model (the compiled steps replaced by a function
+    returning token 1): 60 requests into a pool far too small, random cancels. After every step
+    no page has two owners, every running slot holds the pages its tokens need, and the run ends
+    with everything free; preemptions happen and every request ends."""
+    from ling_jax.serve import Engine, RequestParams
+    eng = Engine(tiny_model, max_slots=3, page_size=4, num_pages=9, prefill_chunk=8, prefill_rows=2,
+                 max_seq_len=36)
+    fake = lambda params, pools, inp: (pools, np.ones(len(inp.rows), np.int32))
+    eng._prefill = eng._decode = fake
+    rng = np.random.default_rng(0)
+    handles = []
+    for step in range(4000):
+        if len(handles) < 60 and rng.random() < 0.3:
+            n = int(rng.integers(1, 30))
+            handles.append(eng.submit([2] * n, RequestParams(max_tokens=int(rng.integers(1, 37 - n)),
+                                                             stop_ids=())))
+        if handles and rng.random() < 0.02:
+            eng.cancel(handles[int(rng.integers(0, len(handles)))])
+        eng.step()
+        owned = [p for ps in eng.alloc.pages.values() for p in ps]
+        assert len(owned) == len(set(owned)) and not set(owned) & set(eng.alloc.free)
+        assert len(owned) + len(eng.alloc.free) == 9
+        for s, r in enumerate(eng.sched.slots):
+            if r is not None:
+                assert r.slot == s and r not in eng.sched.queue
+                assert len(eng.alloc.pages.get(s, [])) >= eng.alloc.pages_for(r.n_fed)
+        if len(handles) == 60 and not eng.has_work():
+            break
+    assert not eng.has_work() and eng.stats()["pages_in_use"] == 0 and sorted(eng.alloc.free) == list(range(9))
+    assert eng.stats()["preemptions"] > 0
+    for h in handles:
+        assert h.finished
+        if h.finish_reason != "cancelled":
+            assert h.finish_reason == "length" and h.generated == [1] * h._req.params.max_tokens
