@@ -95,9 +95,10 @@ def test_preemption_under_tiny_pool_gives_same_tokens(tiny_model, reference):
     prompts, params, arrivals, expected, _ = reference
     # 10 pages x 8 = 80 tokens for 4 slots: requests of up to 80 tokens run, but not side by side
     eng = Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=10, prefill_chunk=16, prefill_rows=2,
-                 max_seq_len=80, buckets=(16,))
+                 max_seq_len=80, buckets=(16,), widths=(4, 10))
     handles = _run(eng, prompts, params, arrivals)
     assert [h.generated for h in handles] == expected
+    assert eng._decode._cache_size() == 2  # decode steps ran over 4-page and 10-page block tables
     st = eng.stats()
     assert st["preemptions"] >= 3, st
     assert st["slots_in_use"] == st["pages_in_use"] == st["queue_depth"] == 0
@@ -228,3 +229,5 @@ def test_engine_bad_input(engine, tiny_model, tiny_cfg):
     with pytest.raises(ValueError, match="max_seq_len=200 exceeds the pool"):
         Engine(tiny_model, max_slots=2, page_size=8, num_pages=10, max_seq_len=200)
     assert "pages: 48 x 8 tokens x 5 MLA layers (incl. MTP)" in engine.describe()
+    with pytest.raises(ValueError, match="must be positive and end at max_blocks=10"):
+        Engine(tiny_model, max_slots=2, page_size=8, num_pages=10, widths=(4, 8))

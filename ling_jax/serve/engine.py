@@ -10,8 +10,10 @@ Single-threaded and deterministic: nothing runs between calls, and the same subm
 same order give the same tokens. A server drives `step()` from one thread and routes the
 `{handle: new tokens}` it returns; `submit` / `cancel` are called between steps.
 
-Compile bound: the decode program has one shape ([max_slots, 1]); the prefill program one per
-token bucket ([prefill_rows, T], T in `buckets`: powers of two up to `prefill_chunk`). `warmup()`
+Compile bound: the decode program has one shape ([max_slots, 1]) per block-table width in
+`widths` (a step attends over the pages of its longest decoding sequence, rounded up to a
+width); the prefill program one per token bucket ([prefill_rows, T], T in `buckets`: powers of
+two up to `prefill_chunk`). `warmup()`
 runs each once on padding rows (which change nothing), so afterwards no request of any length
 within `max_seq_len` compiles anything (`compiled_shapes()` counts them).
 """
@@ -85,6 +87,17 @@ class RequestHandle:
         return f"RequestHandle(id={self.id}, state={self._req.state}, n={len(self._req.generated)})"
 
 
+def decode_widths(max_blocks: int, smallest: int) -> tuple[int, ...]:
+    """Block-table widths the decode program is compiled for: powers of two from `smallest`
+    below max_blocks, and max_blocks. Why: a decode step attends over width·page_size keys, so
+    short sequences should not pay for the longest allowed one."""
+    out, w = [], max(1, min(smallest, max_blocks))
+    while w < max_blocks:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (max_blocks,)
+
+
 def token_buckets(prefill_chunk: int, smallest: int = 8) -> tuple[int, ...]:
     """Prefill widths compiled: powers of two from `smallest` below `prefill_chunk`, and the chunk."""
     out, t = [], min(smallest, prefill_chunk)
@@ -102,13 +115,15 @@ class Engine:
     tokens fed per step at most (a running decode waits at most one chunk); prefill_rows:
     prompts fed side by side in one chunk; max_seq_len: prompt + new tokens of one request;
     with_mtp: keep the MTP layer's pages filled too (for speculative decoding; default: the
-    model has an MTP layer); exec: how to run (default `model.exec`).
+    model has an MTP layer); exec: how to run (default `model.exec`); buckets: prefill widths
+    (default `token_buckets(prefill_chunk)`); widths: decode block-table widths in pages (default
+    `decode_widths(max_blocks, 256 // page_size)`; the prefill program always reads all max_blocks).
     """
 
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
                  cache_memory_gib: float | None = None, prefill_chunk: int = 64, prefill_rows: int = 2,
                  max_seq_len: int | None = None, with_mtp: bool | None = None, exec: ExecConfig | None = None,
-                 buckets: Sequence[int] | None = None):
+                 buckets: Sequence[int] | None = None, widths: Sequence[int] | None = None):
         cfg = model.cfg
         self.cfg = cfg
         if num_pages is None and cache_memory_gib is None:
@@ -127,6 +142,10 @@ class Engine:
         self.buckets = tuple(sorted(set(buckets))) if buckets else token_buckets(prefill_chunk)
         if self.buckets[-1] < prefill_chunk:
             raise ValueError(f"the largest bucket {self.buckets[-1]} is below prefill_chunk={prefill_chunk}")
+        mb = self.sizes.max_blocks
+        self.widths = tuple(sorted(set(widths))) if widths else decode_widths(mb, max(1, 256 // page_size))
+        if self.widths[-1] != mb or self.widths[0] < 1:
+            raise ValueError(f"decode widths {self.widths} must be positive and end at max_blocks={mb}")
         self.prefill_chunk, self.prefill_rows = prefill_chunk, prefill_rows
         self.exec = exec or model.exec
         self.graphdef, self.params = nnx.split(model)
@@ -144,21 +163,22 @@ class Engine:
     def describe(self) -> str:
         """Start-up report: pool sizes with their byte arithmetic, and the compiled shapes."""
         return (describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n"
-                f"  compiled shapes: decode [{self.sizes.max_slots}, 1]; prefill [{self.prefill_rows}, T] "
-                f"for T in {list(self.buckets)}")
+                f"  compiled shapes: decode [{self.sizes.max_slots}, 1] over block-table widths "
+                f"{list(self.widths)}; prefill [{self.prefill_rows}, T] for T in {list(self.buckets)}")
 
     def warmup(self) -> None:
         """Compile every step shape now, on padding rows that change no state."""
         S, R = self.sizes.max_slots, self.prefill_rows
-        self.pools, _ = self._decode(self.params, self.pools, self._inputs(np.arange(S), np.zeros((S, 1), np.int32),
-                                                                           np.zeros(S, np.int32), [None] * S))
+        for w in self.widths:
+            self.pools, _ = self._decode(self.params, self.pools, self._inputs(
+                np.arange(S), np.zeros((S, 1), np.int32), np.zeros(S, np.int32), [None] * S, w))
         for T in self.buckets:
             self.pools, _ = self._prefill(self.params, self.pools,
                                           self._inputs(np.full(R, S), np.zeros((R, T), np.int32),
                                                        np.zeros(R, np.int32), [None] * R))
 
     def compiled_shapes(self) -> int:
-        """How many programs the step functions hold (1 + len(buckets) after warmup)."""
+        """How many programs the step functions hold (len(widths) + len(buckets) after warmup)."""
         return self._prefill._cache_size() + self._decode._cache_size()
 
     # -- requests ------------------------------------------------------------------------------
@@ -189,8 +209,9 @@ class Engine:
             self._handles.pop(handle.id, None)
 
     # -- stepping ------------------------------------------------------------------------------
-    def _inputs(self, rows, ids, n_valid, reqs) -> StepInputs:
-        """Numpy StepInputs for rows (`reqs[i]` None = padding: greedy, nothing fed)."""
+    def _inputs(self, rows, ids, n_valid, reqs, width: int | None = None) -> StepInputs:
+        """Numpy StepInputs for rows (`reqs[i]` None = padding: greedy, nothing fed); the block
+        table cut to `width` pages (default all max_blocks)."""
         n = len(reqs)
         temp, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
         seed, n_gen, lengths = np.zeros(n, np.uint32), np.zeros(n, np.int32), np.zeros(n, np.int32)
@@ -199,7 +220,7 @@ class Engine:
                 p = r.params
                 temp[i], top_k[i], top_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.seed
                 n_gen[i], lengths[i] = len(r.generated), r.n_fed
-        bt = self.alloc.block_rows([None if r is None else r.slot for r in reqs])
+        bt = self.alloc.block_rows([None if r is None else r.slot for r in reqs])[:, :width]
         return StepInputs(np.asarray(rows, np.int32), ids, n_valid, lengths, bt,
                           RowSampling(temp, top_k, top_p, seed, n_gen))
 
@@ -226,7 +247,10 @@ class Engine:
             for r in plan.decode:
                 reqs[r.slot] = r
                 ids[r.slot, 0], n_valid[r.slot] = r.generated[-1], 1
-            self.pools, tok = self._decode(self.params, self.pools, self._inputs(np.arange(S), ids, n_valid, reqs))
+            held = max(len(self.alloc.pages[r.slot]) for r in plan.decode)
+            width = next(w for w in self.widths if w >= held)
+            self.pools, tok = self._decode(self.params, self.pools,
+                                           self._inputs(np.arange(S), ids, n_valid, reqs, width))
             tok = np.asarray(tok)
             for r in plan.decode:
                 r.n_fed += 1
