@@ -231,3 +231,11 @@ def test_engine_bad_input(engine, tiny_model, tiny_cfg):
     assert "pages: 48 x 8 tokens x 5 MLA layers (incl. MTP)" in engine.describe()
     with pytest.raises(ValueError, match="must be positive and end at max_blocks=10"):
         Engine(tiny_model, max_slots=2, page_size=8, num_pages=10, widths=(4, 8))
+
+
+def test_handle_tokens_iterates_while_the_engine_steps(engine, reference):
+    prompts, params, _, expected, _ = reference
+    h1, h2 = engine.submit(prompts[3], params[3]), engine.submit(prompts[4], params[4])
+    assert list(h1.tokens()) == expected[3] and h1.finished
+    assert list(h2.tokens()) == expected[4] and h2.finished  # h2 advanced while h1 was iterated
+    assert engine.stats()["slots_in_use"] == 0
