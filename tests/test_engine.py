@@ -239,3 +239,13 @@ def test_handle_tokens_iterates_while_the_engine_steps(engine, reference):
     assert list(h1.tokens()) == expected[3] and h1.finished
     assert list(h2.tokens()) == expected[4] and h2.finished  # h2 advanced while h1 was iterated
     assert engine.stats()["slots_in_use"] == 0
+
+
+def test_unrolled_layer_loop_gives_the_same_tokens(tiny_model, reference):
+    prompts, params, _, expected, _ = reference
+    eng = Engine(tiny_model, max_slots=2, page_size=PAGE, num_pages=24, prefill_chunk=16, max_seq_len=80,
+                 buckets=(16,), exec=tiny_model.exec.replace(layer_loop="unroll"))
+    picks = [0, 1, 2, 5]
+    handles = [eng.submit(prompts[i], params[i]) for i in picks]
+    eng.run_until_done()
+    assert [h.generated for h in handles] == [expected[i] for i in picks]
