@@ -235,9 +235,13 @@ def test_engine_bad_input(engine, tiny_model, tiny_cfg):
 
 def test_handle_tokens_iterates_while_the_engine_steps(engine, reference):
     prompts, params, _, expected, _ = reference
-    h1, h2 = engine.submit(prompts[3], params[3]), engine.submit(prompts[4], params[4])
+    seen = []
+    h1 = engine.submit(prompts[3], params[3])
+    h2 = engine.submit(prompts[4], params[4], on_tokens=lambda h, t: seen.append((h.id, list(t), h.finished)))
     assert list(h1.tokens()) == expected[3] and h1.finished
     assert list(h2.tokens()) == expected[4] and h2.finished  # h2 advanced while h1 was iterated
+    assert [t for _, ts, _ in seen for t in ts] == expected[4] and {i for i, _, _ in seen} == {h2.id}
+    assert [f for _, _, f in seen] == [False] * (len(seen) - 1) + [True]
     assert engine.stats()["slots_in_use"] == 0
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 from flax import nnx
@@ -63,6 +63,7 @@ class RequestHandle:
 
     def __init__(self, engine: "Engine", req: Request):
         self._engine, self._req = engine, req
+        self._on_tokens = None
 
     @property
     def id(self) -> int:
@@ -182,8 +183,10 @@ class Engine:
         return self._prefill._cache_size() + self._decode._cache_size()
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], params: RequestParams = RequestParams()) -> RequestHandle:
-        """Queue a request; it is admitted into a free slot at the next `step()`."""
+    def submit(self, prompt_ids: Sequence[int], params: RequestParams = RequestParams(),
+               on_tokens: Callable[[RequestHandle, list], None] | None = None) -> RequestHandle:
+        """Queue a request; it is admitted into a free slot at the next `step()`. on_tokens(handle,
+        new tokens) is called from `step()` whenever the request emits (after its finish state is set)."""
         if not isinstance(params, RequestParams):
             raise TypeError(f"params must be a RequestParams, got {type(params).__name__}")
         prompt = [int(t) for t in prompt_ids]
@@ -199,6 +202,7 @@ class Engine:
         req = Request(next(self._ids), prompt, params, frozenset(int(s) for s in stop))
         self.sched.queue.append(req)
         h = RequestHandle(self, req)
+        h._on_tokens = on_tokens
         self._handles[req.id] = h
         return h
 
@@ -272,6 +276,9 @@ class Engine:
                 if r.n_fed == len(r.feed):
                     self._emit(r, int(tok[i]), out)
         self.steps += 1
+        for h, toks in out.items():
+            if h._on_tokens is not None:
+                h._on_tokens(h, toks)
         for h in out:
             if h.finished:
                 self._handles.pop(h.id, None)

@@ -11,7 +11,8 @@ Policy (one `schedule()` call per engine step):
 2. Decode: every slot whose prompt is done gets the page for its next token, oldest request
    first. If no page is free, the youngest running request is preempted (its pages and slot
    freed, itself requeued at the head to be recomputed from prompt + generated tokens); when
-   the youngest is the one asking, it preempts itself. Older requests therefore always progress.
+   the youngest is the one asking, it preempts itself. Age is the order of first admission and
+   survives preemption, so the oldest request always progresses and none starves.
 3. Prefill: prompts still being fed get chunks, oldest first, at most `prefill_rows` rows and
    `prefill_chunk` tokens in all, each chunk cut to the pages it can get (never preempting: a
    waiting prefill resumes when pages come back).
@@ -33,7 +34,8 @@ QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 class Request:
     """One request's mutable state. `feed` = the tokens to prefill on (re)admission: the prompt,
     plus the tokens generated before a preemption; `n_fed` = tokens of this sequence in the cache
-    (the slot's length); `age` = admission order (larger = younger, the preemption victim)."""
+    (the slot's length); `age` = order of first admission (larger = younger, the preemption
+    victim; kept across preemptions, so a recomputed request is not the next victim again)."""
     id: int
     prompt: list
     params: object              # engine.RequestParams
@@ -103,7 +105,8 @@ class Scheduler:
             slot = self.slots.index(None)
             self.slots[slot] = req
             req.slot, req.state, req.feed, req.n_fed = slot, PREFILL, feed, 0
-            req.age, self._age = self._age, self._age + 1
+            if req.age < 0:  # first admission; a preempted request keeps its age (no starvation)
+                req.age, self._age = self._age, self._age + 1
 
     def schedule(self) -> Plan:
         while True:
