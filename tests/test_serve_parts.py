@@ -8,10 +8,11 @@ from flax import nnx
 
 from ling_jax.config import KDA
 from ling_jax.layer_stack import layer_plan
-from ling_jax.mla import PagedMLACache, paged_gather
-from ling_jax.model import HybridCache, init_cache, layer_cache
+from ling_jax.mla import paged_gather
+from ling_jax.model import init_cache, layer_cache
 from ling_jax.sampling import (SamplingParams, processed_logits, processed_logits_rows, request_keys, sample,
                                sample_rows)
+from ling_jax.serve import Engine, RequestParams
 from ling_jax.serve.pools import PageAllocator, as_cache, init_pools, plan_pools, with_cache
 from ling_jax.serve.scheduler import DECODE, PREFILL, QUEUED, Request, Scheduler
 
@@ -152,7 +153,6 @@ def test_engine_policy_stress_with_a_stub_model(tiny_model):
     returning token 1): 60 requests into a pool far too small, random cancels. After every step
     no page has two owners, every running slot holds the pages its tokens need, and the run ends
     with everything free; preemptions happen and every request ends."""
-    from ling_jax.serve import Engine, RequestParams
     eng = Engine(tiny_model, max_slots=3, page_size=4, num_pages=9, prefill_chunk=8, prefill_rows=2,
                  max_seq_len=36)
     fake = lambda params, pools, inp: (pools, np.ones(len(inp.rows), np.int32))

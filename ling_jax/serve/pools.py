@@ -19,7 +19,6 @@ Byte counts use the arithmetic of `ling_jax.accounting.cache_bytes`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple, Optional
 
 import jax
