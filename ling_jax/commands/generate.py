@@ -50,7 +50,7 @@ def jax_process_count() -> int:
 
 
 def run(args) -> int:
-    from ling_jax.generate import generate
+    from ling_jax.generate import cache_length, generate
     from ling_jax.commands.common import load_for_args
     from ling_jax.sampling import SamplingParams
     from ling_jax.tokenizer import Tokenizer, eos_token_ids, load_generation_config
@@ -82,7 +82,8 @@ def run(args) -> int:
     check_ids(ids, cfg, "--prompt" if args.prompt is not None else "--input-ids")
     total = len(ids) + args.max_new_tokens
     dtype_bytes = 4 if (args.dtype or _default_dtype()) == "float32" else 2
-    need = generate_cache_bytes(cfg, 1, total + args.speculative + 1, dtype_bytes, args.speculative > 0)
+    need = generate_cache_bytes(cfg, 1, cache_length(len(ids), args.max_new_tokens, args.speculative),
+                                dtype_bytes, args.speculative > 0)  # what generate() allocates
     check_cache_fits(need, f"--max-new-tokens {args.max_new_tokens}")  # before anything is allocated
     check_context_length(total, cfg, args.allow_long_context, "--max-new-tokens")
     apply_value_check_flag(args)
