@@ -209,12 +209,8 @@ class LingConfig:
             d.pop("quantization_config")
         out = {"architectures": ["BailingMoeV3ForCausalLM"], "model_type": "bailing_hybrid", "dtype": "bfloat16"}
         out.update(d)
-        out.update({"qk_head_dim": self.qk_head_dim, "no_kda_lora": True, "use_kda_lora": False,
-                    "kda_safe_gate": True, "rope_interleave": True, "use_mla_nope": False,
-                    "gated_attention_proj_granularity_type": "head_wise", "mtp_use_kda": False,
-                    "score_function": "sigmoid", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-                    "moe_router_enable_expert_bias": True, "hidden_act": "silu", "use_bias": False,
-                    "use_qkv_bias": False, "router_dtype": "fp32"})
+        out.update({k: allowed[0] for k, allowed in _REQUIRED_VALUES.items()})  # the reference's fixed choices
+        out.update({"qk_head_dim": self.qk_head_dim, "router_dtype": "fp32"})
         return out
 
     def replace(self, **kw) -> "LingConfig":
@@ -226,33 +222,18 @@ class LingConfig:
 
 # Fields whose value we accept only as the reference's; anything else is a different model.
 _REQUIRED_VALUES = {
-    "model_type": ("bailing_hybrid", "bailing_moe_v3"),
-    "hidden_act": ("silu",),
-    "no_kda_lora": (True,),
-    "use_kda_lora": (False,),
-    "rope_interleave": (True,),
-    "use_mla_nope": (False,),
-    "gated_attention_proj_granularity_type": ("head_wise",),
-    "mtp_use_kda": (False,),
-    "score_function": ("sigmoid",),
-    "scoring_func": ("sigmoid",),
-    "use_bias": (False,),
-    "use_qkv_bias": (False,),
-    "moe_router_enable_expert_bias": (True,),
-    "tie_word_embeddings": (False,),
-    "topk_method": ("noaux_tc",),
+    "model_type": ("bailing_hybrid", "bailing_moe_v3"), "hidden_act": ("silu",), "no_kda_lora": (True,),
+    "use_kda_lora": (False,), "rope_interleave": (True,), "use_mla_nope": (False,),
+    "gated_attention_proj_granularity_type": ("head_wise",), "mtp_use_kda": (False,), "score_function": ("sigmoid",),
+    "scoring_func": ("sigmoid",), "use_bias": (False,), "use_qkv_bias": (False,),
+    "moe_router_enable_expert_bias": (True,), "tie_word_embeddings": (False,), "topk_method": ("noaux_tc",),
     "kda_safe_gate": (True,),
 }
 
 
-_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "intermediate_size", "layer_group_size", "first_k_dense_replace",
-               "num_nextn_predict_layers", "short_conv_kernel_size", "kv_lora_rank", "qk_nope_head_dim",
-               "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok",
-               "num_shared_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size", "n_group",
-               "topk_group")
-_FLOAT_FIELDS = ("rms_norm_eps", "kda_lower_bound", "rope_theta", "routed_scaling_factor", "mtp_loss_scaling_factor")
-_BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "apply_swiglu_clamp")
+#: The plain int / float / bool fields, by their annotation (each type- and range-checked in `_parse`).
+_INT_FIELDS, _FLOAT_FIELDS, _BOOL_FIELDS = (tuple(f.name for f in dataclasses.fields(LingConfig) if f.type == t)
+                                            for t in ("int", "float", "bool"))
 _INT_LIMIT = 2**31  # every size and id is an int32 somewhere (shapes, positions, token ids)
 
 

@@ -25,11 +25,10 @@ from tqdm.auto import tqdm
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_dequant_fp8, block_quant_fp8
-from ling_jax.checkpoint.atomic import make_temp_dir
 from ling_jax.checkpoint.layout import checkpoint_names
-from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
-from ling_jax.checkpoint.writer import (INDEX_FILE, checkpoint_config_dict, plan_shards, shard_file_name,
-                                       write_generation_config, write_json)
+from ling_jax.checkpoint.safetensors_io import DTYPES, nbytes, prepare_out_dir
+from ling_jax.checkpoint.writer import (checkpoint_config_dict, plan_shards, shard_file_name, staged_dir,
+                                       write_generation_config, write_json, write_shards, write_tensor)
 from ling_jax.config import LingConfig
 from ling_jax.loader import load_model
 from ling_jax.quantized import BlockFP8
@@ -110,44 +109,18 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
     shards = plan_shards(entries, num_shards)
     total = sum(nbytes(d, s) for _, d, s in entries)
 
-    out_dir, parent = prepare_out_dir(out_dir, overwrite, "--overwrite")
-    tmp = make_temp_dir(out_dir)  # hidden .ling-tmp-* name; cleaned by the next run if we are killed
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)
+    out_dir, _ = prepare_out_dir(out_dir, overwrite, "--overwrite")
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="exporting", disable=not progress, leave=False)
-        weight_map: dict[str, str] = {}
-        try:
-            for k, shard in enumerate(shards, 1):
-                fname = shard_file_name(k, len(shards))
-                with ShardWriter(os.path.join(tmp, fname), shard, {"format": "pt"}) as w:
-                    for name, dt, _ in shard:
-                        weight_map[name] = fname
-                    for name, dt, _ in shard:
-                        if name.endswith(L.SCALE_SUFFIX):
-                            continue  # written right after its weight
-                        a = tensors[name]
-                        if dt == "F8_E4M3":
-                            wq, s = block_quant_fp8(a, block)
-                            w.write(name, wq)
-                            w.write(L.scale_name(name), s.astype(np.float32))
-                            bar.update(wq.nbytes + s.nbytes)
-                        else:
-                            c = a.astype(DTYPES[dt])
-                            w.write(name, c)
-                            bar.update(c.nbytes)
-        finally:
-            bar.close()
-        write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    def write(w, name: str, dt: str, bar) -> None:
+        if not name.endswith(L.SCALE_SUFFIX):  # a scale is written right after its weight
+            write_tensor(w, name, dt, [tensors[name]], block, bar)
+
+    with staged_dir(out_dir) as tmp:
+        write_shards(tmp, {shard_file_name(k, len(shards)): shard for k, shard in enumerate(shards, 1)}, write,
+                     total, desc="exporting", progress=progress)
         write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp))
         write_generation_config(tmp, cfg)
         copied = _copy_tokenizer(tokenizer_dir, tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"out_dir": out_dir, "dtype": dtype, "num_tensors": len(entries), "total_size": total,
             "num_shards": len(shards), "tokenizer_files": copied, "include_mtp": include_mtp}
 

@@ -19,12 +19,13 @@ only in how MLA `kv_a_proj_with_mqa` and `g_proj` are rounded (BF16 vs FP8 block
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import zlib
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 from tqdm import tqdm
@@ -40,6 +41,7 @@ from ling_jax.config import LingConfig
 SHARD_TARGET_BYTES = 5_000_000_000  # default shard size (the HF "5GB" convention)
 CHUNK_ELEMENTS = 1 << 23            # generate at most ~8M float32 values (32 MiB) at a time
 INDEX_FILE = "model.safetensors.index.json"
+FP8 = "F8_E4M3"
 
 
 def shard_file_name(k: int, n: int) -> str:
@@ -187,6 +189,42 @@ def write_json(path: str, obj) -> None:
         f.write("\n")
 
 
+@contextlib.contextmanager
+def staged_dir(out_dir: str) -> Iterator[str]:
+    """A fresh hidden temporary beside `out_dir` (`atomic.make_temp_dir`; the next run removes it if we
+    are killed), renamed onto `out_dir` when the block completes and deleted on any error, so a failure
+    never leaves a half-written checkpoint."""
+    tmp = make_temp_dir(out_dir)
+    try:
+        yield tmp
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_shards(tmp: str, shards: dict[str, list], write: Callable, total: int, header_only: bool = False,
+                 desc: str = "writing checkpoint", progress: bool = True) -> None:
+    """Every shard `{file name: header entries}` into `tmp`, then the index (`total_size` = `total`).
+    `write(w, name, dtype, bar)` streams one entry's data (a scale may be written with its weight);
+    a header-only checkpoint gets no data."""
+    weight_map: dict[str, str] = {}
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress or header_only, leave=False)
+    try:
+        for fname, entries in shards.items():
+            with ShardWriter(os.path.join(tmp, fname), entries, {"format": "pt"}, header_only) as w:
+                for name, dt, _ in entries:
+                    weight_map[name] = fname
+                    if not header_only:
+                        write(w, name, dt, bar)
+    finally:
+        bar.close()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    if header_only:
+        index["metadata"]["ling_jax_header_only"] = True
+    write_json(os.path.join(tmp, INDEX_FILE), index)
+
+
 def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: int = 0,
                      num_shards: Optional[int] = None, header_only: bool = False, tokenizer: bool = True,
                      include_mtp: bool = True, overwrite: bool = False, progress: bool = True,
@@ -219,7 +257,7 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     fp8_layout = L.check_fp8_layout(fp8_layout)
     conv_dtype = L.check_conv_dtype(conv_dtype)
     experts = L.check_expert_format(experts)
-    out_dir, parent = prepare_out_dir(out_dir, overwrite)
+    out_dir, _ = prepare_out_dir(out_dir, overwrite)
     block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
     specs = L.expected_tensors(cfg, include_mtp, conv_dtype, fp8_layout)
     entries = L.release_tensors(cfg, dtype, include_mtp, conv_dtype, block, fp8_layout, experts)
@@ -228,66 +266,41 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     total = sum(nbytes(d, s) for _, d, s in entries)
     tok = build_tokenizer(cfg) if tokenizer else None  # fails early on a too-small vocabulary
 
-    tmp = make_temp_dir(out_dir)  # hidden .ling-tmp-* name; cleaned by the next run if we are killed
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it 0700; a checkpoint is a normal directory
-        weight_map: dict[str, str] = {}
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing checkpoint",
-                   disable=not progress or header_only, leave=False)
-        try:
-            for k, shard in enumerate(shards, 1):
-                fname = shard_file_name(k, n)
-                with ShardWriter(os.path.join(tmp, fname), shard, {"format": "pt"}, header_only) as w:
-                    for name, _, _ in shard:
-                        weight_map[name] = fname
-                    if header_only:
-                        continue
-                    for name, dt, shape in shard:
-                        if name.endswith(L.SCALE_SUFFIX):
-                            continue  # written together with its weight
-                        if dt == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
-                            _write_mxfp4_expert(w, name, specs[name], seed, dtype, block, bar)
-                        else:
-                            _write_tensor(w, name, dt, specs[name], seed, block, bar)
-        finally:
-            bar.close()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        if header_only:
-            index["metadata"]["ling_jax_header_only"] = True
-        write_json(os.path.join(tmp, INDEX_FILE), index)
+    def write(w: ShardWriter, name: str, dt: str, bar) -> None:
+        if name.endswith(L.SCALE_SUFFIX):
+            return  # written together with its weight
+        if dt == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
+            _write_mxfp4_expert(w, name, specs[name], seed, dtype, block, bar)
+        else:
+            chunks = generate_chunks(name, specs[name], seed, _row_chunk(specs[name], dt == FP8, block))
+            write_tensor(w, name, dt, chunks, block, bar)
+
+    with staged_dir(out_dir) as tmp:
+        write_shards(tmp, {shard_file_name(k, n): shard for k, shard in enumerate(shards, 1)}, write, total,
+                     header_only, progress=progress)
         write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp, fp8_layout,
                                                                             experts))
         write_generation_config(tmp, cfg)
         if tok is not None:
             write_tokenizer_files(tmp, tok)
-        # move into place
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"out_dir": out_dir, "num_tensors": len(entries), "total_size": total, "num_shards": n,
             "dtype": dtype, "header_only": header_only,
             "fp8_layout": fp8_layout if dtype == "fp8" else None, "conv_dtype": conv_dtype, "experts": experts}
 
 
-def _write_tensor(w: ShardWriter, name: str, dt: str, spec: L.TensorSpec, seed: int, block, bar) -> None:
-    if dt == "F8_E4M3":
-        scales = []
-        for chunk in generate_chunks(name, spec, seed, _row_chunk(spec, True, block)):
-            wq, s = block_quant_fp8(chunk, block)
-            w.write(name, wq)
-            scales.append(s)
-            bar.update(wq.nbytes)
+def write_tensor(w: ShardWriter, name: str, dt: str, chunks: Iterable[np.ndarray], block, bar) -> None:
+    """One tensor from its float32 row chunks: cast to `dt`, or for F8_E4M3 quantised per block with
+    its float32 scale grid written right after it (`fp8.block_quant_fp8`)."""
+    scales = []
+    for chunk in chunks:
+        c, s = block_quant_fp8(chunk, block) if dt == FP8 else (chunk.astype(DTYPES[dt]), None)
+        w.write(name, c)
+        bar.update(c.nbytes)
+        scales.append(s)
+    if dt == FP8:
         s = np.concatenate(scales, axis=0)
         w.write(L.scale_name(name), s)
         bar.update(s.nbytes)
-    else:
-        for chunk in generate_chunks(name, spec, seed, _row_chunk(spec, False, block)):
-            c = chunk.astype(DTYPES[dt])
-            w.write(name, c)
-            bar.update(c.nbytes)
 
 
 def _write_mxfp4_expert(w: ShardWriter, name: str, spec: L.TensorSpec, seed: int, dtype: str, block,

@@ -113,14 +113,7 @@ def apply_overrides(cfg: LingConfig, layers=None, experts=None, vocab=None, hidd
             kw["bos_token_id"] = vocab - 3
     if _positive("--hidden", hidden) is not None:
         kw["hidden_size"] = hidden
-    if not kw:
-        return cfg
-    d = cfg.to_dict()
-    for k in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
-        if not d.get(k):
-            d.pop(k, None)  # an empty list means "no clamp"; the parser wants it absent
-    d.update(kw)
-    return LingConfig.from_dict(d, "override")
+    return cfg.replace(**kw) if kw else cfg
 
 
 def run(args) -> int:

@@ -23,16 +23,14 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 import numpy as np
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.reader import INDEX_FILE, CheckpointReader
-from ling_jax.checkpoint.writer import write_json
-from ling_jax.checkpoint.safetensors_io import (CheckpointError, ShardWriter, nbytes, prepare_out_dir,
-                                                replace_dir)
+from ling_jax.checkpoint.writer import staged_dir, write_json, write_shards
+from ling_jax.checkpoint.safetensors_io import CheckpointError, ShardWriter, nbytes, prepare_out_dir
 
 COPY_CHUNK_BYTES = 64 << 20
 
@@ -141,7 +139,7 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
     order = _shard_order(r)
     plan = {f: _out_entries(r, names) for f, names in order.items()}
     total = sum(nbytes(d, s) for es in plan.values() for _, d, s in es)
-    out_dir, parent = prepare_out_dir(out_dir, overwrite, "--force")
+    out_dir, _ = prepare_out_dir(out_dir, overwrite, "--force")
     with open(os.path.join(r.dir, "config.json")) as f:
         raw_cfg = json.load(f)
     has_mtp = any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in r.names())
@@ -149,39 +147,23 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
         r.info(n).dtype == "F8_E4M3" for n in r.names()) else None
     raw_cfg["quantization_config"] = L.mxfp4_quantization_config(cfg, base, include_mtp=has_mtp)
 
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     n_experts = 0
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)
-        from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=not progress or r.header_only,
-                   leave=False)
-        weight_map: dict[str, str] = {}
-        try:
-            for fname, entries in plan.items():
-                with ShardWriter(os.path.join(tmp, fname), entries, {"format": "pt"}, r.header_only) as w:
-                    for name, _, _ in entries:
-                        weight_map[name] = fname
-                    for name, _, _ in entries:
-                        if r.header_only or L.is_routed_expert_weight(L.weight_of_scale(name) or ""):
-                            continue  # header only / an expert's E8M0 scale: written with its codes
-                        if L.is_routed_expert_weight(name):
-                            packed, scales = MX.quantize_mxfp4(expert_values(r, name), f"{r.info(name).file}: {name}")
-                            w.write(name, packed)
-                            w.write(L.scale_name(name), scales)
-                            bar.update(packed.nbytes + scales.nbytes)
-                            n_experts += 1
-                        else:
-                            _copy_tensor(r, w, name, bar)
-        finally:
-            bar.close()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        if r.header_only:
-            index["metadata"]["ling_jax_header_only"] = True
-        write_json(os.path.join(tmp, INDEX_FILE), index)
+    def write(w: ShardWriter, name: str, dt: str, bar) -> None:
+        nonlocal n_experts
+        if L.is_routed_expert_weight(L.weight_of_scale(name) or ""):
+            return  # an expert's E8M0 scale: written with its codes
+        if L.is_routed_expert_weight(name):
+            packed, scales = MX.quantize_mxfp4(expert_values(r, name), f"{r.info(name).file}: {name}")
+            w.write(name, packed)
+            w.write(L.scale_name(name), scales)
+            bar.update(packed.nbytes + scales.nbytes)
+            n_experts += 1
+        else:
+            _copy_tensor(r, w, name, bar)
+
+    with staged_dir(out_dir) as tmp:
+        write_shards(tmp, plan, write, total, r.header_only, "quantize", progress)
         write_json(os.path.join(tmp, "config.json"), raw_cfg)
         shards = set(order)
         for f in sorted(os.listdir(r.dir)):
@@ -189,10 +171,6 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
             if f in shards or f in (INDEX_FILE, "config.json") or f.startswith(".") or not os.path.isfile(p):
                 continue
             shutil.copy2(p, os.path.join(tmp, f))  # tokenizer, generation config, ...
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"out_dir": out_dir, "total_size": total, "source_total_size": r.total_size,
             "num_shards": len(plan), "experts_quantized": n_experts if not r.header_only else
             sum(1 for n in r.names() if L.is_routed_expert_weight(n)), "header_only": r.header_only}
