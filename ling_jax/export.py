@@ -21,11 +21,10 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_dequant_fp8, block_quant_fp8
-from ling_jax.checkpoint.layout import checkpoint_names
+from ling_jax.checkpoint.layout import checkpoint_names, is_expert_path
 from ling_jax.checkpoint.safetensors_io import DTYPES, nbytes, prepare_out_dir
 from ling_jax.checkpoint.writer import (checkpoint_config_dict, plan_shards, shard_file_name, staged_dir,
                                        write_generation_config, write_json, write_shards, write_tensor)
@@ -38,6 +37,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json")
 
 
+def _checkpoint_tensors(path, a: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
+    """The checkpoint tensors of one parameter value: stacked experts `[E, out, in]` one `[out, in]`
+    matrix each, conv taps `[P, K]` as `[P, 1, K]`, anything else as it is."""
+    if is_expert_path(path):
+        if a.shape[0] != len(names):
+            raise ValueError(f"{'.'.join(map(str, path))}: {a.shape[0]} stacked experts, config has {len(names)}")
+        return {n: np.ascontiguousarray(a[e]) for e, n in enumerate(names)}
+    if str(path[-1]) in L.CONV_TAPS:
+        return {names[0]: a.reshape(a.shape[0], 1, a.shape[1])}
+    return {names[0]: a}
+
+
 def model_tensors(model) -> dict[str, np.ndarray]:
     """{checkpoint name: float32 array in checkpoint layout} for every parameter of an NNX model."""
     cfg: LingConfig = model.cfg
@@ -46,18 +57,7 @@ def model_tensors(model) -> dict[str, np.ndarray]:
         if isinstance(var.get_value(), BlockFP8) or np.dtype(var.get_value().dtype) == FP8_NP:
             raise ValueError("export needs a float model: this one keeps FP8 weights + block scales (loaded "
                              "with --keep-fp8); load it without that option")
-        _, names, _ = checkpoint_names(path, cfg)
-        a = np.asarray(var.get_value(), dtype=np.float32)
-        last = str(path[-1])
-        if len(path) >= 2 and str(path[-2]) == "experts" and last in ("gate_proj", "up_proj", "down_proj"):
-            if a.shape[0] != len(names):
-                raise ValueError(f"{'.'.join(map(str, path))}: {a.shape[0]} stacked experts, config has {len(names)}")
-            for e, n in enumerate(names):
-                out[n] = np.ascontiguousarray(a[e])
-        elif last in ("q_conv1d", "k_conv1d", "v_conv1d"):
-            out[names[0]] = a.reshape(a.shape[0], 1, a.shape[1])
-        else:
-            out[names[0]] = a
+        out.update(_checkpoint_tensors(path, np.asarray(var.get_value(), np.float32), checkpoint_names(path, cfg)[1]))
     return out
 
 
@@ -128,8 +128,6 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
 def quantize_like_export(model, dtype: str = "fp8"):
     """A copy of `model` whose parameters went through the export's storage rounding (FP8 blocks or
     BF16, F32 for A_log/dt_bias/expert_bias) and back: what loading the exported checkpoint gives."""
-
-
     cfg = model.cfg
     block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
     specs = L.expected_tensors(cfg, model.mtp is not None)
@@ -138,24 +136,15 @@ def quantize_like_export(model, dtype: str = "fp8"):
     for path, var in flat:
         if not isinstance(var, nnx.Param):
             continue
-        _, names, _ = checkpoint_names(path, cfg)
         a = np.asarray(var.get_value(), np.float32)
-        last = str(path[-1])
-        expert = len(path) >= 2 and str(path[-2]) == "experts" and last in ("gate_proj", "up_proj", "down_proj")
-        parts = [a[e] for e in range(a.shape[0])] if expert else [a]
-
-        def rnd(x, n):
+        parts = []
+        for n, x in _checkpoint_tensors(path, a, checkpoint_names(path, cfg)[1]).items():
             s = specs[n]
             if s.quantizable and dtype == "fp8":
-                return block_dequant_fp8(*block_quant_fp8(x, block), block)
-            return x.astype(DTYPES[s.dtype]).astype(np.float32) if s.dtype != "F32" else x
-
-        if expert:
-            r = np.stack([rnd(p, n) for p, n in zip(parts, names)])
-        elif last in ("q_conv1d", "k_conv1d", "v_conv1d"):
-            r = rnd(a.reshape(a.shape[0], 1, -1), names[0]).reshape(a.shape)
-        else:
-            r = rnd(a, names[0])
+                parts.append(block_dequant_fp8(*block_quant_fp8(x, block), block))
+            else:
+                parts.append(x.astype(DTYPES[s.dtype]).astype(np.float32) if s.dtype != "F32" else x)
+        r = np.stack(parts) if is_expert_path(path) else parts[0].reshape(a.shape)
         var.set_value(jnp.asarray(r, dtype=var.get_value().dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

@@ -26,6 +26,8 @@ import numpy as np
 
 from ling_jax.checkpoint.atomic import clean_stale_temps, temp_path
 
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 HEADER_ONLY_KEY = "ling_jax.header_only"
 MAX_HEADER_BYTES = 256 * 1024 * 1024  # sanity bound on the JSON header length
 
@@ -402,7 +404,8 @@ def prepare_out_dir(out_dir: str, overwrite: bool, flag: str = "overwrite") -> t
 
 
 def read_index(index_path: str, error=None) -> tuple[dict, dict]:
-    """(weight_map, metadata) of a `model.safetensors.index.json`; `error` is the exception class raised."""
+    """(weight_map, metadata) of a `model.safetensors.index.json` whose every shard is a plain file name
+    that exists beside it; `error` is the exception class raised."""
     error = error or CheckpointError
     try:
         with open(index_path, "rb") as f:
@@ -422,6 +425,12 @@ def read_index(index_path: str, error=None) -> tuple[dict, dict]:
     bad = next((n for n, f in wm.items() if not isinstance(f, str)), None)
     if bad is not None:
         raise error(f"{index_path}: tensor {bad!r} maps to {wm[bad]!r}, not a shard file name")
+    for fname in dict.fromkeys(wm.values()):
+        first = lambda: next(n for n, v in wm.items() if v == fname)  # noqa: E731 (only for the message)
+        if os.path.basename(fname) != fname or fname in ("", ".", ".."):
+            raise error(f"{index_path}: tensor {first()!r} maps to an invalid shard name {fname!r}")
+        if not os.path.isfile(os.path.join(os.path.dirname(index_path), fname)):
+            raise error(f"{index_path}: shard {fname} (holding tensor {first()!r} and others) does not exist")
     meta = idx.get("metadata")
     if meta is not None and not isinstance(meta, dict):
         raise error(f"{index_path}: 'metadata' must be an object, got {type(meta).__name__}")

@@ -34,13 +34,13 @@ from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.atomic import make_temp_dir
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, block_quant_fp8
-from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
+from ling_jax.checkpoint.safetensors_io import (INDEX_FILE, DTYPES, ShardWriter, nbytes, prepare_out_dir,
+                                                replace_dir)
 from ling_jax.checkpoint.tokenizer_files import build_tokenizer, write_tokenizer_files
 from ling_jax.config import LingConfig
 
 SHARD_TARGET_BYTES = 5_000_000_000  # default shard size (the HF "5GB" convention)
 CHUNK_ELEMENTS = 1 << 23            # generate at most ~8M float32 values (32 MiB) at a time
-INDEX_FILE = "model.safetensors.index.json"
 FP8 = "F8_E4M3"
 
 
