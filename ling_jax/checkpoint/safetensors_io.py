@@ -131,6 +131,11 @@ class ShardWriter:
             raise ValueError(f"{self.path}: all tensors already written")
         return self.entries[self._i]
 
+    def _skip_empty(self) -> None:
+        """Zero-size tensors next in line are complete by definition."""
+        while self._i < len(self.entries) and nbytes(self.entries[self._i][1], self.entries[self._i][2]) == 0:
+            self._i += 1
+
     def write(self, name: str, chunk: np.ndarray) -> None:
         if self.header_only:
             raise ValueError(f"{self.path}: header-only file takes no tensor data")
@@ -149,9 +154,7 @@ class ShardWriter:
         if self._done == total:
             self._i += 1
             self._done = 0
-            # zero-size tensors that follow are complete by definition
-            while self._i < len(self.entries) and nbytes(self.entries[self._i][1], self.entries[self._i][2]) == 0:
-                self._i += 1
+            self._skip_empty()
 
     def close(self) -> None:
         if self._f is None:
@@ -159,8 +162,7 @@ class ShardWriter:
         f, self._f = self._f, None
         f.close()
         if not self.header_only:
-            while self._i < len(self.entries) and nbytes(self.entries[self._i][1], self.entries[self._i][2]) == 0:
-                self._i += 1
+            self._skip_empty()
             if self._i != len(self.entries):
                 raise ValueError(f"{self.path}: closed before {self.entries[self._i][0]!r} was written")
 
@@ -289,7 +291,6 @@ class SafetensorsFile:
                 raise CheckpointError(f"{path}: gap of {t.begin - pos} bytes before tensor {t.name!r} "
                                       f"(data_offsets start at {t.begin}, previous data ends at {pos})")
             pos, prev = t.end, t.name
-        self.expected_data_size = pos
         if self.header_only:
             if self.data_size != 0:
                 raise CheckpointError(f"{path}: marked header-only but has {self.data_size} data bytes")

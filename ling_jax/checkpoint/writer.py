@@ -308,7 +308,7 @@ def _write_mxfp4_expert(w: ShardWriter, name: str, spec: L.TensorSpec, seed: int
     """A routed expert as MXFP4: its values rounded to `dtype` first (FP8 blocks or BF16), as the
     release stores them, then encoded; codes, then the E8M0 `weight_scale_inv`. One expert matrix
     ([I, D] or [D, I]) is in memory at a time."""
-    x = generate_tensor_from_spec(name, spec, seed)
+    x = np.concatenate(list(generate_chunks(name, spec, seed)), axis=0)
     if dtype == "fp8":
         x = block_dequant_fp8(*block_quant_fp8(x, block), block)
     else:
@@ -318,7 +318,3 @@ def _write_mxfp4_expert(w: ShardWriter, name: str, spec: L.TensorSpec, seed: int
     w.write(L.scale_name(name), scales)
     bar.update(packed.nbytes + scales.nbytes)
 
-
-def generate_tensor_from_spec(name: str, spec: L.TensorSpec, seed: int) -> np.ndarray:
-    """All float32 values of one tensor (the chunks of `generate_chunks`, joined)."""
-    return np.concatenate(list(generate_chunks(name, spec, seed)), axis=0)
