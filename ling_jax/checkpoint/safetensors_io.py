@@ -436,3 +436,34 @@ def read_index(index_path: str, error=None) -> tuple[dict, dict]:
     if meta is not None and not isinstance(meta, dict):
         raise error(f"{index_path}: 'metadata' must be an object, got {type(meta).__name__}")
     return wm, meta or {}
+
+
+def open_shards(d: str, error=None) -> tuple[dict[str, SafetensorsFile], dict[str, TensorInfo], dict, str]:
+    """The safetensors files of checkpoint directory `d` with their headers parsed (no tensor data read):
+    ({file name: SafetensorsFile}, {tensor name: TensorInfo}, index metadata, path of the index or the
+    single `model.safetensors`). The index and the shard headers must agree tensor for tensor (what
+    the index lists, the shard it names holds; what a shard holds, the index maps there). `error`:
+    the exception class raised for a missing or inconsistent index (a bad header: CheckpointError)."""
+    error = error or CheckpointError
+    index = os.path.join(d, INDEX_FILE)
+    if not os.path.isfile(index):
+        single = os.path.join(d, SINGLE_FILE)
+        if not os.path.isfile(single):
+            raise error(f"{d}: no {INDEX_FILE} or {SINGLE_FILE} (not a safetensors checkpoint directory)")
+        f = SafetensorsFile(single)
+        return {SINGLE_FILE: f}, dict(f.tensors), {}, single
+    wm, meta = read_index(index, error)
+    files = {fname: SafetensorsFile(os.path.join(d, fname)) for fname in dict.fromkeys(wm.values())}
+    where: dict[str, TensorInfo] = {}
+    for name, fname in wm.items():
+        t = files[fname].tensors.get(name)
+        if t is None:
+            raise error(f"{files[fname].path}: tensor {name!r} is listed in {INDEX_FILE} but not in this shard's "
+                        f"header")
+        where[name] = t
+    for fname, f in files.items():
+        for name in f.tensors:
+            if wm.get(name) != fname:
+                other = f" (index says {wm[name]})" if name in wm else " (not in the index)"
+                raise error(f"{f.path}: tensor {name!r} is in this shard but the index does not map it here{other}")
+    return files, where, meta, index

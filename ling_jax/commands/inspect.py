@@ -36,7 +36,7 @@ from ling_jax.commands.common import print_report
 from ling_jax import accounting as A
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
-from ling_jax.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE, SafetensorsFile, read_index
+from ling_jax.checkpoint.safetensors_io import open_shards
 
 
 def add_parser(subparsers):
@@ -46,17 +46,6 @@ def add_parser(subparsers):
     p.add_argument("dir", metavar="DIR", help="checkpoint directory (index + shards, or model.safetensors)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
-
-
-def _shard_files(d: str) -> tuple[list[str], dict | None, dict]:
-    """(shard file names, index weight_map or None, index metadata)."""
-    index = os.path.join(d, INDEX_FILE)
-    if os.path.isfile(index):
-        wm, meta = read_index(index, ValueError)
-        return list(dict.fromkeys(wm.values())), wm, meta
-    if os.path.isfile(os.path.join(d, SINGLE_FILE)):
-        return [SINGLE_FILE], None, {}
-    raise ValueError(f"{d}: no {INDEX_FILE} or {SINGLE_FILE} (not a safetensors checkpoint directory)")
 
 
 def _config_fields(d: str) -> tuple[int | None, int | None]:
@@ -87,38 +76,17 @@ def inspect_dir(d: str) -> dict:
         raise ValueError(f"{d}: checkpoint directory not found")
     if not os.path.isdir(d):
         raise ValueError(f"{d}: not a directory")
-    files, wm, meta = _shard_files(d)
+    files, infos, meta, _ = open_shards(d, ValueError)  # headers only, checked against the index
     tensors: list[A.Stored] = []
-    where: dict[str, str] = {}
     dtype_bytes: dict[str, int] = {}
-    header_bytes = file_bytes = 0
-    header_only = False
     mx_codes: dict[str, tuple] = {}   # routed expert weight stored as MXFP4 codes -> (shape, dtype, file)
-    infos: dict = {}
-    for fname in files:
-        sf = SafetensorsFile(os.path.join(d, fname))  # parses the header only
-        header_bytes += sf.data_start
-        file_bytes += sf.data_start + sf.data_size
-        header_only |= sf.header_only
-        for name, t in sf.tensors.items():
-            if name in where:
-                raise ValueError(f"{d}: tensor {name!r} appears in both {where[name]} and {fname}")
-            where[name] = fname
-            shape = tuple(t.shape)
-            if t.dtype == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
-                mx_codes[name] = (shape, t.dtype, fname)
-                shape = shape[:-1] + (2 * shape[-1],) if shape else shape  # logical [out, in]
-            tensors.append(A.Stored(name, shape, t.nbytes, t.dtype, A.is_scale_name(name)))
-            dtype_bytes[t.dtype] = dtype_bytes.get(t.dtype, 0) + t.nbytes
-            infos[name] = t
-    if wm is not None:
-        for name, fname in wm.items():
-            if where.get(name) != fname:
-                raise ValueError(f"{os.path.join(d, INDEX_FILE)}: tensor {name!r} is mapped to {fname} "
-                                 f"but that shard's header does not hold it")
-        if len(where) != len(wm):
-            extra = next(n for n in where if n not in wm)
-            raise ValueError(f"{os.path.join(d, where[extra])}: tensor {extra!r} is not in {INDEX_FILE}")
+    for name, t in infos.items():
+        shape = tuple(t.shape)
+        if t.dtype == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
+            mx_codes[name] = (shape, t.dtype, os.path.basename(t.file))
+            shape = shape[:-1] + (2 * shape[-1],) if shape else shape  # logical [out, in]
+        tensors.append(A.Stored(name, shape, t.nbytes, t.dtype, A.is_scale_name(name)))
+        dtype_bytes[t.dtype] = dtype_bytes.get(t.dtype, 0) + t.nbytes
     if not tensors:
         raise ValueError(f"{d}: the checkpoint holds no tensors")
     mx = _mxfp4_summary(d, mx_codes, infos)
@@ -130,9 +98,9 @@ def inspect_dir(d: str) -> dict:
     out.update({
         "dir": os.path.abspath(d),
         "files": len(files),
-        "header_only": header_only,
-        "header_bytes": header_bytes,
-        "file_bytes": file_bytes,
+        "header_only": any(sf.header_only for sf in files.values()),
+        "header_bytes": sum(sf.data_start for sf in files.values()),
+        "file_bytes": sum(sf.data_start + sf.data_size for sf in files.values()),
         "index_total_size": meta.get("total_size"),
         "num_hidden_layers": n_layers,
         "num_experts_per_tok": k,

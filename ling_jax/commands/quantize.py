@@ -28,9 +28,9 @@ import numpy as np
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
-from ling_jax.checkpoint.reader import INDEX_FILE, CheckpointReader
+from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.checkpoint.writer import staged_dir, write_json, write_shards
-from ling_jax.checkpoint.safetensors_io import CheckpointError, ShardWriter, nbytes, prepare_out_dir
+from ling_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointError, ShardWriter, nbytes, prepare_out_dir
 
 COPY_CHUNK_BYTES = 64 << 20
 

@@ -19,3 +19,12 @@ from ling_jax.train.step import (StepSpec, cross_entropy, eval_loss, expert_load
                                  jitted_eval_loss, jitted_train_step, lm_losses, loss_fn, lr_schedule,
                                  make_optimizer, train_step, update_expert_bias)
 from ling_jax.train.tokenizer_train import train_tokenizer
+
+__all__ = [
+    "BIAS_NAME", "BatchStream", "StepSpec", "TrainConfig", "Trainer", "bias_layers", "checkpoint_manager",
+    "corpus_tokens", "cross_entropy", "default_model_config", "eval_loss", "expert_load", "flatten_state",
+    "forward", "init_model", "initial_state", "jitted_eval_loss", "jitted_train_step", "lm_losses",
+    "load_trained_model", "loss_fn", "lr_schedule", "make_optimizer", "merge_model", "mtp_lambda",
+    "pack_documents", "read_corpus", "read_meta", "restore_state", "save_state", "split_model", "train_step",
+    "train_tokenizer", "unflatten", "update_expert_bias",
+]

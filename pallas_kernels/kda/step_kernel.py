@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import backend_platform, compiler_params, resolve_interpret
+from pallas_kernels._common import compiler_params, target
 
 F32 = jnp.float32
 
@@ -78,11 +78,9 @@ def kda_recurrent_step_pallas(state, q, k, v, g, beta, interpret=None, *, block_
     state [B,H,dk,dv] f32 (updated in place when donated); q (normalised, scaled), k (normalised),
     g (log-decay) [B,H,dk]; v [B,H,dv]; beta [B,H]. Returns (o [B,H,dv] f32, new state).
     block_h heads per program (default 8 on TPU, 1 on GPU); block_v value columns (default dv; 64 on GPU).
-    platform: target backend "tpu" | "gpu" | "cpu" for the tile defaults, interpret default and compiler
-      parameters (None = the default backend; set it to lower ahead of time for another backend).
+    platform: the target backend (`_common.backend_platform`; None = the default one).
     """
-    plat = backend_platform(platform)
-    interpret = resolve_interpret(interpret, plat)
+    plat, interpret = target(platform, interpret)
     block_h, block_v = _defaults(block_h, block_v, state.shape[1], state.shape[3], plat)
     return _run(state, q, k, v, g, beta, interpret, block_h, block_v, plat=plat)
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import NEG, backend_platform, compiler_params, dot, next_pow2, resolve_interpret
+from pallas_kernels._common import NEG, compiler_params, dot, next_pow2, target
 
 F32 = jnp.float32
 
@@ -208,11 +208,9 @@ def latent_attention_pallas(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s:
     block_s: keys per block (TPU 512, GPU 64, CPU 128). num_splits: parallel key partitions
       (flash decoding; TPU 1, GPU ⌊132/B⌋). block_q: query rows (T·H) per program (GPU 32; else the
       rows rounded up to a power of two ≥ 16, at most 256). mode: "grid" | "loop" (see module doc).
-    platform: target backend "tpu" | "gpu" | "cpu" for the tile defaults, interpret default and compiler
-      parameters (None = the default backend; set it to lower ahead of time for another backend).
+    platform: the target backend (`_common.backend_platform`; None = the default one).
     """
-    plat = backend_platform(platform)
-    interpret = resolve_interpret(interpret, plat)
+    plat, interpret = target(platform, interpret)
     mode, block_s, num_splits, block_q = _defaults(mode, block_s, num_splits, block_q, q_hat.shape[0], plat)
     return _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, float(scale), block_s, interpret, num_splits, block_q, mode,
                 plat=plat)
