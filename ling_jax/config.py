@@ -53,17 +53,19 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 MAX_POSITIONS = 2**31 - 1
 
 
-def parse_json_bytes(raw: bytes, src: str):
-    """JSON of a file's UTF-8 bytes, or ConfigError naming `src`. NaN/Infinity literals (which Python
-    writes) parse, so that the field check names the field that holds one."""
+def parse_json_bytes(raw: bytes, src: str, error=None):
+    """JSON of a file's UTF-8 bytes, or `error` (default ConfigError) naming `src`: every JSON file we
+    read goes through here. NaN/Infinity literals (which Python writes) parse, so that the field
+    check names the field that holds one."""
+    error = error or ConfigError
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{src}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise error(f"{src}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except RecursionError:
-        raise ConfigError(f"{src}: not valid JSON (nested too deeply)") from None
+        raise error(f"{src}: not valid JSON (nested too deeply)") from None
     except ValueError as e:  # JSONDecodeError and the NaN/Infinity refusal
-        raise ConfigError(f"{src}: not valid JSON ({e})") from None
+        raise error(f"{src}: not valid JSON ({e})") from None
 
 
 # Fields that fix tensor shapes or the schedule: no reference default (see the module docstring).

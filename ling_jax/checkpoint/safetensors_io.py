@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from ling_jax.checkpoint.atomic import clean_stale_temps, temp_path
+from ling_jax.config import parse_json_bytes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -416,10 +417,7 @@ def read_index(index_path: str, error=None) -> tuple[dict, dict]:
             raw = f.read()
     except OSError as e:
         raise error(f"{index_path}: cannot read ({e.strerror or e})") from None
-    try:
-        idx = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise error(f"{index_path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    idx = parse_json_bytes(raw, index_path, error)
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise error(f"{index_path}: no 'weight_map' object")

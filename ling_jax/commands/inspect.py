@@ -29,7 +29,6 @@ with FP32 conv taps:
 """
 from __future__ import annotations
 
-import json
 import os
 
 from ling_jax.commands.common import print_report
@@ -37,6 +36,7 @@ from ling_jax import accounting as A
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.safetensors_io import open_shards
+from ling_jax.config import parse_json_bytes
 
 
 def add_parser(subparsers):
@@ -53,11 +53,8 @@ def _config_fields(d: str) -> tuple[int | None, int | None]:
     p = os.path.join(d, "config.json")
     if not os.path.isfile(p):
         return None, None
-    try:
-        with open(p) as f:
-            c = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from None
+    with open(p, "rb") as f:
+        c = parse_json_bytes(f.read(), p, ValueError)
 
     def pos_int(k):
         v = c.get(k) if isinstance(c, dict) else None

@@ -96,11 +96,8 @@ def expert_load(routing: dict, num_experts: int, mask=None) -> dict:
     """{layer: fraction of routed assignments per expert [E]} (mask [B,T] drops padding)."""
     out = {}
     for layer, idx in routing.items():
-        if mask is None:
-            w = jnp.ones(idx.shape, jnp.float32)
-        else:
-            w = jnp.broadcast_to(mask[..., None], idx.shape).astype(jnp.float32)
-        counts = jnp.zeros((num_experts,), jnp.float32).at[idx.reshape(-1)].add(w.reshape(-1))
+        w = jnp.ones(idx.shape, jnp.float32) if mask is None else jnp.broadcast_to(mask[..., None], idx.shape)
+        counts = jnp.zeros((num_experts,), jnp.float32).at[idx.reshape(-1)].add(w.reshape(-1).astype(jnp.float32))
         out[layer] = counts / jnp.maximum(counts.sum(), 1.0)
     return out
 
