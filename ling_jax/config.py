@@ -272,11 +272,7 @@ def _parse(d: dict[str, Any], src: str) -> LingConfig:
         if not present or (name != "q_lora_rank" and d.get(name, d.get(alias)) is None):
             err(f"has no {name} (required: it fixes tensor shapes or the layer schedule and has no "
                 f"reference default)")
-    kw: dict[str, Any] = {}
-    fields = {f.name: f for f in dataclasses.fields(LingConfig)}
-    for name in fields:
-        if name in d and d[name] is not None:
-            kw[name] = d[name]
+    kw: dict[str, Any] = {f.name: d[f.name] for f in dataclasses.fields(LingConfig) if d.get(f.name) is not None}
     for name, alias in _ALIASES.items():
         if alias in d and name not in d and d[alias] is not None:
             kw[name] = d[alias]

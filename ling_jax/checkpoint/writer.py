@@ -63,11 +63,9 @@ def init_distribution(name: str, spec: L.TensorSpec) -> tuple[str, float, float]
     if k == L.PARAM:
         if name.endswith("A_log"):
             return ("log_uniform", 1.0, 16.0)
-        if name.endswith("dt_bias"):
-            return ("normal", 0.0, 0.1)
         if name.endswith("expert_bias"):
             return ("normal", 0.0, 0.01)
-        return ("normal", 0.0, 0.1)
+        return ("normal", 0.0, 0.1)  # dt_bias
     if k == L.ROUTER:
         # logits std ≈ 2 for O(1) inputs: sigmoid scores spread over roughly (0.1, 0.9)
         return ("normal", 0.0, 2.0 / math.sqrt(spec.shape[1]))
@@ -96,10 +94,7 @@ def generate_chunks(name: str, spec: L.TensorSpec, seed: int, rows_per_chunk: Op
     kind, a, b = init_distribution(name, spec)
     rng = _rng(seed, name)
     shape = spec.shape
-    if len(shape) == 0:
-        rows, rest = 1, ()
-    else:
-        rows, rest = shape[0], tuple(shape[1:])
+    rows, rest = (shape[0], tuple(shape[1:])) if shape else (1, ())
     per = rows_per_chunk or rows
     row_elems = math.prod(rest)
     for r0 in range(0, rows, per):
