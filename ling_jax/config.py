@@ -37,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 from typing import Any, Optional
 
 MLA = "mla"
@@ -66,6 +67,28 @@ def parse_json_bytes(raw: bytes, src: str, error=None):
         raise error(f"{src}: not valid JSON (nested too deeply)") from None
     except ValueError as e:  # JSONDecodeError and the NaN/Infinity refusal
         raise error(f"{src}: not valid JSON ({e})") from None
+
+
+def read_json_file(path: str, error=None, limit: int = MAX_CONFIG_BYTES):
+    """JSON of the file at `path`, at most `limit` bytes (the JSON files of a checkpoint are small), or
+    `error` (default ConfigError) naming it: missing, a directory, unreadable, too large, not JSON."""
+    error = error or ConfigError
+    too_big = error(f"{path}: larger than {limit} bytes (not a {os.path.basename(path)} we can use)")
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())  # size first: `f.read(n)` allocates n bytes up front
+            if st.st_size > limit:
+                raise too_big
+            raw = f.read() if stat.S_ISREG(st.st_mode) else f.read(limit + 1)  # a pipe reports no size
+    except FileNotFoundError:
+        raise error(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, not a file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(raw) > limit:
+        raise too_big
+    return parse_json_bytes(raw, path, error)
 
 
 # Fields that fix tensor shapes or the schedule: no reference default (see the module docstring).
@@ -185,18 +208,7 @@ class LingConfig:
     @classmethod
     def from_json(cls, path: str) -> "LingConfig":
         p = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        try:
-            with open(p, "rb") as f:
-                raw = f.read(MAX_CONFIG_BYTES + 1)
-        except FileNotFoundError:
-            raise ConfigError(f"{p}: config file not found") from None
-        except IsADirectoryError:
-            raise ConfigError(f"{p}: is a directory, not a config file") from None
-        except OSError as e:
-            raise ConfigError(f"{p}: cannot read ({e.strerror or e})") from None
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{p}: larger than {MAX_CONFIG_BYTES} bytes (not a config.json)")
-        return _parse(parse_json_bytes(raw, p), p)
+        return _parse(read_json_file(p), p)
 
     def to_dict(self) -> dict[str, Any]:
         """The HF-style config.json fields (what the checkpoint writer stores)."""

@@ -28,7 +28,7 @@ import re
 
 from ling_jax.checkpoint.orbax import FORMAT, META, VERSION
 from ling_jax.checkpoint.safetensors_io import CheckpointError
-from ling_jax.config import ConfigError, LingConfig, parse_json_bytes
+from ling_jax.config import ConfigError, LingConfig, read_json_file
 
 COMMIT_MARKER = "commit_success.txt"
 ORBAX_METADATA = "_METADATA"
@@ -51,8 +51,7 @@ def _read_marker(path: str) -> dict:
     p = os.path.join(path, META)
     if not os.path.isfile(p):
         raise CheckpointError(f"{path}: not a converted checkpoint (no {META})")
-    with open(p, "rb") as f:
-        meta = parse_json_bytes(f.read(), p, CheckpointError)
+    meta = read_json_file(p, CheckpointError)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{p}: not a JSON object")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from ling_jax.checkpoint.atomic import clean_stale_temps, temp_path
-from ling_jax.config import parse_json_bytes
+from ling_jax.config import read_json_file
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -409,15 +409,7 @@ def read_index(index_path: str, error=None) -> tuple[dict, dict]:
     """(weight_map, metadata) of a `model.safetensors.index.json` whose every shard is a plain file name
     that exists beside it; `error` is the exception class raised."""
     error = error or CheckpointError
-    try:
-        with open(index_path, "rb") as f:
-            # size first: `f.read(n)` allocates n bytes up front (256 MiB for every index read)
-            if os.fstat(f.fileno()).st_size > MAX_HEADER_BYTES:
-                raise error(f"{index_path}: larger than {MAX_HEADER_BYTES} bytes (not an index file)")
-            raw = f.read()
-    except OSError as e:
-        raise error(f"{index_path}: cannot read ({e.strerror or e})") from None
-    idx = parse_json_bytes(raw, index_path, error)
+    idx = read_json_file(index_path, error, MAX_HEADER_BYTES)
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise error(f"{index_path}: no 'weight_map' object")

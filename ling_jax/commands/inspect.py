@@ -17,15 +17,8 @@ scale shape) is refused naming the tensor. A header-only MXFP4 checkpoint of the
 (`make-checkpoint ... --header-only --fp8-layout A --conv-dtype F32 --expert-format mxfp4`)
 reports 313,151,411,712 B = 291.64 GiB, the seed article's figure.
 `fp8_layout` names the spec §12.7 layout ("A"/"B") the stored dtypes follow (None: neither / no FP8).
-
 The published release total (534.35 GiB) is reproduced from a header-only checkpoint in layout A
-with FP32 conv taps:
-
-    ling-jax make-checkpoint --config config.ling-3.1-flash.json --out DIR --header-only \
-        --fp8-layout A --conv-dtype F32 --no-tokenizer
-    ling-jax inspect DIR --json      # bytes.total 573,753,349,632 = 534.35 GiB
-
-(the writer's default, layout B with BF16 conv taps, gives 534.32 GiB).
+with FP32 conv taps (the recipe is in `ling_jax.commands.make_checkpoint`).
 """
 from __future__ import annotations
 
@@ -36,7 +29,7 @@ from ling_jax import accounting as A
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.safetensors_io import open_shards
-from ling_jax.config import parse_json_bytes
+from ling_jax.config import read_json_file
 
 
 def add_parser(subparsers):
@@ -53,8 +46,7 @@ def _config_fields(d: str) -> tuple[int | None, int | None]:
     p = os.path.join(d, "config.json")
     if not os.path.isfile(p):
         return None, None
-    with open(p, "rb") as f:
-        c = parse_json_bytes(f.read(), p, ValueError)
+    c = read_json_file(p, ValueError)
 
     def pos_int(k):
         v = c.get(k) if isinstance(c, dict) else None
