@@ -118,11 +118,10 @@ class CheckpointReader:
     def get_scale(self, name: str) -> np.ndarray:
         """float32 block-scale grid of an FP8 weight."""
         sn = L.scale_name(name)
+        t = self.info(name)
         if sn not in self._where:
-            t = self.info(name)
             raise CheckpointError(f"{t.file}: tensor {name!r} is stored {t.dtype} but its scale {sn!r} "
                                   f"is missing")
-        t = self.info(name)
         st = self.info(sn)
         want = scale_grid_shape(t.shape, self.block) if len(t.shape) == 2 else None
         if want is None or st.shape != want:

@@ -32,24 +32,13 @@ SINGLE_FILE = "model.safetensors"
 HEADER_ONLY_KEY = "ling_jax.header_only"
 MAX_HEADER_BYTES = 256 * 1024 * 1024  # sanity bound on the JSON header length
 
-DTYPES: dict[str, np.dtype] = {
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),  # MXFP4 scales (read; we write U8, see checkpoint.mxfp4)
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F16": np.dtype(np.float16),
-    "F32": np.dtype(np.float32),
-    "F64": np.dtype(np.float64),
-    "I8": np.dtype(np.int8),
-    "I16": np.dtype(np.int16),
-    "I32": np.dtype(np.int32),
-    "I64": np.dtype(np.int64),
-    "U8": np.dtype(np.uint8),
-    "U16": np.dtype(np.uint16),
-    "U32": np.dtype(np.uint32),
-    "U64": np.dtype(np.uint64),
-    "BOOL": np.dtype(np.bool_),
-}
+DTYPES: dict[str, np.dtype] = {k: np.dtype(v) for k, v in {
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,  # MXFP4 scales (read; we write U8, see checkpoint.mxfp4)
+    "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+    "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32,
+    "U64": np.uint64, "BOOL": np.bool_,
+}.items()}
 
 
 class CheckpointError(ValueError):
@@ -353,8 +342,7 @@ class SafetensorsFile:
                 r0, r1 = min(rows[0], rows[-1]), max(rows[0], rows[-1]) + 1
                 sub = slice(None) if rows.step == 1 else np.asarray(rows) - r0
             buf = self._pread(self.data_start + t.begin + r0 * row_bytes, (r1 - r0) * row_bytes)
-            out = np.frombuffer(buf, dt).reshape((r1 - r0,) + shape[1:])[sub]
-            return out  # owns (via its base) a fresh, writable buffer
+            return np.frombuffer(buf, dt).reshape((r1 - r0,) + shape[1:])[sub]  # owns a fresh, writable buffer
         mm = np.memmap(self.path, dtype=dt, mode="r", offset=self.data_start + t.begin, shape=shape)
         try:
             return np.array(mm[idx], copy=True)

@@ -55,22 +55,16 @@ def _shard_order(r: CheckpointReader) -> dict[str, list[str]]:
     return {f: [n for _, n in sorted(v)] for f, v in sorted(by_file.items())}
 
 
-def _is_mxfp4_source(r: CheckpointReader) -> bool:
-    stored = [n for n in r.names() if L.is_routed_expert_weight(n) and r.info(n).dtype == MX.PACKED_DTYPE]
-    if not stored:
-        return False
-    q = r.config.quantization_config or {}
-    if q.get("routed_experts_quant_method") != MX.QUANT_METHOD:
-        raise CheckpointError(f"{r.info(stored[0]).file}: routed expert {stored[0]!r} is stored "
-                              f"{MX.PACKED_DTYPE} (MXFP4 codes) but {os.path.join(r.dir, 'config.json')} does not "
-                              f"declare quantization_config.routed_experts_quant_method: mxfp4")
-    return True
-
-
 def _validate_source(r: CheckpointReader, specs: dict) -> None:
     """Structure of the source: `CheckpointReader.problems` for everything but MXFP4 experts, and
-    `mxfp4.mxfp4_problems` (against the config's shapes) for those. First problem + count."""
-    mx = {n for n in r.names() if L.is_routed_expert_weight(n) and r.info(n).dtype == MX.PACKED_DTYPE}
+    `mxfp4.mxfp4_problems` (against the config's shapes) for those, which config.json must declare.
+    First problem + count."""
+    mx = [n for n in r.names() if L.is_routed_expert_weight(n) and r.info(n).dtype == MX.PACKED_DTYPE]
+    q = r.config.quantization_config or {}
+    if mx and q.get("routed_experts_quant_method") != MX.QUANT_METHOD:
+        raise CheckpointError(f"{r.info(mx[0]).file}: routed expert {mx[0]!r} is stored "
+                              f"{MX.PACKED_DTYPE} (MXFP4 codes) but {os.path.join(r.dir, 'config.json')} does not "
+                              f"declare quantization_config.routed_experts_quant_method: mxfp4")
     mx_related = {repr(n) for n in mx} | {repr(L.scale_name(n)) for n in mx}
     probs = [p for p in r.problems() if not any(m in p for m in mx_related)]
     for n in mx:
@@ -134,7 +128,6 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
         raise ValueError(f"{out_dir}: --out must differ from --checkpoint")
     cfg = r.config
     specs = L.expected_tensors(cfg, include_mtp=True)
-    _is_mxfp4_source(r)
     _validate_source(r, specs)
     order = _shard_order(r)
     plan = {f: _out_entries(r, names) for f, names in order.items()}

@@ -93,9 +93,7 @@ def _run(x, wq, scale, block, interpret, block_m, block_n, block_k, plat):
     s = jnp.pad(s, ((0, Kp // qbk - s.shape[0]), (0, Np - N)))
     n_sub, n_k = bk // qbk, Kp // bk
     kernel = functools.partial(_kernel, qbk=qbk, n_sub=n_sub, n_k=n_k, unroll=n_sub <= 8)
-    scratch = []
-    if n_k > 1:
-        scratch = [pltpu.VMEM((bm, bn), F32)]
+    scratch = [pltpu.VMEM((bm, bn), F32)] if n_k > 1 else []
     out = pl.pallas_call(
         kernel,
         grid=(Mp // bm, Np // bn, n_k),
