@@ -38,8 +38,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _checkpoint_tensors(path, a: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
-    """The checkpoint tensors of one parameter value: stacked experts `[E, out, in]` one `[out, in]`
-    matrix each, conv taps `[P, K]` as `[P, 1, K]`, anything else as it is."""
+    """{checkpoint name: array} of one parameter value (the module docstring's inverse mapping)."""
     if is_expert_path(path):
         if a.shape[0] != len(names):
             raise ValueError(f"{'.'.join(map(str, path))}: {a.shape[0]} stacked experts, config has {len(names)}")

@@ -23,8 +23,6 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-__all__ = ["Tokenizer", "load_generation_config", "eos_token_ids"]
-
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"

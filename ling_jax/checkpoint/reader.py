@@ -33,8 +33,6 @@ from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, scale_grid
 from ling_jax.checkpoint.safetensors_io import CheckpointError, TensorInfo, _normalize_index, open_shards
 from ling_jax.config import ConfigError, LingConfig
 
-__all__ = ["CheckpointReader", "CheckpointError"]
-
 SCALE_DTYPES = ("F32", "BF16")
 FP8 = "F8_E4M3"
 #: environment switch for the value checks of every reader created without `check_values=` (CLI flag

@@ -170,11 +170,8 @@ def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: boo
 
 def write_generation_config(d: str, cfg: LingConfig) -> None:
     """generation_config.json with the config's eos (int or list), pad and bos ids."""
-    gen = {"eos_token_id": list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0]}
-    if cfg.pad_token_id is not None:
-        gen["pad_token_id"] = cfg.pad_token_id
-    if cfg.bos_token_id is not None:
-        gen["bos_token_id"] = cfg.bos_token_id
+    d = cfg.to_dict()
+    gen = {k: d[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if d[k] is not None}
     write_json(os.path.join(d, "generation_config.json"), gen)
 
 

@@ -16,6 +16,7 @@ from ling_jax.model import LingForCausalLM
 from ling_jax.train.config import TrainConfig
 from ling_jax.train.flat import bias_layers, split_model
 from ling_jax.train.step import StepSpec, initial_state, jitted_eval_loss, jitted_train_step
+from sharding.mesh import mesh_sizes
 
 
 class Trainer:
@@ -52,10 +53,9 @@ class Trainer:
     # ---- steps --------------------------------------------------------------------------------
     def _place_batch(self, ids):
         ids = jnp.asarray(ids, jnp.int32)
-        if self.mesh is not None and "data" in self.mesh.axis_names:
-            n = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))["data"]
-            if ids.shape[0] % n == 0:
-                ids = jax.device_put(ids, NamedSharding(self.mesh, P("data", None)))
+        n = mesh_sizes(self.mesh).get("data") if self.mesh is not None else None
+        if n is not None and ids.shape[0] % n == 0:
+            ids = jax.device_put(ids, NamedSharding(self.mesh, P("data", None)))
         return ids
 
     def train_step(self, ids, mask=None) -> dict:

@@ -48,11 +48,9 @@ def _decay(key: str, leaf) -> bool:
 
 def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
     mask = lambda params: {k: _decay(k, v) for k, v in params.items()}  # noqa: E731
-    return optax.chain(
-        optax.clip_by_global_norm(tcfg.clip_norm),
-        optax.adamw(lr_schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps, weight_decay=tcfg.weight_decay,
-                    mask=mask),
-    )
+    return optax.chain(optax.clip_by_global_norm(tcfg.clip_norm),
+                       optax.adamw(lr_schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps,
+                                   weight_decay=tcfg.weight_decay, mask=mask))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,14 +129,9 @@ class StepSpec:
 
 def initial_state(params: dict, bias: dict, rest: dict, tcfg: TrainConfig) -> dict:
     """{step, params, bias, rest, opt_state, rng}: step 0, fresh optimizer moments, the seed's key data."""
-    return {
-        "step": jnp.zeros((), jnp.int32),
-        "params": params,
-        "bias": bias,
-        "rest": rest,
-        "opt_state": jax.jit(make_optimizer(tcfg).init)(params),
-        "rng": jax.random.key_data(jax.random.key(tcfg.seed)),
-    }
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "bias": bias, "rest": rest,
+            "opt_state": jax.jit(make_optimizer(tcfg).init)(params),
+            "rng": jax.random.key_data(jax.random.key(tcfg.seed))}
 
 
 def loss_fn(spec: StepSpec, params: dict, bias: dict, rest: dict, ids, mask):

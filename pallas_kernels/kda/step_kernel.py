@@ -21,10 +21,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import compiler_params, target
+from pallas_kernels.kda.reference import kda_recurrent_scan
 
 F32 = jnp.float32
 
@@ -95,15 +95,8 @@ def kda_recurrent_scan_pallas(q, k, v, g, beta, state, *, platform: str | None =
     materialise every state anyway, which is what its scan already does. kernel_kw: see
     `kda_recurrent_step_pallas`; platform: as there (one target for every step).
     """
+    step = functools.partial(kda_recurrent_step_pallas, platform=platform, **kernel_kw)
     if q.shape[1] == 1:
-        o, s = kda_recurrent_step_pallas(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], platform=platform,
-                                         **kernel_kw)
+        o, s = step(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
         return o[:, None], s
-
-    def step(s, xs):
-        o, s = kda_recurrent_step_pallas(s, *xs, platform=platform, **kernel_kw)
-        return s, o
-
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    s, o = lax.scan(step, state, xs)
-    return jnp.moveaxis(o, 0, 1), s
+    return kda_recurrent_scan(q, k, v, g, beta, state, step_fn=step)
