@@ -25,8 +25,9 @@ from flax import nnx
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_dequant_fp8, block_quant_fp8
 from ling_jax.checkpoint.layout import checkpoint_names, is_expert_path
-from ling_jax.checkpoint.safetensors_io import DTYPES, nbytes, prepare_out_dir
-from ling_jax.checkpoint.writer import (checkpoint_config_dict, plan_shards, shard_file_name, staged_dir,
+from ling_jax.checkpoint.atomic import prepare_out_dir, staged_dir
+from ling_jax.checkpoint.safetensors_io import DTYPES, nbytes
+from ling_jax.checkpoint.writer import (checkpoint_config_dict, plan_shards, shard_file_name,
                                        write_generation_config, write_json, write_shards, write_tensor)
 from ling_jax.config import LingConfig
 from ling_jax.loader import load_model
@@ -108,7 +109,7 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
     shards = plan_shards(entries, num_shards)
     total = sum(nbytes(d, s) for _, d, s in entries)
 
-    out_dir, _ = prepare_out_dir(out_dir, overwrite, "--overwrite")
+    out_dir = prepare_out_dir(out_dir, overwrite, "--overwrite")
 
     def write(w, name: str, dt: str, bar) -> None:
         if not name.endswith(L.SCALE_SUFFIX):  # a scale is written right after its weight

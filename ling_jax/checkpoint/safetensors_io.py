@@ -15,7 +15,6 @@ inspected but not read.
 from __future__ import annotations
 
 import json
-import shutil
 import math
 import os
 import struct
@@ -24,7 +23,6 @@ from typing import Iterable, NamedTuple, Optional
 import ml_dtypes
 import numpy as np
 
-from ling_jax.checkpoint.atomic import clean_stale_temps, temp_path
 from ling_jax.config import read_json_file
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -363,34 +361,6 @@ def load_file(path: str) -> dict[str, np.ndarray]:
     """Read every tensor of one safetensors file (small files, tests)."""
     with SafetensorsFile(path) as f:
         return {n: f.read(n) for n in f.names()}
-
-
-def replace_dir(tmp: str, out_dir: str) -> None:
-    """Move a finished directory `tmp` to `out_dir`, replacing any existing one only once `tmp` is
-    complete (renames within one parent directory; a reader never sees a half-written checkpoint).
-    The replaced directory is parked under a `.ling-tmp-*` name (see `atomic`) and then deleted."""
-    if os.path.exists(out_dir):
-        old = temp_path(out_dir)
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
-
-
-def prepare_out_dir(out_dir: str, overwrite: bool, flag: str = "overwrite") -> tuple[str, str]:
-    """(absolute out_dir, its parent): refuses a file or a non-empty directory unless `overwrite`;
-    removes stale temporaries of earlier, killed runs from the parent (`atomic.clean_stale_temps`)."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir):
-        if not os.path.isdir(out_dir):
-            raise ValueError(f"{out_dir}: exists and is not a directory")
-        if os.listdir(out_dir) and not overwrite:
-            raise ValueError(f"{out_dir}: directory exists and is not empty (use {flag})")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    clean_stale_temps(parent)
-    return out_dir, parent
 
 
 def read_index(index_path: str, error=None) -> tuple[dict, dict]:

@@ -19,11 +19,9 @@ only in how MLA `kv_a_proj_with_mqa` and `g_proj` are rounded (BF16 vs FP8 block
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import shutil
 import zlib
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -32,10 +30,9 @@ from tqdm import tqdm
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
-from ling_jax.checkpoint.atomic import make_temp_dir
+from ling_jax.checkpoint.atomic import prepare_out_dir, staged_dir
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, block_quant_fp8
-from ling_jax.checkpoint.safetensors_io import (INDEX_FILE, DTYPES, ShardWriter, nbytes, prepare_out_dir,
-                                                replace_dir)
+from ling_jax.checkpoint.safetensors_io import INDEX_FILE, DTYPES, ShardWriter, nbytes
 from ling_jax.checkpoint.tokenizer_files import build_tokenizer, write_tokenizer_files
 from ling_jax.config import LingConfig
 
@@ -170,8 +167,8 @@ def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: boo
 
 def write_generation_config(d: str, cfg: LingConfig) -> None:
     """generation_config.json with the config's eos (int or list), pad and bos ids."""
-    d = cfg.to_dict()
-    gen = {k: d[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if d[k] is not None}
+    c = cfg.to_dict()
+    gen = {k: c[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if c[k] is not None}
     write_json(os.path.join(d, "generation_config.json"), gen)
 
 
@@ -179,20 +176,6 @@ def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
-
-
-@contextlib.contextmanager
-def staged_dir(out_dir: str) -> Iterator[str]:
-    """A fresh hidden temporary beside `out_dir` (`atomic.make_temp_dir`; the next run removes it if we
-    are killed), renamed onto `out_dir` when the block completes and deleted on any error, so a failure
-    never leaves a half-written checkpoint."""
-    tmp = make_temp_dir(out_dir)
-    try:
-        yield tmp
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_shards(tmp: str, shards: dict[str, list], write: Callable, total: int, header_only: bool = False,
@@ -249,7 +232,7 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     fp8_layout = L.check_fp8_layout(fp8_layout)
     conv_dtype = L.check_conv_dtype(conv_dtype)
     experts = L.check_expert_format(experts)
-    out_dir, _ = prepare_out_dir(out_dir, overwrite)
+    out_dir = prepare_out_dir(out_dir, overwrite)
     block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
     specs = L.expected_tensors(cfg, include_mtp, conv_dtype, fp8_layout)
     entries = L.release_tensors(cfg, dtype, include_mtp, conv_dtype, block, fp8_layout, experts)

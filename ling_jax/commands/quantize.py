@@ -29,8 +29,9 @@ import numpy as np
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.reader import CheckpointReader
-from ling_jax.checkpoint.writer import staged_dir, write_json, write_shards
-from ling_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointError, ShardWriter, nbytes, prepare_out_dir
+from ling_jax.checkpoint.atomic import prepare_out_dir, staged_dir
+from ling_jax.checkpoint.writer import write_json, write_shards
+from ling_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointError, ShardWriter, nbytes
 
 COPY_CHUNK_BYTES = 64 << 20
 
@@ -132,7 +133,7 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
     order = _shard_order(r)
     plan = {f: _out_entries(r, names) for f, names in order.items()}
     total = sum(nbytes(d, s) for es in plan.values() for _, d, s in es)
-    out_dir, _ = prepare_out_dir(out_dir, overwrite, "--force")
+    out_dir = prepare_out_dir(out_dir, overwrite, "--force")
     with open(os.path.join(r.dir, "config.json")) as f:
         raw_cfg = json.load(f)
     has_mtp = any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in r.names())
