@@ -196,9 +196,7 @@ class CheckpointReader:
             if t.dtype == FP8 and L.scale_name(name) not in self._where:
                 out.append(f"{t.file}: tensor {name!r} is {FP8} but its scale {L.scale_name(name)!r} is missing")
         for name in expected:
-            if name in self._where:
-                continue
-            if not include_mtp and mtp_prefix and name.startswith(mtp_prefix):
+            if name in self._where or (not include_mtp and mtp_prefix and name.startswith(mtp_prefix)):
                 continue
             out.append(f"{self.index_path}: missing tensor {name!r} (shape {list(expected[name].shape)}, "
                        f"required by {cfg_file})")

@@ -126,21 +126,21 @@ def format_table(r: dict) -> str:
     lines = [f"{r['dir']}: {r['files']} file(s), {r['num_tensors']:,} tensors "
              f"({r['num_scale_tensors']:,} block-scale tensors)"
              + (", header-only" if r["header_only"] else ""), ""]
-    w = 22
+    w, part = 22, r["bytes_by_part"]
+
+    def row(title: str, params: str, b: int) -> str:
+        return f"{title:<{w}} {params:>17} {b:>19,} {b / A.GiB:>10.2f}"
+
     lines.append(f"{'group':<{w}} {'parameters':>17} {'bytes':>19} {'GiB':>10}")
     for g in (*A.GROUPS, "scales"):
         n, b = P["by_group"].get(g), B[g]
-        if not n and not b:
-            continue
-        ps = "-" if g == "scales" else f"{n:,}"
-        lines.append(f"{A.GROUP_TITLES[g]:<{w}} {ps:>17} {b:>19,} {b / A.GiB:>10.2f}")
+        if n or b:
+            lines.append(row(A.GROUP_TITLES[g], "-" if g == "scales" else f"{n:,}", b))
     lines.append("-" * (w + 49))
-    lines.append(f"{'Main model':<{w}} {P['main']:>17,} {r['bytes_by_part']['main']:>19,} "
-                 f"{r['bytes_by_part']['main'] / A.GiB:>10.2f}")
-    if P["mtp"] or r["bytes_by_part"]["mtp"]:
-        lines.append(f"{'MTP layer':<{w}} {P['mtp']:>17,} {r['bytes_by_part']['mtp']:>19,} "
-                     f"{r['bytes_by_part']['mtp'] / A.GiB:>10.2f}")
-    lines.append(f"{'Total':<{w}} {P['total']:>17,} {B['total']:>19,} {B['total'] / A.GiB:>10.2f}")
+    lines.append(row("Main model", f"{P['main']:,}", part["main"]))
+    if P["mtp"] or part["mtp"]:
+        lines.append(row("MTP layer", f"{P['mtp']:,}", part["mtp"]))
+    lines.append(row("Total", f"{P['total']:,}", B["total"]))
     lines.append("")
     if P["active"] is not None:
         lines.append(f"Active per token (main model): {P['active']:,} "
