@@ -91,6 +91,13 @@ def read_json_file(path: str, error=None, limit: int = MAX_CONFIG_BYTES):
     return parse_json_bytes(raw, path, error)
 
 
+def write_json(path: str, obj) -> None:
+    """`obj` as an indented JSON file (what we write beside a checkpoint: config, index, tokenizer config)."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
 # Fields that fix tensor shapes or the schedule: no reference default (see the module docstring).
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                    "intermediate_size", "layer_group_size", "first_k_dense_replace", "q_lora_rank",

@@ -23,13 +23,13 @@ import numpy as np
 from flax import nnx
 
 from ling_jax.checkpoint import layout as L
-from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_dequant_fp8, block_quant_fp8
+from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP
 from ling_jax.checkpoint.layout import checkpoint_names, is_expert_path
 from ling_jax.checkpoint.atomic import prepare_out_dir, staged_dir
-from ling_jax.checkpoint.safetensors_io import DTYPES, nbytes
-from ling_jax.checkpoint.writer import (checkpoint_config_dict, plan_shards, shard_file_name,
-                                       write_generation_config, write_json, write_shards, write_tensor)
-from ling_jax.config import LingConfig
+from ling_jax.checkpoint.safetensors_io import nbytes
+from ling_jax.checkpoint.writer import (checkpoint_config_dict, plan_shards, stored_values, write_generation_config,
+                                       write_shards, write_tensor)
+from ling_jax.config import LingConfig, write_json
 from ling_jax.loader import load_model
 from ling_jax.quantized import BlockFP8
 from ling_jax.train.state import load_trained_model
@@ -116,8 +116,7 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
             write_tensor(w, name, dt, [tensors[name]], block, bar)
 
     with staged_dir(out_dir) as tmp:
-        write_shards(tmp, {shard_file_name(k, len(shards)): shard for k, shard in enumerate(shards, 1)}, write,
-                     total, desc="exporting", progress=progress)
+        write_shards(tmp, shards, write, total, desc="exporting", progress=progress)
         write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp))
         write_generation_config(tmp, cfg)
         copied = _copy_tokenizer(tokenizer_dir, tmp)
@@ -137,13 +136,8 @@ def quantize_like_export(model, dtype: str = "fp8"):
         if not isinstance(var, nnx.Param):
             continue
         a = np.asarray(var.get_value(), np.float32)
-        parts = []
-        for n, x in _checkpoint_tensors(path, a, checkpoint_names(path, cfg)[1]).items():
-            s = specs[n]
-            if s.quantizable and dtype == "fp8":
-                parts.append(block_dequant_fp8(*block_quant_fp8(x, block), block))
-            else:
-                parts.append(x.astype(DTYPES[s.dtype]).astype(np.float32) if s.dtype != "F32" else x)
+        parts = [stored_values(x, "F8_E4M3" if specs[n].quantizable and dtype == "fp8" else specs[n].dtype, block)
+                 for n, x in _checkpoint_tensors(path, a, checkpoint_names(path, cfg)[1]).items()]
         r = np.stack(parts) if is_expert_path(path) else parts[0].reshape(a.shape)
         var.set_value(jnp.asarray(r, dtype=var.get_value().dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

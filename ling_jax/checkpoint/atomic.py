@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 import shutil
-from typing import Iterator, Optional
+from typing import Iterator
 
 TEMP_PREFIX = ".ling-tmp-"
 _TEMP_RE = re.compile(r"^\.ling-tmp-(\d+)-[0-9a-f]{8}-")
@@ -78,12 +78,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def temp_owner(name: str) -> Optional[int]:
-    """The pid in a temporary's name, or None if `name` is not one of ours."""
-    m = _TEMP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
 def clean_stale_temps(directory: str) -> list[str]:
     """Remove our temporaries in `directory` whose process is gone; returns the names removed."""
     removed = []
@@ -92,8 +86,8 @@ def clean_stale_temps(directory: str) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        pid = temp_owner(name)
-        if pid is None or _pid_alive(pid):
+        m = _TEMP_RE.match(name)  # one of ours: named with the pid of the process that made it
+        if m is None or _pid_alive(int(m.group(1))):
             continue
         p = os.path.join(directory, name)
         try:

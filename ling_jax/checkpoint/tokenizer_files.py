@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ling_jax.config import LingConfig
+from ling_jax.config import LingConfig, write_json
 
 _CORPUS = """\
 A language model reads a stream of tokens and predicts the next one. Each token is a small piece
@@ -132,6 +132,4 @@ def write_tokenizer_files(out_dir: str, tok: tuple[str, dict]) -> None:
     text, tcfg = tok
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(text)
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tcfg, f, indent=2)
-        f.write("\n")
+    write_json(os.path.join(out_dir, "tokenizer_config.json"), tcfg)

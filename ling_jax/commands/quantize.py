@@ -19,7 +19,6 @@ disk) nothing is left behind. A header-only source gives a header-only result (b
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -30,7 +29,8 @@ from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.checkpoint.atomic import prepare_out_dir, staged_dir
-from ling_jax.checkpoint.writer import write_json, write_shards
+from ling_jax.checkpoint.writer import write_mxfp4, write_shards
+from ling_jax.config import read_json_file, write_json
 from ling_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointError, ShardWriter, nbytes
 
 COPY_CHUNK_BYTES = 64 << 20
@@ -107,12 +107,11 @@ def _out_entries(r: CheckpointReader, names: list[str]) -> list[tuple[str, str, 
 
 def _copy_tensor(r: CheckpointReader, w: ShardWriter, name: str, bar) -> None:
     t = r.info(name)
-    rows = t.shape[0] if t.shape else 1
-    row_bytes = t.nbytes // rows if rows else 0
-    per = max(1, COPY_CHUNK_BYTES // max(row_bytes, 1))
-    if not t.shape or rows == 0:
+    if not t.shape or t.shape[0] == 0:
         w.write(name, r.get_raw(name))
         return
+    rows = t.shape[0]
+    per = max(1, COPY_CHUNK_BYTES // max(t.nbytes // rows, 1))
     for r0 in range(0, rows, per):
         chunk = r.get_raw(name, (slice(r0, min(rows, r0 + per)),))
         w.write(name, chunk)
@@ -134,8 +133,7 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
     plan = {f: _out_entries(r, names) for f, names in order.items()}
     total = sum(nbytes(d, s) for es in plan.values() for _, d, s in es)
     out_dir = prepare_out_dir(out_dir, overwrite, "--force")
-    with open(os.path.join(r.dir, "config.json")) as f:
-        raw_cfg = json.load(f)
+    raw_cfg = read_json_file(os.path.join(r.dir, "config.json"), CheckpointError)
     has_mtp = any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in r.names())
     base = raw_cfg.get("quantization_config") if r.names() and any(
         r.info(n).dtype == "F8_E4M3" for n in r.names()) else None
@@ -148,10 +146,7 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
         if L.is_routed_expert_weight(L.weight_of_scale(name) or ""):
             return  # an expert's E8M0 scale: written with its codes
         if L.is_routed_expert_weight(name):
-            packed, scales = MX.quantize_mxfp4(expert_values(r, name), f"{r.info(name).file}: {name}")
-            w.write(name, packed)
-            w.write(L.scale_name(name), scales)
-            bar.update(packed.nbytes + scales.nbytes)
+            write_mxfp4(w, name, expert_values(r, name), bar, f"{r.info(name).file}: {name}")
             n_experts += 1
         else:
             _copy_tensor(r, w, name, bar)

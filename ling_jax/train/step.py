@@ -42,12 +42,9 @@ def lr_schedule(tcfg: TrainConfig):
     return optax.warmup_cosine_decay_schedule(0.0, tcfg.lr, warm, total, end_value=tcfg.lr * tcfg.min_lr_ratio)
 
 
-def _decay(key: str, leaf) -> bool:
-    return leaf.ndim >= 2 and not key.endswith("conv1d")
-
-
 def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
-    mask = lambda params: {k: _decay(k, v) for k, v in params.items()}  # noqa: E731
+    # weight decay on >= 2-D matrices except the conv taps
+    mask = lambda params: {k: v.ndim >= 2 and not k.endswith("conv1d") for k, v in params.items()}  # noqa: E731
     return optax.chain(optax.clip_by_global_norm(tcfg.clip_norm),
                        optax.adamw(lr_schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps,
                                    weight_decay=tcfg.weight_decay, mask=mask))
