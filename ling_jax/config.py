@@ -37,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 from typing import Any, Optional
 
 MLA = "mla"
@@ -53,17 +54,48 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 MAX_POSITIONS = 2**31 - 1
 
 
-def parse_json_bytes(raw: bytes, src: str):
-    """JSON of a file's UTF-8 bytes, or ConfigError naming `src`. NaN/Infinity literals (which Python
-    writes) parse, so that the field check names the field that holds one."""
+def parse_json_bytes(raw: bytes, src: str, error=None):
+    """JSON of a file's UTF-8 bytes, or `error` (default ConfigError) naming `src`: every JSON file we
+    read goes through here. NaN/Infinity literals (which Python writes) parse, so that the field
+    check names the field that holds one."""
+    error = error or ConfigError
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{src}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise error(f"{src}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except RecursionError:
-        raise ConfigError(f"{src}: not valid JSON (nested too deeply)") from None
+        raise error(f"{src}: not valid JSON (nested too deeply)") from None
     except ValueError as e:  # JSONDecodeError and the NaN/Infinity refusal
-        raise ConfigError(f"{src}: not valid JSON ({e})") from None
+        raise error(f"{src}: not valid JSON ({e})") from None
+
+
+def read_json_file(path: str, error=None, limit: int = MAX_CONFIG_BYTES):
+    """JSON of the file at `path`, at most `limit` bytes (the JSON files of a checkpoint are small), or
+    `error` (default ConfigError) naming it: missing, a directory, unreadable, too large, not JSON."""
+    error = error or ConfigError
+    too_big = error(f"{path}: larger than {limit} bytes (not a {os.path.basename(path)} we can use)")
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())  # size first: `f.read(n)` allocates n bytes up front
+            if st.st_size > limit:
+                raise too_big
+            raw = f.read() if stat.S_ISREG(st.st_mode) else f.read(limit + 1)  # a pipe reports no size
+    except FileNotFoundError:
+        raise error(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, not a file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(raw) > limit:
+        raise too_big
+    return parse_json_bytes(raw, path, error)
+
+
+def write_json(path: str, obj) -> None:
+    """`obj` as an indented JSON file (what we write beside a checkpoint: config, index, tokenizer config)."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
 
 
 # Fields that fix tensor shapes or the schedule: no reference default (see the module docstring).
@@ -183,18 +215,7 @@ class LingConfig:
     @classmethod
     def from_json(cls, path: str) -> "LingConfig":
         p = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        try:
-            with open(p, "rb") as f:
-                raw = f.read(MAX_CONFIG_BYTES + 1)
-        except FileNotFoundError:
-            raise ConfigError(f"{p}: config file not found") from None
-        except IsADirectoryError:
-            raise ConfigError(f"{p}: is a directory, not a config file") from None
-        except OSError as e:
-            raise ConfigError(f"{p}: cannot read ({e.strerror or e})") from None
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{p}: larger than {MAX_CONFIG_BYTES} bytes (not a config.json)")
-        return _parse(parse_json_bytes(raw, p), p)
+        return _parse(read_json_file(p), p)
 
     def to_dict(self) -> dict[str, Any]:
         """The HF-style config.json fields (what the checkpoint writer stores)."""
@@ -209,12 +230,8 @@ class LingConfig:
             d.pop("quantization_config")
         out = {"architectures": ["BailingMoeV3ForCausalLM"], "model_type": "bailing_hybrid", "dtype": "bfloat16"}
         out.update(d)
-        out.update({"qk_head_dim": self.qk_head_dim, "no_kda_lora": True, "use_kda_lora": False,
-                    "kda_safe_gate": True, "rope_interleave": True, "use_mla_nope": False,
-                    "gated_attention_proj_granularity_type": "head_wise", "mtp_use_kda": False,
-                    "score_function": "sigmoid", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-                    "moe_router_enable_expert_bias": True, "hidden_act": "silu", "use_bias": False,
-                    "use_qkv_bias": False, "router_dtype": "fp32"})
+        out.update({k: allowed[0] for k, allowed in _REQUIRED_VALUES.items()})  # the reference's fixed choices
+        out.update({"qk_head_dim": self.qk_head_dim, "router_dtype": "fp32"})
         return out
 
     def replace(self, **kw) -> "LingConfig":
@@ -226,33 +243,18 @@ class LingConfig:
 
 # Fields whose value we accept only as the reference's; anything else is a different model.
 _REQUIRED_VALUES = {
-    "model_type": ("bailing_hybrid", "bailing_moe_v3"),
-    "hidden_act": ("silu",),
-    "no_kda_lora": (True,),
-    "use_kda_lora": (False,),
-    "rope_interleave": (True,),
-    "use_mla_nope": (False,),
-    "gated_attention_proj_granularity_type": ("head_wise",),
-    "mtp_use_kda": (False,),
-    "score_function": ("sigmoid",),
-    "scoring_func": ("sigmoid",),
-    "use_bias": (False,),
-    "use_qkv_bias": (False,),
-    "moe_router_enable_expert_bias": (True,),
-    "tie_word_embeddings": (False,),
-    "topk_method": ("noaux_tc",),
+    "model_type": ("bailing_hybrid", "bailing_moe_v3"), "hidden_act": ("silu",), "no_kda_lora": (True,),
+    "use_kda_lora": (False,), "rope_interleave": (True,), "use_mla_nope": (False,),
+    "gated_attention_proj_granularity_type": ("head_wise",), "mtp_use_kda": (False,), "score_function": ("sigmoid",),
+    "scoring_func": ("sigmoid",), "use_bias": (False,), "use_qkv_bias": (False,),
+    "moe_router_enable_expert_bias": (True,), "tie_word_embeddings": (False,), "topk_method": ("noaux_tc",),
     "kda_safe_gate": (True,),
 }
 
 
-_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "intermediate_size", "layer_group_size", "first_k_dense_replace",
-               "num_nextn_predict_layers", "short_conv_kernel_size", "kv_lora_rank", "qk_nope_head_dim",
-               "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok",
-               "num_shared_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size", "n_group",
-               "topk_group")
-_FLOAT_FIELDS = ("rms_norm_eps", "kda_lower_bound", "rope_theta", "routed_scaling_factor", "mtp_loss_scaling_factor")
-_BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "apply_swiglu_clamp")
+#: The plain int / float / bool fields, by their annotation (each type- and range-checked in `_parse`).
+_INT_FIELDS, _FLOAT_FIELDS, _BOOL_FIELDS = (tuple(f.name for f in dataclasses.fields(LingConfig) if f.type == t)
+                                            for t in ("int", "float", "bool"))
 _INT_LIMIT = 2**31  # every size and id is an int32 somewhere (shapes, positions, token ids)
 
 
@@ -289,11 +291,7 @@ def _parse(d: dict[str, Any], src: str) -> LingConfig:
         if not present or (name != "q_lora_rank" and d.get(name, d.get(alias)) is None):
             err(f"has no {name} (required: it fixes tensor shapes or the layer schedule and has no "
                 f"reference default)")
-    kw: dict[str, Any] = {}
-    fields = {f.name: f for f in dataclasses.fields(LingConfig)}
-    for name in fields:
-        if name in d and d[name] is not None:
-            kw[name] = d[name]
+    kw: dict[str, Any] = {f.name: d[f.name] for f in dataclasses.fields(LingConfig) if d.get(f.name) is not None}
     for name, alias in _ALIASES.items():
         if alias in d and name not in d and d[alias] is not None:
             kw[name] = d[alias]

@@ -21,22 +21,32 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from ling_jax.checkpoint import layout as L
-from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_dequant_fp8, block_quant_fp8
-from ling_jax.checkpoint.atomic import make_temp_dir
-from ling_jax.checkpoint.layout import checkpoint_names
-from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
-from ling_jax.checkpoint.writer import (INDEX_FILE, checkpoint_config_dict, plan_shards, shard_file_name,
-                                       write_generation_config, write_json)
-from ling_jax.config import LingConfig
+from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP
+from ling_jax.checkpoint.layout import checkpoint_names, is_expert_path
+from ling_jax.checkpoint.atomic import prepare_out_dir, staged_dir
+from ling_jax.checkpoint.safetensors_io import nbytes
+from ling_jax.checkpoint.writer import (checkpoint_config_dict, plan_shards, stored_values, write_generation_config,
+                                       write_shards, write_tensor)
+from ling_jax.config import LingConfig, write_json
 from ling_jax.loader import load_model
 from ling_jax.quantized import BlockFP8
 from ling_jax.train.state import load_trained_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json")
+
+
+def _checkpoint_tensors(path, a: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
+    """{checkpoint name: array} of one parameter value (the module docstring's inverse mapping)."""
+    if is_expert_path(path):
+        if a.shape[0] != len(names):
+            raise ValueError(f"{'.'.join(map(str, path))}: {a.shape[0]} stacked experts, config has {len(names)}")
+        return {n: np.ascontiguousarray(a[e]) for e, n in enumerate(names)}
+    if str(path[-1]) in L.CONV_TAPS:
+        return {names[0]: a.reshape(a.shape[0], 1, a.shape[1])}
+    return {names[0]: a}
 
 
 def model_tensors(model) -> dict[str, np.ndarray]:
@@ -47,18 +57,7 @@ def model_tensors(model) -> dict[str, np.ndarray]:
         if isinstance(var.get_value(), BlockFP8) or np.dtype(var.get_value().dtype) == FP8_NP:
             raise ValueError("export needs a float model: this one keeps FP8 weights + block scales (loaded "
                              "with --keep-fp8); load it without that option")
-        _, names, _ = checkpoint_names(path, cfg)
-        a = np.asarray(var.get_value(), dtype=np.float32)
-        last = str(path[-1])
-        if len(path) >= 2 and str(path[-2]) == "experts" and last in ("gate_proj", "up_proj", "down_proj"):
-            if a.shape[0] != len(names):
-                raise ValueError(f"{'.'.join(map(str, path))}: {a.shape[0]} stacked experts, config has {len(names)}")
-            for e, n in enumerate(names):
-                out[n] = np.ascontiguousarray(a[e])
-        elif last in ("q_conv1d", "k_conv1d", "v_conv1d"):
-            out[names[0]] = a.reshape(a.shape[0], 1, a.shape[1])
-        else:
-            out[names[0]] = a
+        out.update(_checkpoint_tensors(path, np.asarray(var.get_value(), np.float32), checkpoint_names(path, cfg)[1]))
     return out
 
 
@@ -110,44 +109,17 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
     shards = plan_shards(entries, num_shards)
     total = sum(nbytes(d, s) for _, d, s in entries)
 
-    out_dir, parent = prepare_out_dir(out_dir, overwrite, "--overwrite")
-    tmp = make_temp_dir(out_dir)  # hidden .ling-tmp-* name; cleaned by the next run if we are killed
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)
+    out_dir = prepare_out_dir(out_dir, overwrite, "--overwrite")
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="exporting", disable=not progress, leave=False)
-        weight_map: dict[str, str] = {}
-        try:
-            for k, shard in enumerate(shards, 1):
-                fname = shard_file_name(k, len(shards))
-                with ShardWriter(os.path.join(tmp, fname), shard, {"format": "pt"}) as w:
-                    for name, dt, _ in shard:
-                        weight_map[name] = fname
-                    for name, dt, _ in shard:
-                        if name.endswith(L.SCALE_SUFFIX):
-                            continue  # written right after its weight
-                        a = tensors[name]
-                        if dt == "F8_E4M3":
-                            wq, s = block_quant_fp8(a, block)
-                            w.write(name, wq)
-                            w.write(L.scale_name(name), s.astype(np.float32))
-                            bar.update(wq.nbytes + s.nbytes)
-                        else:
-                            c = a.astype(DTYPES[dt])
-                            w.write(name, c)
-                            bar.update(c.nbytes)
-        finally:
-            bar.close()
-        write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    def write(w, name: str, dt: str, bar) -> None:
+        if not name.endswith(L.SCALE_SUFFIX):  # a scale is written right after its weight
+            write_tensor(w, name, dt, [tensors[name]], block, bar)
+
+    with staged_dir(out_dir) as tmp:
+        write_shards(tmp, shards, write, total, desc="exporting", progress=progress)
         write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp))
         write_generation_config(tmp, cfg)
         copied = _copy_tokenizer(tokenizer_dir, tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"out_dir": out_dir, "dtype": dtype, "num_tensors": len(entries), "total_size": total,
             "num_shards": len(shards), "tokenizer_files": copied, "include_mtp": include_mtp}
 
@@ -155,8 +127,6 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
 def quantize_like_export(model, dtype: str = "fp8"):
     """A copy of `model` whose parameters went through the export's storage rounding (FP8 blocks or
     BF16, F32 for A_log/dt_bias/expert_bias) and back: what loading the exported checkpoint gives."""
-
-
     cfg = model.cfg
     block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
     specs = L.expected_tensors(cfg, model.mtp is not None)
@@ -165,24 +135,10 @@ def quantize_like_export(model, dtype: str = "fp8"):
     for path, var in flat:
         if not isinstance(var, nnx.Param):
             continue
-        _, names, _ = checkpoint_names(path, cfg)
         a = np.asarray(var.get_value(), np.float32)
-        last = str(path[-1])
-        expert = len(path) >= 2 and str(path[-2]) == "experts" and last in ("gate_proj", "up_proj", "down_proj")
-        parts = [a[e] for e in range(a.shape[0])] if expert else [a]
-
-        def rnd(x, n):
-            s = specs[n]
-            if s.quantizable and dtype == "fp8":
-                return block_dequant_fp8(*block_quant_fp8(x, block), block)
-            return x.astype(DTYPES[s.dtype]).astype(np.float32) if s.dtype != "F32" else x
-
-        if expert:
-            r = np.stack([rnd(p, n) for p, n in zip(parts, names)])
-        elif last in ("q_conv1d", "k_conv1d", "v_conv1d"):
-            r = rnd(a.reshape(a.shape[0], 1, -1), names[0]).reshape(a.shape)
-        else:
-            r = rnd(a, names[0])
+        parts = [stored_values(x, "F8_E4M3" if specs[n].quantizable and dtype == "fp8" else specs[n].dtype, block)
+                 for n, x in _checkpoint_tensors(path, a, checkpoint_names(path, cfg)[1]).items()]
+        r = np.stack(parts) if is_expert_path(path) else parts[0].reshape(a.shape)
         var.set_value(jnp.asarray(r, dtype=var.get_value().dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

@@ -83,9 +83,7 @@ def stack_params(layers, block: Block):
             for g, _ in row:
                 if g != gdef:
                     raise ValueError(f"layers {grid} differ in structure and cannot be scanned together")
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs).reshape((block.repeats, len(grid[0])) + xs[0].shape),
-                               *[st for row in splits for _, st in row])
-        out.append((gdef, stacked))
+        out.append((gdef, _stack([st for row in splits for _, st in row], block.repeats, len(grid[0]))))
     return out
 
 
@@ -180,5 +178,5 @@ def stack_forced(block: Block, r: int, forced: dict | None):
     if forced is None or block.runs[r].moe is False:
         return None
     grid = block.layer_grid(r)
-    return jnp.stack([jnp.stack([forced[li] for li in row]) for row in grid])
+    return _stack([forced[li] for row in grid for li in row], block.repeats, len(grid[0]))
 

@@ -68,9 +68,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, attenti
     ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B,T,d/2]
     cos = (jnp.cos(ang) * attention_factor).astype(x.dtype)
     sin = (jnp.sin(ang) * attention_factor).astype(x.dtype)
-    extra = x.ndim - 3
-    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
-    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
+    cos, sin = (c.reshape(c.shape[:2] + (1,) * (x.ndim - 3) + c.shape[2:]) for c in (cos, sin))  # over heads
     xp = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
     a, b = xp[..., 0], xp[..., 1]
     out = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)

@@ -23,8 +23,6 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-__all__ = ["Tokenizer", "load_generation_config", "eos_token_ids"]
-
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -71,12 +69,8 @@ def _compile_template(source: str) -> jinja2.Template:
     def strftime_now(fmt):
         return datetime.datetime.now().strftime(fmt)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=False,
-        extensions=[jinja2.ext.loopcontrols],
-    )
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -86,15 +80,8 @@ def _compile_template(source: str) -> jinja2.Template:
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the bits of tokenizer_config.json generation needs."""
 
-    def __init__(
-        self,
-        tokenizer: tokenizers.Tokenizer,
-        *,
-        chat_template: Optional[str] = None,
-        eos_token: Optional[str] = None,
-        bos_token: Optional[str] = None,
-        add_bos_token: bool = False,
-    ):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, chat_template: Optional[str] = None,
+                 eos_token: Optional[str] = None, bos_token: Optional[str] = None, add_bos_token: bool = False):
         self.backend = tokenizer
         self.chat_template = chat_template
         self.eos_token = eos_token
@@ -121,13 +108,9 @@ class Tokenizer:
         if template is None and os.path.isfile(template_path):
             with open(template_path, encoding="utf-8") as f:
                 template = f.read()
-        return cls(
-            backend,
-            chat_template=template,
-            eos_token=_token_content(config.get("eos_token")),
-            bos_token=_token_content(config.get("bos_token")),
-            add_bos_token=bool(config.get("add_bos_token", False)),
-        )
+        return cls(backend, chat_template=template, eos_token=_token_content(config.get("eos_token")),
+                   bos_token=_token_content(config.get("bos_token")),
+                   add_bos_token=bool(config.get("add_bos_token", False)))
 
     # ------------------------------------------------------------------ vocabulary
 
@@ -138,9 +121,6 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self.backend.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> Optional[str]:
-        return self.backend.id_to_token(int(token_id))
 
     @property
     def eos_token_id(self) -> Optional[int]:
@@ -176,12 +156,8 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat template
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
-        **kwargs: Any,
-    ) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
 
         The template sees `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and
@@ -189,20 +165,14 @@ class Tokenizer:
         no chat template or the template calls `raise_exception(...)`.
         """
         if not self.chat_template:
-            raise ValueError(
-                "this tokenizer has no chat template: tokenizer_config.json has no "
-                "'chat_template' and there is no chat_template.jinja; pass a raw prompt "
-                "instead, or set Tokenizer.chat_template"
-            )
+            raise ValueError("this tokenizer has no chat template: tokenizer_config.json has no 'chat_template' "
+                             "and there is no chat_template.jinja; pass a raw prompt instead, or set "
+                             "Tokenizer.chat_template")
         if self._compiled_template is None or self._compiled_template[0] != self.chat_template:
             self._compiled_template = (self.chat_template, _compile_template(self.chat_template))
-        context = dict(
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
-        context.update(kwargs)
+        context = dict(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        context.update(kwargs)  # extra variables may override the defaults
         try:
             return self._compiled_template[1].render(**context)
         except jinja2.exceptions.TemplateError as e:
@@ -228,10 +198,8 @@ def load_generation_config(checkpoint_dir: Union[str, os.PathLike]) -> dict:
     return _read_json(path)
 
 
-def eos_token_ids(
-    generation_config: Optional[Mapping[str, Any]] = None,
-    tokenizer: Optional[Tokenizer] = None,
-) -> list[int]:
+def eos_token_ids(generation_config: Optional[Mapping[str, Any]] = None, tokenizer: Optional[Tokenizer] = None
+                  ) -> list[int]:
     """Stop ids: generation_config's eos_token_id (int or list) then the tokenizer's eos.
 
     Deduplicated, order preserved; empty when neither source defines one.

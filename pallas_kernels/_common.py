@@ -29,12 +29,11 @@ def backend_platform(override: str | None = None) -> str:
     return "gpu" if p in ("cuda", "rocm", "gpu") else p
 
 
-def resolve_interpret(interpret, plat: str) -> bool:
-    """None means: interpret on CPU (no Pallas lowering there), compile on TPU/GPU.
-
-    plat: the target from `backend_platform`.
-    """
-    return plat == "cpu" if interpret is None else bool(interpret)
+def target(platform: str | None, interpret) -> tuple[str, bool]:
+    """(platform, interpret) of one kernel call: `backend_platform(platform)`, and `interpret` None meaning
+    interpret on CPU (no Pallas lowering there), compile on TPU/GPU."""
+    plat = backend_platform(platform)
+    return plat, (plat == "cpu" if interpret is None else bool(interpret))
 
 
 def compiler_params(interpret: bool, plat: str, semantics=None, num_warps: int | None = None,
@@ -46,16 +45,11 @@ def compiler_params(interpret: bool, plat: str, semantics=None, num_warps: int |
     """
     if interpret:
         return None
-    p = plat
-    if p == "tpu":
+    if plat == "tpu":
         return pltpu.CompilerParams(dimension_semantics=tuple(semantics)) if semantics else None
-    if p == "gpu":  # always pass Triton params: they select the Triton backend (not Mosaic GPU)
-        kw = {}
-        if num_warps is not None:
-            kw["num_warps"] = num_warps
-        if num_stages is not None:
-            kw["num_stages"] = num_stages
-        return pltriton.CompilerParams(**kw)
+    if plat == "gpu":  # always pass Triton params: they select the Triton backend (not Mosaic GPU)
+        kw = {"num_warps": num_warps, "num_stages": num_stages}
+        return pltriton.CompilerParams(**{k: v for k, v in kw.items() if v is not None})
     return None
 
 

@@ -9,7 +9,7 @@ where they are created, and `ling_jax.loader` loads a checkpoint onto a mesh wit
 See sharding/README.md for the rules, the expert-parallel MoE design and the wiring.
 """
 from sharding.mesh import (AXES, default_mesh_shape, make_mesh, mesh_sizes, mesh_spec_string, parse_mesh,
-                           parse_mesh_shape, parse_mesh_spec)
+                           parse_mesh_shape)
 from sharding.rules import (CACHE_AXES, LOGICAL_AXES, RULES, LogicalRules, UnknownParameterError, cache_axes,
                             cache_shardings, cache_specs, spec)
 from sharding.distributed import (add_distributed_args, barrier, distributed_init_from_args_or_env,
@@ -18,7 +18,6 @@ from sharding.place import batch_sharding, global_batch, shard_cache, to_host
 
 __all__ = [
     "AXES", "default_mesh_shape", "make_mesh", "mesh_sizes", "mesh_spec_string", "parse_mesh", "parse_mesh_shape",
-    "parse_mesh_spec",
     "CACHE_AXES", "LOGICAL_AXES", "RULES", "LogicalRules", "UnknownParameterError", "cache_axes",
     "cache_shardings", "cache_specs", "spec",
     "add_distributed_args", "barrier", "distributed_init_from_args_or_env", "init_from_args", "is_primary",

@@ -80,11 +80,6 @@ def parse_mesh_shape(spec: str | None, n_devices: int | None = None) -> dict[str
     return {a: sizes.get(a, 1) for a in AXES}
 
 
-def parse_mesh_spec(spec: str | None, n_devices: int) -> dict[str, int]:
-    """`parse_mesh_shape` checked against `n_devices` (what a mesh over real devices needs)."""
-    return parse_mesh_shape(spec, n_devices)
-
-
 def default_mesh_shape(n_devices: int) -> dict[str, int]:
     """The default layout: every device on `expert`.
 
@@ -112,9 +107,9 @@ def make_mesh(shape: dict[str, int], devices: Sequence | None = None) -> Mesh:
 
 
 def parse_mesh(spec: str | None = None, devices: Sequence | None = None) -> Mesh:
-    """`--mesh SPEC` → Mesh over all (global) devices; see `parse_mesh_spec` for the format."""
+    """`--mesh SPEC` → Mesh over all (global) devices; see `parse_mesh_shape` for the format."""
     devices = list(jax.devices() if devices is None else devices)
-    return make_mesh(parse_mesh_spec(spec, len(devices)), devices)
+    return make_mesh(parse_mesh_shape(spec, len(devices)), devices)
 
 
 def mesh_sizes(mesh) -> dict[str, int]:
@@ -125,6 +120,6 @@ def mesh_sizes(mesh) -> dict[str, int]:
 
 
 def mesh_spec_string(mesh) -> str:
-    """Inverse of parse_mesh_spec: `data=1,expert=8,model=1`."""
+    """Inverse of parse_mesh_shape: `data=1,expert=8,model=1`."""
     s = mesh_sizes(mesh)
     return ",".join(f"{a}={s.get(a, 1)}" for a in AXES)

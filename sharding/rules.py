@@ -73,18 +73,8 @@ class LogicalRules:
 
 
 LOGICAL_AXES: dict[str, Optional[str]] = {
-    "vocab": "model",
-    "embed": None,
-    "embed_cat": "model",
-    "heads": "model",
-    "head_dim": None,
-    "q_lora": None,
-    "kv_lora": None,
-    "conv": None,
-    "mlp": "model",
-    "expert": "expert",
-    "expert_mlp": "model",
-    "router": None,
+    "vocab": "model", "embed": None, "embed_cat": "model", "heads": "model", "head_dim": None, "q_lora": None,
+    "kv_lora": None, "conv": None, "mlp": "model", "expert": "expert", "expert_mlp": "model", "router": None,
     "batch": "data",
 }
 RULES = LogicalRules(LOGICAL_AXES, frozenset({"heads"}))

@@ -266,17 +266,17 @@ def test_failure_leaves_nothing(tmp_path, monkeypatch):
             raise RuntimeError("disk full (simulated)")
         return real(*a, **k)
 
-    real = W._write_tensor
-    monkeypatch.setattr(W, "_write_tensor", boom)
+    real = W.write_tensor
+    monkeypatch.setattr(W, "write_tensor", boom)
     with pytest.raises(RuntimeError, match="simulated"):
         write_checkpoint(cfg, str(tmp_path / "out"), progress=False)
     assert os.listdir(tmp_path) == []
     # an existing checkpoint is left intact when the overwrite fails
-    monkeypatch.setattr(W, "_write_tensor", real)
+    monkeypatch.setattr(W, "write_tensor", real)
     write_checkpoint(cfg, str(tmp_path / "out"), progress=False, tokenizer=False)
     before = sorted(os.listdir(tmp_path / "out"))
     calls.clear()
-    monkeypatch.setattr(W, "_write_tensor", boom)
+    monkeypatch.setattr(W, "write_tensor", boom)
     with pytest.raises(RuntimeError):
         write_checkpoint(cfg, str(tmp_path / "out"), progress=False, overwrite=True)
     assert os.listdir(tmp_path) == ["out"] and sorted(os.listdir(tmp_path / "out")) == before

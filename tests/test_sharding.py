@@ -75,11 +75,11 @@ def as_tuple(spec, ndim):
 # meshes
 # ---------------------------------------------------------------------------------------------
 def test_parse_mesh_specs():
-    assert S.parse_mesh_spec("data=1,expert=8,model=4", 32) == {"data": 1, "expert": 8, "model": 4}
-    assert S.parse_mesh_spec("expert=4, model=2", 8) == {"data": 1, "expert": 4, "model": 2}
-    assert S.parse_mesh_spec("model=2,expert=-1", 8) == {"data": 1, "expert": 4, "model": 2}
-    assert S.parse_mesh_spec("tp=2,dp=*", 8) == {"data": 4, "expert": 1, "model": 2}
-    assert S.parse_mesh_spec(None, 8) == {"data": 1, "expert": 8, "model": 1}
+    assert S.parse_mesh_shape("data=1,expert=8,model=4", 32) == {"data": 1, "expert": 8, "model": 4}
+    assert S.parse_mesh_shape("expert=4, model=2", 8) == {"data": 1, "expert": 4, "model": 2}
+    assert S.parse_mesh_shape("model=2,expert=-1", 8) == {"data": 1, "expert": 4, "model": 2}
+    assert S.parse_mesh_shape("tp=2,dp=*", 8) == {"data": 4, "expert": 1, "model": 2}
+    assert S.parse_mesh_shape(None, 8) == {"data": 1, "expert": 8, "model": 1}
     mesh = S.parse_mesh("expert=4,model=2")
     assert mesh.axis_names == ("data", "expert", "model") and mesh.devices.shape == (1, 4, 2)
     assert S.mesh_spec_string(mesh) == "data=1,expert=4,model=2"

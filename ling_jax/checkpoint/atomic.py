@@ -1,8 +1,8 @@
 """Temporaries that a crash cannot leave looking like output, and their cleanup on the next run.
 
-Every command that writes (`make-checkpoint`, `export`, `train`'s export, `logits --out`) builds its
-result under a hidden name in the target's own directory (same filesystem, so the final `rename` is
-atomic) and renames it into place only when complete:
+Every command that writes (`make-checkpoint`, `export`, `quantize`, `train`'s export, `logits --out`)
+builds its result under a hidden name in the target's own directory (same filesystem, so the final
+`rename` is atomic) and renames it into place only when complete (`staged_dir`):
 
     .ling-tmp-<pid>-<random>-<final name>
 
@@ -12,11 +12,12 @@ temporaries of processes that no longer run; a live writer's temporaries are lef
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import shutil
-from typing import Optional
+from typing import Iterator
 
 TEMP_PREFIX = ".ling-tmp-"
 _TEMP_RE = re.compile(r"^\.ling-tmp-(\d+)-[0-9a-f]{8}-")
@@ -29,11 +30,40 @@ def temp_path(final: str) -> str:
                         f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{os.path.basename(final)}")
 
 
-def make_temp_dir(final: str) -> str:
-    """Create and return an empty temporary directory beside `final`, with normal permissions."""
-    p = temp_path(final)
-    os.mkdir(p)
-    return p
+@contextlib.contextmanager
+def staged_dir(out_dir: str) -> Iterator[str]:
+    """A fresh, empty temporary directory beside `out_dir` (normal permissions), renamed onto `out_dir`
+    when the block completes and deleted on any error, so a failure never leaves a half-written
+    result. An existing `out_dir` is replaced only then (renames within one parent directory; a
+    reader never sees a partial one): it is parked under a temporary name first, then deleted."""
+    tmp = temp_path(out_dir)
+    os.mkdir(tmp)
+    try:
+        yield tmp
+        if os.path.exists(out_dir):
+            old = temp_path(out_dir)
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def prepare_out_dir(out_dir: str, overwrite: bool, flag: str = "overwrite") -> str:
+    """Absolute `out_dir`: refuses a file or a non-empty directory unless `overwrite`; removes stale
+    temporaries of earlier, killed runs from its parent (`clean_stale_temps`)."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise ValueError(f"{out_dir}: exists and is not a directory")
+        if os.listdir(out_dir) and not overwrite:
+            raise ValueError(f"{out_dir}: directory exists and is not empty (use {flag})")
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    clean_stale_temps(os.path.dirname(out_dir))
+    return out_dir
 
 
 def _pid_alive(pid: int) -> bool:
@@ -48,12 +78,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def temp_owner(name: str) -> Optional[int]:
-    """The pid in a temporary's name, or None if `name` is not one of ours."""
-    m = _TEMP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
 def clean_stale_temps(directory: str) -> list[str]:
     """Remove our temporaries in `directory` whose process is gone; returns the names removed."""
     removed = []
@@ -62,8 +86,8 @@ def clean_stale_temps(directory: str) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        pid = temp_owner(name)
-        if pid is None or _pid_alive(pid):
+        m = _TEMP_RE.match(name)  # one of ours: named with the pid of the process that made it
+        if m is None or _pid_alive(int(m.group(1))):
             continue
         p = os.path.join(directory, name)
         try:

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Callable
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK
@@ -27,13 +26,8 @@ FP8 = "F8_E4M3"
 
 
 def np_dtype(dtype) -> np.dtype:
-    """The NumPy dtype of a jnp dtype (bfloat16 / float8 via ml_dtypes)."""
-    dt = jnp.dtype(dtype)
-    if dt == jnp.bfloat16:
-        return np.dtype(ml_dtypes.bfloat16)
-    if dt == jnp.float8_e4m3fn:
-        return np.dtype(ml_dtypes.float8_e4m3fn)
-    return np.dtype(dt)
+    """The NumPy dtype of a jnp dtype (jax's bfloat16 / float8 types are ml_dtypes' own)."""
+    return np.dtype(jnp.dtype(dtype))
 
 
 def tensor_names(path, cfg: LingConfig) -> list[str]:

@@ -46,14 +46,6 @@ def block_quant_fp8(w: np.ndarray, block=DEFAULT_BLOCK) -> tuple[np.ndarray, np.
     return np.ascontiguousarray(wq), scale
 
 
-def expand_scale(scale: np.ndarray, shape, block=DEFAULT_BLOCK) -> np.ndarray:
-    """The per-element scale of a [O, I] matrix (repeat each entry bo×bi, slice to shape)."""
-    bo, bi = check_block(block)
-    o, i = shape
-    s = np.asarray(scale, np.float32)
-    return np.repeat(np.repeat(s, bo, axis=0), bi, axis=1)[:o, :i]
-
-
 def block_dequant_fp8(wq: np.ndarray, scale: np.ndarray, block=DEFAULT_BLOCK) -> np.ndarray:
     """float32(Wq) × scale per block (multiply, despite the `_inv` name). Returns float32 [O, I]."""
     bo, bi = check_block(block)
@@ -61,4 +53,5 @@ def block_dequant_fp8(wq: np.ndarray, scale: np.ndarray, block=DEFAULT_BLOCK) ->
     if wq.ndim != 2:
         raise ValueError(f"block_dequant_fp8 expects a 2-D matrix, got shape {wq.shape}")
     check_scale_grid(wq.shape, np.shape(scale), (bo, bi))
-    return wq.astype(np.float32) * expand_scale(scale, wq.shape, (bo, bi))
+    s = np.repeat(np.repeat(np.asarray(scale, np.float32), bo, axis=0), bi, axis=1)  # per element, then sliced
+    return wq.astype(np.float32) * s[:wq.shape[0], :wq.shape[1]]

@@ -23,13 +23,12 @@ one CheckpointError line naming the group directory.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 
 from ling_jax.checkpoint.orbax import FORMAT, META, VERSION
 from ling_jax.checkpoint.safetensors_io import CheckpointError
-from ling_jax.config import ConfigError, LingConfig
+from ling_jax.config import ConfigError, LingConfig, read_json_file
 
 COMMIT_MARKER = "commit_success.txt"
 ORBAX_METADATA = "_METADATA"
@@ -52,11 +51,7 @@ def _read_marker(path: str) -> dict:
     p = os.path.join(path, META)
     if not os.path.isfile(p):
         raise CheckpointError(f"{path}: not a converted checkpoint (no {META})")
-    try:
-        with open(p, "rb") as f:
-            meta = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{p}: not valid JSON ({e})") from None
+    meta = read_json_file(p, CheckpointError)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{p}: not a JSON object")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:

@@ -30,14 +30,8 @@ from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint.bounds import check_claims
 from ling_jax.checkpoint.values import first_nonfinite, first_nonpositive
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, scale_grid_shape
-from ling_jax.checkpoint.safetensors_io import (CheckpointError, SafetensorsFile, TensorInfo, read_index,
-                                                _normalize_index)
+from ling_jax.checkpoint.safetensors_io import CheckpointError, TensorInfo, _normalize_index, open_shards
 from ling_jax.config import ConfigError, LingConfig
-
-__all__ = ["CheckpointReader", "CheckpointError"]
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 SCALE_DTYPES = ("F32", "BF16")
 FP8 = "F8_E4M3"
@@ -70,63 +64,16 @@ class CheckpointReader:
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
         self.block = tuple(self.config.weight_block_size or DEFAULT_BLOCK)
-        self._files: dict[str, SafetensorsFile] = {}
-        self._where: dict[str, TensorInfo] = {}
-        self.index_total_size = None
-        index_path = os.path.join(self.dir, INDEX_FILE)
-        single = os.path.join(self.dir, SINGLE_FILE)
-        if os.path.isfile(index_path):
-            self.index_path = index_path
-            self._load_index(index_path)
-        elif os.path.isfile(single):
-            self.index_path = single
-            f = self._open(SINGLE_FILE, single)
-            for name, t in f.tensors.items():
-                self._where[name] = t
-            self.total_size = sum(t.nbytes for t in f.tensors.values())
-        else:
-            raise CheckpointError(f"{self.dir}: missing {INDEX_FILE} (and no single {SINGLE_FILE})")
+        self._files, self._where, meta, self.index_path = open_shards(self.dir)
+        self.total_size = sum(t.nbytes for t in self._where.values())
+        ts = meta.get("total_size")
+        if ts is not None and (not isinstance(ts, int) or isinstance(ts, bool)):
+            raise CheckpointError(f"{self.index_path}: metadata.total_size must be an integer, got {ts!r}")
+        self.index_total_size = ts  # compared in problems(), after the per-tensor checks
         self.header_only = any(f.header_only for f in self._files.values())
         claim = check_claims(self.config, len(self._where), cfg_path, self.index_path)
         if claim is not None:
             raise CheckpointError(claim)
-
-    # ---- loading ------------------------------------------------------------------------------
-    def _open(self, fname: str, path: str) -> SafetensorsFile:
-        if fname not in self._files:
-            self._files[fname] = SafetensorsFile(path)
-        return self._files[fname]
-
-    def _load_index(self, index_path: str) -> None:
-        wm, meta = read_index(index_path)
-        for fname in {v if isinstance(v, str) else repr(v) for v in wm.values()}:
-            if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname or fname in (".", ".."):
-                first = next(n for n, v in wm.items() if v == fname or repr(v) == fname)
-                raise CheckpointError(f"{index_path}: tensor {first!r} maps to an invalid shard name {fname!r}")
-        for fname in dict.fromkeys(wm.values()):
-            p = os.path.join(self.dir, fname)
-            if not os.path.isfile(p):
-                first = next(n for n, v in wm.items() if v == fname)
-                raise CheckpointError(f"{index_path}: shard {fname} (holding tensor {first!r} and others) "
-                                      f"does not exist")
-            self._open(fname, p)
-        for name, fname in wm.items():
-            t = self._files[fname].tensors.get(name)
-            if t is None:
-                raise CheckpointError(f"{os.path.join(self.dir, fname)}: tensor {name!r} is listed in "
-                                      f"{INDEX_FILE} but not in this shard's header")
-            self._where[name] = t
-        for fname, f in self._files.items():
-            for name in f.tensors:
-                if wm.get(name) != fname:
-                    other = f" (index says {wm[name]})" if name in wm else " (not in the index)"
-                    raise CheckpointError(f"{f.path}: tensor {name!r} is in this shard but the index "
-                                          f"does not map it here{other}")
-        self.total_size = sum(t.nbytes for t in self._where.values())
-        ts = meta.get("total_size") if isinstance(meta, dict) else None
-        if ts is not None and (not isinstance(ts, int) or isinstance(ts, bool)):
-            raise CheckpointError(f"{index_path}: metadata.total_size must be an integer, got {ts!r}")
-        self.index_total_size = ts  # compared in problems(), after the per-tensor checks
 
     # ---- queries ------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -169,11 +116,10 @@ class CheckpointReader:
     def get_scale(self, name: str) -> np.ndarray:
         """float32 block-scale grid of an FP8 weight."""
         sn = L.scale_name(name)
+        t = self.info(name)
         if sn not in self._where:
-            t = self.info(name)
             raise CheckpointError(f"{t.file}: tensor {name!r} is stored {t.dtype} but its scale {sn!r} "
                                   f"is missing")
-        t = self.info(name)
         st = self.info(sn)
         want = scale_grid_shape(t.shape, self.block) if len(t.shape) == 2 else None
         if want is None or st.shape != want:
@@ -250,9 +196,7 @@ class CheckpointReader:
             if t.dtype == FP8 and L.scale_name(name) not in self._where:
                 out.append(f"{t.file}: tensor {name!r} is {FP8} but its scale {L.scale_name(name)!r} is missing")
         for name in expected:
-            if name in self._where:
-                continue
-            if not include_mtp and mtp_prefix and name.startswith(mtp_prefix):
+            if name in self._where or (not include_mtp and mtp_prefix and name.startswith(mtp_prefix)):
                 continue
             out.append(f"{self.index_path}: missing tensor {name!r} (shape {list(expected[name].shape)}, "
                        f"required by {cfg_file})")

@@ -15,7 +15,6 @@ inspected but not read.
 from __future__ import annotations
 
 import json
-import shutil
 import math
 import os
 import struct
@@ -24,29 +23,20 @@ from typing import Iterable, NamedTuple, Optional
 import ml_dtypes
 import numpy as np
 
-from ling_jax.checkpoint.atomic import clean_stale_temps, temp_path
+from ling_jax.config import read_json_file
 
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 HEADER_ONLY_KEY = "ling_jax.header_only"
 MAX_HEADER_BYTES = 256 * 1024 * 1024  # sanity bound on the JSON header length
 
-DTYPES: dict[str, np.dtype] = {
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),  # MXFP4 scales (read; we write U8, see checkpoint.mxfp4)
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F16": np.dtype(np.float16),
-    "F32": np.dtype(np.float32),
-    "F64": np.dtype(np.float64),
-    "I8": np.dtype(np.int8),
-    "I16": np.dtype(np.int16),
-    "I32": np.dtype(np.int32),
-    "I64": np.dtype(np.int64),
-    "U8": np.dtype(np.uint8),
-    "U16": np.dtype(np.uint16),
-    "U32": np.dtype(np.uint32),
-    "U64": np.dtype(np.uint64),
-    "BOOL": np.dtype(np.bool_),
-}
+DTYPES: dict[str, np.dtype] = {k: np.dtype(v) for k, v in {
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,  # MXFP4 scales (read; we write U8, see checkpoint.mxfp4)
+    "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+    "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32,
+    "U64": np.uint64, "BOOL": np.bool_,
+}.items()}
 
 
 class CheckpointError(ValueError):
@@ -129,6 +119,11 @@ class ShardWriter:
             raise ValueError(f"{self.path}: all tensors already written")
         return self.entries[self._i]
 
+    def _skip_empty(self) -> None:
+        """Zero-size tensors next in line are complete by definition."""
+        while self._i < len(self.entries) and nbytes(self.entries[self._i][1], self.entries[self._i][2]) == 0:
+            self._i += 1
+
     def write(self, name: str, chunk: np.ndarray) -> None:
         if self.header_only:
             raise ValueError(f"{self.path}: header-only file takes no tensor data")
@@ -147,9 +142,7 @@ class ShardWriter:
         if self._done == total:
             self._i += 1
             self._done = 0
-            # zero-size tensors that follow are complete by definition
-            while self._i < len(self.entries) and nbytes(self.entries[self._i][1], self.entries[self._i][2]) == 0:
-                self._i += 1
+            self._skip_empty()
 
     def close(self) -> None:
         if self._f is None:
@@ -157,8 +150,7 @@ class ShardWriter:
         f, self._f = self._f, None
         f.close()
         if not self.header_only:
-            while self._i < len(self.entries) and nbytes(self.entries[self._i][1], self.entries[self._i][2]) == 0:
-                self._i += 1
+            self._skip_empty()
             if self._i != len(self.entries):
                 raise ValueError(f"{self.path}: closed before {self.entries[self._i][0]!r} was written")
 
@@ -287,7 +279,6 @@ class SafetensorsFile:
                 raise CheckpointError(f"{path}: gap of {t.begin - pos} bytes before tensor {t.name!r} "
                                       f"(data_offsets start at {t.begin}, previous data ends at {pos})")
             pos, prev = t.end, t.name
-        self.expected_data_size = pos
         if self.header_only:
             if self.data_size != 0:
                 raise CheckpointError(f"{path}: marked header-only but has {self.data_size} data bytes")
@@ -349,8 +340,7 @@ class SafetensorsFile:
                 r0, r1 = min(rows[0], rows[-1]), max(rows[0], rows[-1]) + 1
                 sub = slice(None) if rows.step == 1 else np.asarray(rows) - r0
             buf = self._pread(self.data_start + t.begin + r0 * row_bytes, (r1 - r0) * row_bytes)
-            out = np.frombuffer(buf, dt).reshape((r1 - r0,) + shape[1:])[sub]
-            return out  # owns (via its base) a fresh, writable buffer
+            return np.frombuffer(buf, dt).reshape((r1 - r0,) + shape[1:])[sub]  # owns a fresh, writable buffer
         mm = np.memmap(self.path, dtype=dt, mode="r", offset=self.data_start + t.begin, shape=shape)
         try:
             return np.array(mm[idx], copy=True)
@@ -373,56 +363,55 @@ def load_file(path: str) -> dict[str, np.ndarray]:
         return {n: f.read(n) for n in f.names()}
 
 
-def replace_dir(tmp: str, out_dir: str) -> None:
-    """Move a finished directory `tmp` to `out_dir`, replacing any existing one only once `tmp` is
-    complete (renames within one parent directory; a reader never sees a half-written checkpoint).
-    The replaced directory is parked under a `.ling-tmp-*` name (see `atomic`) and then deleted."""
-    if os.path.exists(out_dir):
-        old = temp_path(out_dir)
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
-
-
-def prepare_out_dir(out_dir: str, overwrite: bool, flag: str = "overwrite") -> tuple[str, str]:
-    """(absolute out_dir, its parent): refuses a file or a non-empty directory unless `overwrite`;
-    removes stale temporaries of earlier, killed runs from the parent (`atomic.clean_stale_temps`)."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir):
-        if not os.path.isdir(out_dir):
-            raise ValueError(f"{out_dir}: exists and is not a directory")
-        if os.listdir(out_dir) and not overwrite:
-            raise ValueError(f"{out_dir}: directory exists and is not empty (use {flag})")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    clean_stale_temps(parent)
-    return out_dir, parent
-
-
 def read_index(index_path: str, error=None) -> tuple[dict, dict]:
-    """(weight_map, metadata) of a `model.safetensors.index.json`; `error` is the exception class raised."""
+    """(weight_map, metadata) of a `model.safetensors.index.json` whose every shard is a plain file name
+    that exists beside it; `error` is the exception class raised."""
     error = error or CheckpointError
-    try:
-        with open(index_path, "rb") as f:
-            # size first: `f.read(n)` allocates n bytes up front (256 MiB for every index read)
-            if os.fstat(f.fileno()).st_size > MAX_HEADER_BYTES:
-                raise error(f"{index_path}: larger than {MAX_HEADER_BYTES} bytes (not an index file)")
-            raw = f.read()
-    except OSError as e:
-        raise error(f"{index_path}: cannot read ({e.strerror or e})") from None
-    try:
-        idx = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise error(f"{index_path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    idx = read_json_file(index_path, error, MAX_HEADER_BYTES)
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise error(f"{index_path}: no 'weight_map' object")
     bad = next((n for n, f in wm.items() if not isinstance(f, str)), None)
     if bad is not None:
         raise error(f"{index_path}: tensor {bad!r} maps to {wm[bad]!r}, not a shard file name")
+    for fname in dict.fromkeys(wm.values()):
+        first = lambda: next(n for n, v in wm.items() if v == fname)  # noqa: E731 (only for the message)
+        if os.path.basename(fname) != fname or fname in ("", ".", ".."):
+            raise error(f"{index_path}: tensor {first()!r} maps to an invalid shard name {fname!r}")
+        if not os.path.isfile(os.path.join(os.path.dirname(index_path), fname)):
+            raise error(f"{index_path}: shard {fname} (holding tensor {first()!r} and others) does not exist")
     meta = idx.get("metadata")
     if meta is not None and not isinstance(meta, dict):
         raise error(f"{index_path}: 'metadata' must be an object, got {type(meta).__name__}")
     return wm, meta or {}
+
+
+def open_shards(d: str, error=None) -> tuple[dict[str, SafetensorsFile], dict[str, TensorInfo], dict, str]:
+    """The safetensors files of checkpoint directory `d` with their headers parsed (no tensor data read):
+    ({file name: SafetensorsFile}, {tensor name: TensorInfo}, index metadata, path of the index or the
+    single `model.safetensors`). The index and the shard headers must agree tensor for tensor (what
+    the index lists, the shard it names holds; what a shard holds, the index maps there). `error`:
+    the exception class raised for a missing or inconsistent index (a bad header: CheckpointError)."""
+    error = error or CheckpointError
+    index = os.path.join(d, INDEX_FILE)
+    if not os.path.isfile(index):
+        single = os.path.join(d, SINGLE_FILE)
+        if not os.path.isfile(single):
+            raise error(f"{d}: no {INDEX_FILE} or {SINGLE_FILE} (not a safetensors checkpoint directory)")
+        f = SafetensorsFile(single)
+        return {SINGLE_FILE: f}, dict(f.tensors), {}, single
+    wm, meta = read_index(index, error)
+    files = {fname: SafetensorsFile(os.path.join(d, fname)) for fname in dict.fromkeys(wm.values())}
+    where: dict[str, TensorInfo] = {}
+    for name, fname in wm.items():
+        t = files[fname].tensors.get(name)
+        if t is None:
+            raise error(f"{files[fname].path}: tensor {name!r} is listed in {INDEX_FILE} but not in this shard's "
+                        f"header")
+        where[name] = t
+    for fname, f in files.items():
+        for name in f.tensors:
+            if wm.get(name) != fname:
+                other = f" (index says {wm[name]})" if name in wm else " (not in the index)"
+                raise error(f"{f.path}: tensor {name!r} is in this shard but the index does not map it here{other}")
+    return files, where, meta, index

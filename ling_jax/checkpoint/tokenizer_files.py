@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ling_jax.config import LingConfig
+from ling_jax.config import LingConfig, write_json
 
 _CORPUS = """\
 A language model reads a stream of tokens and predicts the next one. Each token is a small piece
@@ -98,16 +98,11 @@ def with_special_ids(tok: Tokenizer, vocab_size: int, specials: dict[int, str]) 
 def tokenizer_config(cfg: LingConfig, specials: dict[int, str], added: list,
                      chat_template: Optional[str] = None) -> dict:
     """tokenizer_config.json for a tokenizer of `with_special_ids` (no BOS/EOS added on encode)."""
-    tcfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": specials[int(cfg.eos_token_id[0])],
-        "pad_token": specials[int(cfg.pad_token_id)] if cfg.pad_token_id is not None else None,
-        "bos_token": specials[int(cfg.bos_token_id)] if cfg.bos_token_id is not None else None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(cfg.max_position_embeddings),
-    }
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": specials[int(cfg.eos_token_id[0])],
+            "pad_token": specials[int(cfg.pad_token_id)] if cfg.pad_token_id is not None else None,
+            "bos_token": specials[int(cfg.bos_token_id)] if cfg.bos_token_id is not None else None,
+            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+            "model_max_length": int(cfg.max_position_embeddings)}
     if chat_template is not None:
         tcfg["chat_template"] = chat_template
     tcfg["added_tokens_decoder"] = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}
@@ -137,6 +132,4 @@ def write_tokenizer_files(out_dir: str, tok: tuple[str, dict]) -> None:
     text, tcfg = tok
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(text)
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tcfg, f, indent=2)
-        f.write("\n")
+    write_json(os.path.join(out_dir, "tokenizer_config.json"), tcfg)

@@ -19,27 +19,25 @@ only in how MLA `kv_a_proj_with_mqa` and `g_proj` are rounded (BF16 vs FP8 block
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 import zlib
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 from tqdm import tqdm
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
-from ling_jax.checkpoint.atomic import make_temp_dir
+from ling_jax.checkpoint.atomic import prepare_out_dir, staged_dir
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, block_quant_fp8
-from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
+from ling_jax.checkpoint.safetensors_io import INDEX_FILE, DTYPES, ShardWriter, nbytes
 from ling_jax.checkpoint.tokenizer_files import build_tokenizer, write_tokenizer_files
-from ling_jax.config import LingConfig
+from ling_jax.config import LingConfig, write_json
 
 SHARD_TARGET_BYTES = 5_000_000_000  # default shard size (the HF "5GB" convention)
 CHUNK_ELEMENTS = 1 << 23            # generate at most ~8M float32 values (32 MiB) at a time
-INDEX_FILE = "model.safetensors.index.json"
+FP8 = "F8_E4M3"
 
 
 def shard_file_name(k: int, n: int) -> str:
@@ -61,11 +59,9 @@ def init_distribution(name: str, spec: L.TensorSpec) -> tuple[str, float, float]
     if k == L.PARAM:
         if name.endswith("A_log"):
             return ("log_uniform", 1.0, 16.0)
-        if name.endswith("dt_bias"):
-            return ("normal", 0.0, 0.1)
         if name.endswith("expert_bias"):
             return ("normal", 0.0, 0.01)
-        return ("normal", 0.0, 0.1)
+        return ("normal", 0.0, 0.1)  # dt_bias
     if k == L.ROUTER:
         # logits std ≈ 2 for O(1) inputs: sigmoid scores spread over roughly (0.1, 0.9)
         return ("normal", 0.0, 2.0 / math.sqrt(spec.shape[1]))
@@ -74,10 +70,6 @@ def init_distribution(name: str, spec: L.TensorSpec) -> tuple[str, float, float]
     # to exactly "keep" or "forget"; gain 0.25 keeps decays spread over (e^-5, 1).
     gain = 0.25 if name.endswith("attention.f_proj.weight") else 1.0
     return ("normal", 0.0, gain / math.sqrt(spec.shape[1]))
-
-
-def _rng(seed: int, name: str) -> np.random.Generator:
-    return np.random.default_rng([int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode("utf-8"))])
 
 
 def _row_chunk(spec: L.TensorSpec, quantized: bool, block) -> int:
@@ -92,12 +84,9 @@ def generate_chunks(name: str, spec: L.TensorSpec, seed: int, rows_per_chunk: Op
                     ) -> Iterator[np.ndarray]:
     """The tensor's float32 values as consecutive row chunks (identical values for any chunking)."""
     kind, a, b = init_distribution(name, spec)
-    rng = _rng(seed, name)
+    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode("utf-8"))])
     shape = spec.shape
-    if len(shape) == 0:
-        rows, rest = 1, ()
-    else:
-        rows, rest = shape[0], tuple(shape[1:])
+    rows, rest = (shape[0], tuple(shape[1:])) if shape else (1, ())
     per = rows_per_chunk or rows
     row_elems = math.prod(rest)
     for r0 in range(0, rows, per):
@@ -118,8 +107,9 @@ def generate_chunks(name: str, spec: L.TensorSpec, seed: int, rows_per_chunk: Op
 # sharding
 # ---------------------------------------------------------------------------------------------
 def plan_shards(entries: list[tuple[str, str, tuple[int, ...]]], num_shards: Optional[int] = None
-                ) -> list[list[tuple[str, str, tuple[int, ...]]]]:
-    """Split the ordered entries into `num_shards` contiguous, non-empty, byte-balanced shards.
+                ) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+    """Split the ordered entries into `num_shards` contiguous, non-empty, byte-balanced shards
+    ({shard file name: entries}).
 
     A weight and its `weight_scale_inv` always share a shard (the writer streams them together).
     """
@@ -147,7 +137,7 @@ def plan_shards(entries: list[tuple[str, str, tuple[int, ...]]], num_shards: Opt
         shards[-1].extend(g)
         done += sz
     assert len(shards) == num_shards and all(shards)
-    return shards
+    return {shard_file_name(k, num_shards): s for k, s in enumerate(shards, 1)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,11 +147,8 @@ def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: boo
                            fp8_layout: str = L.DEFAULT_FP8_LAYOUT, experts: Optional[str] = None) -> dict:
     """The config.json content for a checkpoint of `cfg` in `dtype` (fp8: `fp8_layout`'s
     `quantization_config.modules_to_not_convert`; experts='mxfp4': plus the MXFP4 expert keys)."""
-    d = cfg.to_dict()
-    d.pop("quantization_config", None)
-    for k in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
-        if not d.get(k):
-            d.pop(k, None)  # empty = no clamp; LingConfig's parser rejects an empty list
+    d = {k: v for k, v in cfg.to_dict().items()  # an empty SwiGLU limit list (no clamp) is left out
+         if k != "quantization_config" and not (k.endswith("swiglu_limit_list") and not v)}
     if not include_mtp:
         d["num_nextn_predict_layers"] = 0
     if dtype == "fp8":
@@ -173,18 +160,31 @@ def checkpoint_config_dict(cfg: LingConfig, dtype: str = "fp8", include_mtp: boo
 
 def write_generation_config(d: str, cfg: LingConfig) -> None:
     """generation_config.json with the config's eos (int or list), pad and bos ids."""
-    gen = {"eos_token_id": list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0]}
-    if cfg.pad_token_id is not None:
-        gen["pad_token_id"] = cfg.pad_token_id
-    if cfg.bos_token_id is not None:
-        gen["bos_token_id"] = cfg.bos_token_id
+    c = cfg.to_dict()
+    gen = {k: c[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if c[k] is not None}
     write_json(os.path.join(d, "generation_config.json"), gen)
 
 
-def write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+def write_shards(tmp: str, shards: dict[str, list], write: Callable, total: int, header_only: bool = False,
+                 desc: str = "writing checkpoint", progress: bool = True) -> None:
+    """Every shard `{file name: header entries}` into `tmp`, then the index (`total_size` = `total`).
+    `write(w, name, dtype, bar)` streams one entry's data (a scale may be written with its weight);
+    a header-only checkpoint gets no data."""
+    weight_map: dict[str, str] = {}
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress or header_only, leave=False)
+    try:
+        for fname, entries in shards.items():
+            with ShardWriter(os.path.join(tmp, fname), entries, {"format": "pt"}, header_only) as w:
+                for name, dt, _ in entries:
+                    weight_map[name] = fname
+                    if not header_only:
+                        write(w, name, dt, bar)
+    finally:
+        bar.close()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    if header_only:
+        index["metadata"]["ling_jax_header_only"] = True
+    write_json(os.path.join(tmp, INDEX_FILE), index)
 
 
 def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: int = 0,
@@ -195,12 +195,9 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     """Write a seeded random checkpoint of `cfg` to `out_dir`; returns a summary dict.
 
     dtype: 'fp8' (FP8 E4M3 + float32 block scales) or 'bf16' (no quantization).
-    fp8_layout: which matrices fp8 keeps BF16 (spec §12.7, `layout.BF16_MATRICES`): 'B' (default:
-    KDA b_proj + MLA head-wise g_proj, the spec's preferred layout and the one the release config's
-    modules_to_not_convert encodes) or 'A' (KDA b_proj + MLA kv_a_proj_with_mqa; with
-    conv_dtype='F32' its byte total is the published 534.35 GiB). Ignored for dtype='bf16'.
-    conv_dtype: storage dtype of the KDA conv taps, 'BF16' (default, unchanged behaviour) or 'F32'
-    (the spec leaves it open).
+    fp8_layout: 'B' (default) or 'A', which matrices fp8 keeps BF16 (`layout.BF16_MATRICES`, spec §12.7;
+    the `make-checkpoint` docstring says which is which). Ignored for dtype='bf16'.
+    conv_dtype: storage dtype of the KDA conv taps, 'BF16' (default) or 'F32' (the spec leaves it open).
     experts: None (routed experts stored like the other matrices) or 'mxfp4': routed experts (MTP
     layer's included) as MXFP4 (`checkpoint.mxfp4`), encoded from their values after rounding to
     `dtype` -- exactly what `ling-jax quantize --experts mxfp4` makes of the `dtype` checkpoint.
@@ -219,93 +216,65 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     fp8_layout = L.check_fp8_layout(fp8_layout)
     conv_dtype = L.check_conv_dtype(conv_dtype)
     experts = L.check_expert_format(experts)
-    out_dir, parent = prepare_out_dir(out_dir, overwrite)
+    out_dir = prepare_out_dir(out_dir, overwrite)
     block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
     specs = L.expected_tensors(cfg, include_mtp, conv_dtype, fp8_layout)
     entries = L.release_tensors(cfg, dtype, include_mtp, conv_dtype, block, fp8_layout, experts)
     shards = plan_shards(entries, num_shards)
-    n = len(shards)
     total = sum(nbytes(d, s) for _, d, s in entries)
     tok = build_tokenizer(cfg) if tokenizer else None  # fails early on a too-small vocabulary
 
-    tmp = make_temp_dir(out_dir)  # hidden .ling-tmp-* name; cleaned by the next run if we are killed
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it 0700; a checkpoint is a normal directory
-        weight_map: dict[str, str] = {}
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing checkpoint",
-                   disable=not progress or header_only, leave=False)
-        try:
-            for k, shard in enumerate(shards, 1):
-                fname = shard_file_name(k, n)
-                with ShardWriter(os.path.join(tmp, fname), shard, {"format": "pt"}, header_only) as w:
-                    for name, _, _ in shard:
-                        weight_map[name] = fname
-                    if header_only:
-                        continue
-                    for name, dt, shape in shard:
-                        if name.endswith(L.SCALE_SUFFIX):
-                            continue  # written together with its weight
-                        if dt == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
-                            _write_mxfp4_expert(w, name, specs[name], seed, dtype, block, bar)
-                        else:
-                            _write_tensor(w, name, dt, specs[name], seed, block, bar)
-        finally:
-            bar.close()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        if header_only:
-            index["metadata"]["ling_jax_header_only"] = True
-        write_json(os.path.join(tmp, INDEX_FILE), index)
+    def write(w: ShardWriter, name: str, dt: str, bar) -> None:
+        if name.endswith(L.SCALE_SUFFIX):
+            return  # written together with its weight
+        if dt == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
+            # a routed expert: its values rounded to `dtype` (FP8 blocks or BF16) as the release stores
+            # them, then MXFP4-encoded; one expert matrix ([I, D] or [D, I]) is in memory at a time
+            x = np.concatenate(list(generate_chunks(name, specs[name], seed)), axis=0)
+            write_mxfp4(w, name, stored_values(x, FP8 if dtype == "fp8" else "BF16", block), bar)
+        else:
+            chunks = generate_chunks(name, specs[name], seed, _row_chunk(specs[name], dt == FP8, block))
+            write_tensor(w, name, dt, chunks, block, bar)
+
+    with staged_dir(out_dir) as tmp:
+        write_shards(tmp, shards, write, total, header_only, progress=progress)
         write_json(os.path.join(tmp, "config.json"), checkpoint_config_dict(cfg, dtype, include_mtp, fp8_layout,
                                                                             experts))
         write_generation_config(tmp, cfg)
         if tok is not None:
             write_tokenizer_files(tmp, tok)
-        # move into place
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return {"out_dir": out_dir, "num_tensors": len(entries), "total_size": total, "num_shards": n,
+    return {"out_dir": out_dir, "num_tensors": len(entries), "total_size": total, "num_shards": len(shards),
             "dtype": dtype, "header_only": header_only,
             "fp8_layout": fp8_layout if dtype == "fp8" else None, "conv_dtype": conv_dtype, "experts": experts}
 
 
-def _write_tensor(w: ShardWriter, name: str, dt: str, spec: L.TensorSpec, seed: int, block, bar) -> None:
-    if dt == "F8_E4M3":
-        scales = []
-        for chunk in generate_chunks(name, spec, seed, _row_chunk(spec, True, block)):
-            wq, s = block_quant_fp8(chunk, block)
-            w.write(name, wq)
-            scales.append(s)
-            bar.update(wq.nbytes)
+def write_tensor(w: ShardWriter, name: str, dt: str, chunks: Iterable[np.ndarray], block, bar) -> None:
+    """One tensor from its float32 row chunks: cast to `dt`, or for F8_E4M3 quantised per block with
+    its float32 scale grid written right after it (`fp8.block_quant_fp8`)."""
+    scales = []
+    for chunk in chunks:
+        c, s = block_quant_fp8(chunk, block) if dt == FP8 else (chunk.astype(DTYPES[dt]), None)
+        w.write(name, c)
+        bar.update(c.nbytes)
+        scales.append(s)
+    if dt == FP8:
         s = np.concatenate(scales, axis=0)
         w.write(L.scale_name(name), s)
         bar.update(s.nbytes)
-    else:
-        for chunk in generate_chunks(name, spec, seed, _row_chunk(spec, False, block)):
-            c = chunk.astype(DTYPES[dt])
-            w.write(name, c)
-            bar.update(c.nbytes)
 
 
-def _write_mxfp4_expert(w: ShardWriter, name: str, spec: L.TensorSpec, seed: int, dtype: str, block,
-                        bar) -> None:
-    """A routed expert as MXFP4: its values rounded to `dtype` first (FP8 blocks or BF16), as the
-    release stores them, then encoded; codes, then the E8M0 `weight_scale_inv`. One expert matrix
-    ([I, D] or [D, I]) is in memory at a time."""
-    x = generate_tensor_from_spec(name, spec, seed)
-    if dtype == "fp8":
-        x = block_dequant_fp8(*block_quant_fp8(x, block), block)
-    else:
-        x = x.astype(DTYPES["BF16"]).astype(np.float32)
-    packed, scales = MX.quantize_mxfp4(x, name)
+def write_mxfp4(w: ShardWriter, name: str, x: np.ndarray, bar, where: Optional[str] = None) -> None:
+    """float32 matrix `x` MXFP4-encoded (`mxfp4.quantize_mxfp4`; `where` names it in errors): its
+    codes as `name`, then the E8M0 `weight_scale_inv`."""
+    packed, scales = MX.quantize_mxfp4(x, where or name)
     w.write(name, packed)
     w.write(L.scale_name(name), scales)
     bar.update(packed.nbytes + scales.nbytes)
 
 
-def generate_tensor_from_spec(name: str, spec: L.TensorSpec, seed: int) -> np.ndarray:
-    """All float32 values of one tensor (the chunks of `generate_chunks`, joined)."""
-    return np.concatenate(list(generate_chunks(name, spec, seed)), axis=0)
+def stored_values(x: np.ndarray, dt: str, block) -> np.ndarray:
+    """float32 `x` as stored with safetensors dtype `dt` and read back (F8_E4M3: per-block FP8)."""
+    if dt == FP8:
+        return block_dequant_fp8(*block_quant_fp8(x, block), block)
+    return x.astype(DTYPES[dt]).astype(np.float32)
+

@@ -10,9 +10,8 @@ The checks are self-contained (no state); `load_for_args` is the one place a com
 """
 from __future__ import annotations
 
-import json
-
 import argparse
+import json
 import math
 import os
 import re
@@ -53,12 +52,9 @@ def non_negative_float(text: str) -> float:
 
 
 def positive_int(text: str) -> int:
-    if not _INT_RE.fullmatch(text.strip()):
+    if not _INT_RE.fullmatch(text.strip()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+    return int(text)
 
 
 def non_negative_int(text: str) -> int:

@@ -17,29 +17,19 @@ scale shape) is refused naming the tensor. A header-only MXFP4 checkpoint of the
 (`make-checkpoint ... --header-only --fp8-layout A --conv-dtype F32 --expert-format mxfp4`)
 reports 313,151,411,712 B = 291.64 GiB, the seed article's figure.
 `fp8_layout` names the spec §12.7 layout ("A"/"B") the stored dtypes follow (None: neither / no FP8).
-
 The published release total (534.35 GiB) is reproduced from a header-only checkpoint in layout A
-with FP32 conv taps:
-
-    ling-jax make-checkpoint --config config.ling-3.1-flash.json --out DIR --header-only \
-        --fp8-layout A --conv-dtype F32 --no-tokenizer
-    ling-jax inspect DIR --json      # bytes.total 573,753,349,632 = 534.35 GiB
-
-(the writer's default, layout B with BF16 conv taps, gives 534.32 GiB).
+with FP32 conv taps (the recipe is in `ling_jax.commands.make_checkpoint`).
 """
 from __future__ import annotations
 
-import json
 import os
 
 from ling_jax.commands.common import print_report
 from ling_jax import accounting as A
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
-from ling_jax.checkpoint.safetensors_io import SafetensorsFile, read_index
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+from ling_jax.checkpoint.safetensors_io import open_shards
+from ling_jax.config import read_json_file
 
 
 def add_parser(subparsers):
@@ -51,33 +41,12 @@ def add_parser(subparsers):
     return p
 
 
-def _shard_files(d: str) -> tuple[list[str], dict | None, dict]:
-    """(shard file names, index weight_map or None, index metadata)."""
-    index = os.path.join(d, INDEX_FILE)
-    if os.path.isfile(index):
-        wm, meta = read_index(index, ValueError)
-        files = list(dict.fromkeys(wm.values()))
-        for fname in files:
-            if not isinstance(fname, str) or not fname or os.path.basename(fname) != fname:
-                raise ValueError(f"{index}: invalid shard file name {fname!r}")
-            if not os.path.isfile(os.path.join(d, fname)):
-                raise ValueError(f"{index}: shard {fname} does not exist")
-        return files, wm, meta if isinstance(meta, dict) else {}
-    if os.path.isfile(os.path.join(d, SINGLE_FILE)):
-        return [SINGLE_FILE], None, {}
-    raise ValueError(f"{d}: no {INDEX_FILE} or {SINGLE_FILE} (not a safetensors checkpoint directory)")
-
-
 def _config_fields(d: str) -> tuple[int | None, int | None]:
     """(num_hidden_layers, num_experts_per_tok) from DIR/config.json, or (None, None)."""
     p = os.path.join(d, "config.json")
     if not os.path.isfile(p):
         return None, None
-    try:
-        with open(p) as f:
-            c = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from None
+    c = read_json_file(p, ValueError)
 
     def pos_int(k):
         v = c.get(k) if isinstance(c, dict) else None
@@ -96,38 +65,17 @@ def inspect_dir(d: str) -> dict:
         raise ValueError(f"{d}: checkpoint directory not found")
     if not os.path.isdir(d):
         raise ValueError(f"{d}: not a directory")
-    files, wm, meta = _shard_files(d)
+    files, infos, meta, _ = open_shards(d, ValueError)  # headers only, checked against the index
     tensors: list[A.Stored] = []
-    where: dict[str, str] = {}
     dtype_bytes: dict[str, int] = {}
-    header_bytes = file_bytes = 0
-    header_only = False
     mx_codes: dict[str, tuple] = {}   # routed expert weight stored as MXFP4 codes -> (shape, dtype, file)
-    infos: dict = {}
-    for fname in files:
-        sf = SafetensorsFile(os.path.join(d, fname))  # parses the header only
-        header_bytes += sf.data_start
-        file_bytes += sf.data_start + sf.data_size
-        header_only |= sf.header_only
-        for name, t in sf.tensors.items():
-            if name in where:
-                raise ValueError(f"{d}: tensor {name!r} appears in both {where[name]} and {fname}")
-            where[name] = fname
-            shape = tuple(t.shape)
-            if t.dtype == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
-                mx_codes[name] = (shape, t.dtype, fname)
-                shape = shape[:-1] + (2 * shape[-1],) if shape else shape  # logical [out, in]
-            tensors.append(A.Stored(name, shape, t.nbytes, t.dtype, A.is_scale_name(name)))
-            dtype_bytes[t.dtype] = dtype_bytes.get(t.dtype, 0) + t.nbytes
-            infos[name] = t
-    if wm is not None:
-        for name, fname in wm.items():
-            if where.get(name) != fname:
-                raise ValueError(f"{os.path.join(d, INDEX_FILE)}: tensor {name!r} is mapped to {fname} "
-                                 f"but that shard's header does not hold it")
-        if len(where) != len(wm):
-            extra = next(n for n in where if n not in wm)
-            raise ValueError(f"{os.path.join(d, where[extra])}: tensor {extra!r} is not in {INDEX_FILE}")
+    for name, t in infos.items():
+        shape = tuple(t.shape)
+        if t.dtype == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
+            mx_codes[name] = (shape, t.dtype, os.path.basename(t.file))
+            shape = shape[:-1] + (2 * shape[-1],) if shape else shape  # logical [out, in]
+        tensors.append(A.Stored(name, shape, t.nbytes, t.dtype, A.is_scale_name(name)))
+        dtype_bytes[t.dtype] = dtype_bytes.get(t.dtype, 0) + t.nbytes
     if not tensors:
         raise ValueError(f"{d}: the checkpoint holds no tensors")
     mx = _mxfp4_summary(d, mx_codes, infos)
@@ -139,9 +87,9 @@ def inspect_dir(d: str) -> dict:
     out.update({
         "dir": os.path.abspath(d),
         "files": len(files),
-        "header_only": header_only,
-        "header_bytes": header_bytes,
-        "file_bytes": file_bytes,
+        "header_only": any(sf.header_only for sf in files.values()),
+        "header_bytes": sum(sf.data_start for sf in files.values()),
+        "file_bytes": sum(sf.data_start + sf.data_size for sf in files.values()),
         "index_total_size": meta.get("total_size"),
         "num_hidden_layers": n_layers,
         "num_experts_per_tok": k,
@@ -178,21 +126,21 @@ def format_table(r: dict) -> str:
     lines = [f"{r['dir']}: {r['files']} file(s), {r['num_tensors']:,} tensors "
              f"({r['num_scale_tensors']:,} block-scale tensors)"
              + (", header-only" if r["header_only"] else ""), ""]
-    w = 22
+    w, part = 22, r["bytes_by_part"]
+
+    def row(title: str, params: str, b: int) -> str:
+        return f"{title:<{w}} {params:>17} {b:>19,} {b / A.GiB:>10.2f}"
+
     lines.append(f"{'group':<{w}} {'parameters':>17} {'bytes':>19} {'GiB':>10}")
     for g in (*A.GROUPS, "scales"):
         n, b = P["by_group"].get(g), B[g]
-        if not n and not b:
-            continue
-        ps = "-" if g == "scales" else f"{n:,}"
-        lines.append(f"{A.GROUP_TITLES[g]:<{w}} {ps:>17} {b:>19,} {b / A.GiB:>10.2f}")
+        if n or b:
+            lines.append(row(A.GROUP_TITLES[g], "-" if g == "scales" else f"{n:,}", b))
     lines.append("-" * (w + 49))
-    lines.append(f"{'Main model':<{w}} {P['main']:>17,} {r['bytes_by_part']['main']:>19,} "
-                 f"{r['bytes_by_part']['main'] / A.GiB:>10.2f}")
-    if P["mtp"] or r["bytes_by_part"]["mtp"]:
-        lines.append(f"{'MTP layer':<{w}} {P['mtp']:>17,} {r['bytes_by_part']['mtp']:>19,} "
-                     f"{r['bytes_by_part']['mtp'] / A.GiB:>10.2f}")
-    lines.append(f"{'Total':<{w}} {P['total']:>17,} {B['total']:>19,} {B['total'] / A.GiB:>10.2f}")
+    lines.append(row("Main model", f"{P['main']:,}", part["main"]))
+    if P["mtp"] or part["mtp"]:
+        lines.append(row("MTP layer", f"{P['mtp']:,}", part["mtp"]))
+    lines.append(row("Total", f"{P['total']:,}", B["total"]))
     lines.append("")
     if P["active"] is not None:
         lines.append(f"Active per token (main model): {P['active']:,} "

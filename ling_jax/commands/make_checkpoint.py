@@ -113,48 +113,33 @@ def apply_overrides(cfg: LingConfig, layers=None, experts=None, vocab=None, hidd
             kw["bos_token_id"] = vocab - 3
     if _positive("--hidden", hidden) is not None:
         kw["hidden_size"] = hidden
-    if not kw:
-        return cfg
-    d = cfg.to_dict()
-    for k in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
-        if not d.get(k):
-            d.pop(k, None)  # an empty list means "no clamp"; the parser wants it absent
-    d.update(kw)
-    return LingConfig.from_dict(d, "override")
+    return cfg.replace(**kw) if kw else cfg
 
 
 def run(args) -> int:
     from ling_jax.checkpoint.writer import write_checkpoint
-
-    fp8_layout = getattr(args, "fp8_layout", L.DEFAULT_FP8_LAYOUT)
-    conv_dtype = getattr(args, "conv_dtype", L.DEFAULT_CONV_DTYPE)
-    try:
-        fp8_layout = L.check_fp8_layout(fp8_layout)
-    except ValueError:
-        raise ValueError(f"unknown --fp8-layout {fp8_layout!r} (expected A or B)") from None
-    try:
-        conv_dtype = L.check_conv_dtype(conv_dtype)
-    except ValueError:
-        raise ValueError(f"unknown --conv-dtype {conv_dtype!r} (expected BF16 or F32)") from None
     from ling_jax.commands.common import check_output_path
+
+    try:
+        fp8_layout = L.check_fp8_layout(args.fp8_layout)
+    except ValueError:
+        raise ValueError(f"unknown --fp8-layout {args.fp8_layout!r} (expected A or B)") from None
+    try:
+        conv_dtype = L.check_conv_dtype(args.conv_dtype)
+    except ValueError:
+        raise ValueError(f"unknown --conv-dtype {args.conv_dtype!r} (expected BF16 or F32)") from None
     check_output_path(args.out, [args.config])  # also with --force
-    cfg = LingConfig.from_json(args.config)
-    cfg = apply_overrides(cfg, layers=args.layers, experts=args.experts,
-                          vocab=getattr(args, "vocab", None), hidden=getattr(args, "hidden", None))
-    _positive("--shards", getattr(args, "shards", None))
-    tokenizer = not getattr(args, "no_tokenizer", False)
+    cfg = apply_overrides(LingConfig.from_json(args.config), args.layers, args.experts, args.vocab, args.hidden)
+    _positive("--shards", args.shards)
+    tokenizer = not args.no_tokenizer
     if tokenizer and cfg.vocab_size < 270:
         print(f"note: vocab_size={cfg.vocab_size} is too small for a byte-level tokenizer; writing none "
               "(use --input-ids with this checkpoint)", file=sys.stderr)
         tokenizer = False
-    s = write_checkpoint(cfg, args.out, dtype=args.dtype, seed=args.seed,
-                         num_shards=getattr(args, "shards", None), header_only=args.header_only,
-                         tokenizer=tokenizer,
-                         include_mtp=not getattr(args, "no_mtp", False),
-                         overwrite=getattr(args, "force", False),
-                         progress=not getattr(args, "quiet", False) and sys.stderr.isatty(),
-                         fp8_layout=fp8_layout, conv_dtype=conv_dtype,
-                         experts=getattr(args, "expert_format", None))
+    s = write_checkpoint(cfg, args.out, dtype=args.dtype, seed=args.seed, num_shards=args.shards,
+                         header_only=args.header_only, tokenizer=tokenizer, include_mtp=not args.no_mtp,
+                         overwrite=args.force, progress=not args.quiet and sys.stderr.isatty(),
+                         fp8_layout=fp8_layout, conv_dtype=conv_dtype, experts=args.expert_format)
     kind = "header-only " if s["header_only"] else ""
     if s["experts"]:
         kind += f"{s['experts']}-expert "

@@ -19,20 +19,19 @@ disk) nothing is left behind. A header-only source gives a header-only result (b
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
-import tempfile
 
 import numpy as np
 
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
-from ling_jax.checkpoint.reader import INDEX_FILE, CheckpointReader
-from ling_jax.checkpoint.writer import write_json
-from ling_jax.checkpoint.safetensors_io import (CheckpointError, ShardWriter, nbytes, prepare_out_dir,
-                                                replace_dir)
+from ling_jax.checkpoint.reader import CheckpointReader
+from ling_jax.checkpoint.atomic import prepare_out_dir, staged_dir
+from ling_jax.checkpoint.writer import write_mxfp4, write_shards
+from ling_jax.config import read_json_file, write_json
+from ling_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointError, ShardWriter, nbytes
 
 COPY_CHUNK_BYTES = 64 << 20
 
@@ -57,22 +56,16 @@ def _shard_order(r: CheckpointReader) -> dict[str, list[str]]:
     return {f: [n for _, n in sorted(v)] for f, v in sorted(by_file.items())}
 
 
-def _is_mxfp4_source(r: CheckpointReader) -> bool:
-    stored = [n for n in r.names() if L.is_routed_expert_weight(n) and r.info(n).dtype == MX.PACKED_DTYPE]
-    if not stored:
-        return False
-    q = r.config.quantization_config or {}
-    if q.get("routed_experts_quant_method") != MX.QUANT_METHOD:
-        raise CheckpointError(f"{r.info(stored[0]).file}: routed expert {stored[0]!r} is stored "
-                              f"{MX.PACKED_DTYPE} (MXFP4 codes) but {os.path.join(r.dir, 'config.json')} does not "
-                              f"declare quantization_config.routed_experts_quant_method: mxfp4")
-    return True
-
-
 def _validate_source(r: CheckpointReader, specs: dict) -> None:
     """Structure of the source: `CheckpointReader.problems` for everything but MXFP4 experts, and
-    `mxfp4.mxfp4_problems` (against the config's shapes) for those. First problem + count."""
-    mx = {n for n in r.names() if L.is_routed_expert_weight(n) and r.info(n).dtype == MX.PACKED_DTYPE}
+    `mxfp4.mxfp4_problems` (against the config's shapes) for those, which config.json must declare.
+    First problem + count."""
+    mx = [n for n in r.names() if L.is_routed_expert_weight(n) and r.info(n).dtype == MX.PACKED_DTYPE]
+    q = r.config.quantization_config or {}
+    if mx and q.get("routed_experts_quant_method") != MX.QUANT_METHOD:
+        raise CheckpointError(f"{r.info(mx[0]).file}: routed expert {mx[0]!r} is stored "
+                              f"{MX.PACKED_DTYPE} (MXFP4 codes) but {os.path.join(r.dir, 'config.json')} does not "
+                              f"declare quantization_config.routed_experts_quant_method: mxfp4")
     mx_related = {repr(n) for n in mx} | {repr(L.scale_name(n)) for n in mx}
     probs = [p for p in r.problems() if not any(m in p for m in mx_related)]
     for n in mx:
@@ -114,12 +107,11 @@ def _out_entries(r: CheckpointReader, names: list[str]) -> list[tuple[str, str, 
 
 def _copy_tensor(r: CheckpointReader, w: ShardWriter, name: str, bar) -> None:
     t = r.info(name)
-    rows = t.shape[0] if t.shape else 1
-    row_bytes = t.nbytes // rows if rows else 0
-    per = max(1, COPY_CHUNK_BYTES // max(row_bytes, 1))
-    if not t.shape or rows == 0:
+    if not t.shape or t.shape[0] == 0:
         w.write(name, r.get_raw(name))
         return
+    rows = t.shape[0]
+    per = max(1, COPY_CHUNK_BYTES // max(t.nbytes // rows, 1))
     for r0 in range(0, rows, per):
         chunk = r.get_raw(name, (slice(r0, min(rows, r0 + per)),))
         w.write(name, chunk)
@@ -136,52 +128,31 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
         raise ValueError(f"{out_dir}: --out must differ from --checkpoint")
     cfg = r.config
     specs = L.expected_tensors(cfg, include_mtp=True)
-    _is_mxfp4_source(r)
     _validate_source(r, specs)
     order = _shard_order(r)
     plan = {f: _out_entries(r, names) for f, names in order.items()}
     total = sum(nbytes(d, s) for es in plan.values() for _, d, s in es)
-    out_dir, parent = prepare_out_dir(out_dir, overwrite, "--force")
-    with open(os.path.join(r.dir, "config.json")) as f:
-        raw_cfg = json.load(f)
+    out_dir = prepare_out_dir(out_dir, overwrite, "--force")
+    raw_cfg = read_json_file(os.path.join(r.dir, "config.json"), CheckpointError)
     has_mtp = any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in r.names())
     base = raw_cfg.get("quantization_config") if r.names() and any(
         r.info(n).dtype == "F8_E4M3" for n in r.names()) else None
     raw_cfg["quantization_config"] = L.mxfp4_quantization_config(cfg, base, include_mtp=has_mtp)
 
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     n_experts = 0
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)
-        from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=not progress or r.header_only,
-                   leave=False)
-        weight_map: dict[str, str] = {}
-        try:
-            for fname, entries in plan.items():
-                with ShardWriter(os.path.join(tmp, fname), entries, {"format": "pt"}, r.header_only) as w:
-                    for name, _, _ in entries:
-                        weight_map[name] = fname
-                    for name, _, _ in entries:
-                        if r.header_only or L.is_routed_expert_weight(L.weight_of_scale(name) or ""):
-                            continue  # header only / an expert's E8M0 scale: written with its codes
-                        if L.is_routed_expert_weight(name):
-                            packed, scales = MX.quantize_mxfp4(expert_values(r, name), f"{r.info(name).file}: {name}")
-                            w.write(name, packed)
-                            w.write(L.scale_name(name), scales)
-                            bar.update(packed.nbytes + scales.nbytes)
-                            n_experts += 1
-                        else:
-                            _copy_tensor(r, w, name, bar)
-        finally:
-            bar.close()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        if r.header_only:
-            index["metadata"]["ling_jax_header_only"] = True
-        write_json(os.path.join(tmp, INDEX_FILE), index)
+    def write(w: ShardWriter, name: str, dt: str, bar) -> None:
+        nonlocal n_experts
+        if L.is_routed_expert_weight(L.weight_of_scale(name) or ""):
+            return  # an expert's E8M0 scale: written with its codes
+        if L.is_routed_expert_weight(name):
+            write_mxfp4(w, name, expert_values(r, name), bar, f"{r.info(name).file}: {name}")
+            n_experts += 1
+        else:
+            _copy_tensor(r, w, name, bar)
+
+    with staged_dir(out_dir) as tmp:
+        write_shards(tmp, plan, write, total, r.header_only, "quantize", progress)
         write_json(os.path.join(tmp, "config.json"), raw_cfg)
         shards = set(order)
         for f in sorted(os.listdir(r.dir)):
@@ -189,10 +160,6 @@ def quantize_checkpoint(src: str, out_dir: str, experts: str = "mxfp4", overwrit
             if f in shards or f in (INDEX_FILE, "config.json") or f.startswith(".") or not os.path.isfile(p):
                 continue
             shutil.copy2(p, os.path.join(tmp, f))  # tokenizer, generation config, ...
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"out_dir": out_dir, "total_size": total, "source_total_size": r.total_size,
             "num_shards": len(plan), "experts_quantized": n_experts if not r.header_only else
             sum(1 for n in r.names() if L.is_routed_expert_weight(n)), "header_only": r.header_only}

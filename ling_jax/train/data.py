@@ -45,10 +45,7 @@ def read_corpus(path: str, pattern: str = "*") -> list[str]:
 
 def pack_documents(docs: Iterable[list[int]], eos_id: int) -> np.ndarray:
     """Concatenate token lists, each followed by EOS, into one int32 stream."""
-    parts = []
-    for d in docs:
-        parts.append(np.asarray(d, np.int32))
-        parts.append(np.asarray([eos_id], np.int32))
+    parts = [p for d in docs for p in (np.asarray(d, np.int32), np.asarray([eos_id], np.int32))]
     return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
 

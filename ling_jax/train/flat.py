@@ -22,15 +22,11 @@ TRAINABLE = nnx.All(nnx.Param, nnx.Not(nnx.PathContains(BIAS_NAME)))
 BIAS = nnx.All(nnx.Param, nnx.PathContains(BIAS_NAME))
 
 
-def _key(path) -> str:
-    return "/".join(str(p) for p in path)
-
-
 def flatten_state(state) -> tuple[dict, dict]:
     """nnx.State → ({'a/b/0/c': array}, {'a/b/0/c': path tuple})."""
     flat, paths = {}, {}
     for path, var in nnx.to_flat_state(state):
-        k = _key(path)
+        k = "/".join(str(p) for p in path)
         flat[k] = var.get_value() if hasattr(var, "get_value") else var
         paths[k] = tuple(path)
     return flat, paths

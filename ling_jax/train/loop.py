@@ -16,6 +16,7 @@ from ling_jax.model import LingForCausalLM
 from ling_jax.train.config import TrainConfig
 from ling_jax.train.flat import bias_layers, split_model
 from ling_jax.train.step import StepSpec, initial_state, jitted_eval_loss, jitted_train_step
+from sharding.mesh import mesh_sizes
 
 
 class Trainer:
@@ -50,13 +51,14 @@ class Trainer:
         return self.merge(s["params"], s["bias"], s["rest"])
 
     # ---- steps --------------------------------------------------------------------------------
-    def _place_batch(self, ids):
+    def _place_batch(self, ids, mask):
+        """ids [B,T] on the mesh's `data` axis when it divides B; mask [B,T] bool (default: all real)."""
         ids = jnp.asarray(ids, jnp.int32)
-        if self.mesh is not None and "data" in self.mesh.axis_names:
-            n = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))["data"]
-            if ids.shape[0] % n == 0:
-                ids = jax.device_put(ids, NamedSharding(self.mesh, P("data", None)))
-        return ids
+        mask = jnp.ones(ids.shape, bool) if mask is None else jnp.asarray(mask, bool)
+        n = mesh_sizes(self.mesh).get("data") if self.mesh is not None else None
+        if n is not None and ids.shape[0] % n == 0:
+            ids = jax.device_put(ids, NamedSharding(self.mesh, P("data", None)))
+        return ids, mask
 
     def train_step(self, ids, mask=None) -> dict:
         """One optimizer step on ids [B,T] (mask [B,T] marks real tokens; default all).
@@ -65,14 +67,12 @@ class Trainer:
         grad_norm, lr (the rate used by this step), max_load_ratio (max over layers and experts
         of load / mean load; 1 = perfectly balanced).
         """
-        ids = self._place_batch(ids)
-        mask = jnp.ones(ids.shape, bool) if mask is None else jnp.asarray(mask, bool)
+        ids, mask = self._place_batch(ids, mask)
         self.state, m = jitted_train_step(self.spec, self.state, ids, mask)
         return {k: (np.asarray(v) if k == "load" else float(v)) for k, v in m.items()}
 
     def eval_loss(self, ids, mask=None) -> dict:
-        ids = self._place_batch(ids)
-        mask = jnp.ones(ids.shape, bool) if mask is None else jnp.asarray(mask, bool)
+        ids, mask = self._place_batch(ids, mask)
         s = self.state
         return {k: float(v) for k, v in jitted_eval_loss(self.spec, s["params"], s["bias"], s["rest"], ids,
                                                              mask).items()}

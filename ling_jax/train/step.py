@@ -42,17 +42,12 @@ def lr_schedule(tcfg: TrainConfig):
     return optax.warmup_cosine_decay_schedule(0.0, tcfg.lr, warm, total, end_value=tcfg.lr * tcfg.min_lr_ratio)
 
 
-def _decay(key: str, leaf) -> bool:
-    return leaf.ndim >= 2 and not key.endswith("conv1d")
-
-
 def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
-    mask = lambda params: {k: _decay(k, v) for k, v in params.items()}  # noqa: E731
-    return optax.chain(
-        optax.clip_by_global_norm(tcfg.clip_norm),
-        optax.adamw(lr_schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps, weight_decay=tcfg.weight_decay,
-                    mask=mask),
-    )
+    # weight decay on >= 2-D matrices except the conv taps
+    mask = lambda params: {k: v.ndim >= 2 and not k.endswith("conv1d") for k, v in params.items()}  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(tcfg.clip_norm),
+                       optax.adamw(lr_schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps,
+                                   weight_decay=tcfg.weight_decay, mask=mask))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,11 +91,8 @@ def expert_load(routing: dict, num_experts: int, mask=None) -> dict:
     """{layer: fraction of routed assignments per expert [E]} (mask [B,T] drops padding)."""
     out = {}
     for layer, idx in routing.items():
-        if mask is None:
-            w = jnp.ones(idx.shape, jnp.float32)
-        else:
-            w = jnp.broadcast_to(mask[..., None], idx.shape).astype(jnp.float32)
-        counts = jnp.zeros((num_experts,), jnp.float32).at[idx.reshape(-1)].add(w.reshape(-1))
+        w = jnp.ones(idx.shape, jnp.float32) if mask is None else jnp.broadcast_to(mask[..., None], idx.shape)
+        counts = jnp.zeros((num_experts,), jnp.float32).at[idx.reshape(-1)].add(w.reshape(-1).astype(jnp.float32))
         out[layer] = counts / jnp.maximum(counts.sum(), 1.0)
     return out
 
@@ -134,14 +126,9 @@ class StepSpec:
 
 def initial_state(params: dict, bias: dict, rest: dict, tcfg: TrainConfig) -> dict:
     """{step, params, bias, rest, opt_state, rng}: step 0, fresh optimizer moments, the seed's key data."""
-    return {
-        "step": jnp.zeros((), jnp.int32),
-        "params": params,
-        "bias": bias,
-        "rest": rest,
-        "opt_state": jax.jit(make_optimizer(tcfg).init)(params),
-        "rng": jax.random.key_data(jax.random.key(tcfg.seed)),
-    }
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "bias": bias, "rest": rest,
+            "opt_state": jax.jit(make_optimizer(tcfg).init)(params),
+            "rng": jax.random.key_data(jax.random.key(tcfg.seed))}
 
 
 def loss_fn(spec: StepSpec, params: dict, bias: dict, rest: dict, ids, mask):

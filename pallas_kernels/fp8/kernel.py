@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import backend_platform, compiler_params, dot, next_pow2, resolve_interpret, round_up
+from pallas_kernels._common import compiler_params, dot, next_pow2, round_up, target
 
 F32 = jnp.float32
 
@@ -93,9 +93,7 @@ def _run(x, wq, scale, block, interpret, block_m, block_n, block_k, plat):
     s = jnp.pad(s, ((0, Kp // qbk - s.shape[0]), (0, Np - N)))
     n_sub, n_k = bk // qbk, Kp // bk
     kernel = functools.partial(_kernel, qbk=qbk, n_sub=n_sub, n_k=n_k, unroll=n_sub <= 8)
-    scratch = []
-    if n_k > 1:
-        scratch = [pltpu.VMEM((bm, bn), F32)]
+    scratch = [pltpu.VMEM((bm, bn), F32)] if n_k > 1 else []
     out = pl.pallas_call(
         kernel,
         grid=(Mp // bm, Np // bn, n_k),
@@ -120,11 +118,9 @@ def fp8_linear_pallas(x, wq, scale, block=(128, 128), interpret=None, *, block_m
     block: the quantisation block (rows, cols) of the scale grid. block_m/n/k: kernel tiles
     (n, k multiples of block; defaults TPU 256/256/512, GPU 64/128/whole K, M rounded to ≥ 16).
     Leading batch dims of x are flattened.
-    platform: target backend "tpu" | "gpu" | "cpu" for the tile defaults, interpret default and compiler
-      parameters (None = the default backend; set it to lower ahead of time for another backend).
+    platform: the target backend (`_common.backend_platform`; None = the default one).
     """
-    plat = backend_platform(platform)
-    interpret = resolve_interpret(interpret, plat)
+    plat, interpret = target(platform, interpret)
     block = (int(block[0]), int(block[1]))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import backend_platform, compiler_params, dot, resolve_interpret
+from pallas_kernels._common import compiler_params, dot, target
 
 F32 = jnp.float32
 
@@ -177,10 +177,8 @@ def kda_chunk_scan_pallas(q, k, v, g, beta, state, chunk_size: int = 64, interpr
       Triton whose grid programs run concurrently; TPU default 512 to bound VMEM).
     block_v: value columns per program (default dv; 64 on GPU).
     interpret: None = interpret mode on CPU only.
-    platform: target backend "tpu" | "gpu" | "cpu" for the tile defaults, interpret default and compiler
-      parameters (None = the default backend; set it to lower ahead of time for another backend).
+    platform: the target backend (`_common.backend_platform`; None = the default one).
     """
-    plat = backend_platform(platform)
-    interpret = resolve_interpret(interpret, plat)
+    plat, interpret = target(platform, interpret)
     block_t, block_v = _defaults(block_t, block_v, v.shape[-1], plat)
     return _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v, plat=plat)

@@ -29,14 +29,15 @@ def kda_recurrent_step(state, q, k, v, g, beta):
     return o, s
 
 
-def kda_recurrent_scan(q, k, v, g, beta, state, return_all_states: bool = False):
+def kda_recurrent_scan(q, k, v, g, beta, state, return_all_states: bool = False, step_fn=kda_recurrent_step):
     """Token-by-token scan of `kda_recurrent_step` (decode, short verify chunks, test ground truth).
 
     q, k, g: [B,T,H,dk]; v: [B,T,H,dv]; beta: [B,T,H]; state [B,H,dk,dv].
     Returns (o [B,T,H,dv], final state[, states after every token [B,T,H,dk,dv]]).
+    step_fn: the one-token step (the Pallas step kernel scans through here too).
     """
     def step(s, xs):
-        o, s = kda_recurrent_step(s, *xs)
+        o, s = step_fn(s, *xs)
         return s, (o, s) if return_all_states else o
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))

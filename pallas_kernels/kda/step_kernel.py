@@ -21,10 +21,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import backend_platform, compiler_params, resolve_interpret
+from pallas_kernels._common import compiler_params, target
+from pallas_kernels.kda.reference import kda_recurrent_scan
 
 F32 = jnp.float32
 
@@ -78,11 +78,9 @@ def kda_recurrent_step_pallas(state, q, k, v, g, beta, interpret=None, *, block_
     state [B,H,dk,dv] f32 (updated in place when donated); q (normalised, scaled), k (normalised),
     g (log-decay) [B,H,dk]; v [B,H,dv]; beta [B,H]. Returns (o [B,H,dv] f32, new state).
     block_h heads per program (default 8 on TPU, 1 on GPU); block_v value columns (default dv; 64 on GPU).
-    platform: target backend "tpu" | "gpu" | "cpu" for the tile defaults, interpret default and compiler
-      parameters (None = the default backend; set it to lower ahead of time for another backend).
+    platform: the target backend (`_common.backend_platform`; None = the default one).
     """
-    plat = backend_platform(platform)
-    interpret = resolve_interpret(interpret, plat)
+    plat, interpret = target(platform, interpret)
     block_h, block_v = _defaults(block_h, block_v, state.shape[1], state.shape[3], plat)
     return _run(state, q, k, v, g, beta, interpret, block_h, block_v, plat=plat)
 
@@ -97,15 +95,8 @@ def kda_recurrent_scan_pallas(q, k, v, g, beta, state, *, platform: str | None =
     materialise every state anyway, which is what its scan already does. kernel_kw: see
     `kda_recurrent_step_pallas`; platform: as there (one target for every step).
     """
+    step = functools.partial(kda_recurrent_step_pallas, platform=platform, **kernel_kw)
     if q.shape[1] == 1:
-        o, s = kda_recurrent_step_pallas(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], platform=platform,
-                                         **kernel_kw)
+        o, s = step(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
         return o[:, None], s
-
-    def step(s, xs):
-        o, s = kda_recurrent_step_pallas(s, *xs, platform=platform, **kernel_kw)
-        return s, o
-
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    s, o = lax.scan(step, state, xs)
-    return jnp.moveaxis(o, 0, 1), s
+    return kda_recurrent_scan(q, k, v, g, beta, state, step_fn=step)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import NEG, backend_platform, compiler_params, dot, next_pow2, resolve_interpret
+from pallas_kernels._common import NEG, compiler_params, dot, next_pow2, target
 
 F32 = jnp.float32
 
@@ -140,8 +140,11 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
         lim_rows = jnp.pad(lim_rows, ((0, 0), (0, Rp - R)))
     lim_rows = lim_rows[..., None]  # [B,Rp,1]
 
-    out_shape = [jax.ShapeDtypeStruct((B, P, Rp, r), F32), jax.ShapeDtypeStruct((B, P, Rp, 1), F32),
-                 jax.ShapeDtypeStruct((B, P, Rp, 1), F32)]
+    out_shape = [jax.ShapeDtypeStruct((B, P, Rp, w), F32) for w in (r, 1, 1)]  # acc, m, l
+    # Query rows and the outputs: the same blocks in both modes (grid indices b, qi, p first; the grid
+    # mode's key-block index and scalar prefetch follow).
+    q_specs = [pl.BlockSpec((None, bq, w), lambda b, qi, p, *_: (b, qi, 0)) for w in (r, dr, 1)]
+    out_specs = [pl.BlockSpec((None, None, bq, w), lambda b, qi, p, *_: (b, p, qi, 0)) for w in (r, 1, 1)]
     if mode == "grid":
         lim_b = jnp.max(lim_rows[..., 0], axis=1)  # [B] keys any row of the sequence can see
 
@@ -152,14 +155,9 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(B, nq, P, nbp),
-            in_specs=[pl.BlockSpec((None, bq, r), lambda b, qi, p, i, lb: (b, qi, 0)),
-                      pl.BlockSpec((None, bq, dr), lambda b, qi, p, i, lb: (b, qi, 0)),
-                      pl.BlockSpec((None, bq, 1), lambda b, qi, p, i, lb: (b, qi, 0)),
-                      pl.BlockSpec((None, bs, r), lambda b, qi, p, i, lb: (b, key_block(b, p, i, lb), 0)),
-                      pl.BlockSpec((None, bs, dr), lambda b, qi, p, i, lb: (b, key_block(b, p, i, lb), 0))],
-            out_specs=[pl.BlockSpec((None, None, bq, r), lambda b, qi, p, i, lb: (b, p, qi, 0)),
-                       pl.BlockSpec((None, None, bq, 1), lambda b, qi, p, i, lb: (b, p, qi, 0)),
-                       pl.BlockSpec((None, None, bq, 1), lambda b, qi, p, i, lb: (b, p, qi, 0))])
+            in_specs=q_specs + [pl.BlockSpec((None, bs, w), lambda b, qi, p, i, lb: (b, key_block(b, p, i, lb), 0))
+                                for w in (r, dr)],
+            out_specs=out_specs)
         kernel = functools.partial(_grid_kernel, scale=scale, block_s=bs, blocks_per_split=nbp,
                                    seq_len=S if S % bs else None)
         acc, m, l = pl.pallas_call(
@@ -174,14 +172,8 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
         kernel = functools.partial(_loop_kernel, scale=scale, block_s=bs, blocks_per_split=nbp)
         acc, m, l = pl.pallas_call(
             kernel, grid=(B, nq, P),
-            in_specs=[pl.BlockSpec((None, bq, r), lambda b, qi, p: (b, qi, 0)),
-                      pl.BlockSpec((None, bq, dr), lambda b, qi, p: (b, qi, 0)),
-                      pl.BlockSpec((None, bq, 1), lambda b, qi, p: (b, qi, 0)),
-                      pl.BlockSpec((None, Sp, r), lambda b, qi, p: (b, 0, 0)),
-                      pl.BlockSpec((None, Sp, dr), lambda b, qi, p: (b, 0, 0))],
-            out_specs=[pl.BlockSpec((None, None, bq, r), lambda b, qi, p: (b, p, qi, 0)),
-                       pl.BlockSpec((None, None, bq, 1), lambda b, qi, p: (b, p, qi, 0)),
-                       pl.BlockSpec((None, None, bq, 1), lambda b, qi, p: (b, p, qi, 0))],
+            in_specs=q_specs + [pl.BlockSpec((None, Sp, w), lambda b, qi, p: (b, 0, 0)) for w in (r, dr)],
+            out_specs=out_specs,
             out_shape=out_shape, interpret=interpret, name="mla_decode",
             compiler_params=compiler_params(interpret, plat, num_warps=8, num_stages=2),
         )(q2, qpe2, lim_rows, c, k_pe)
@@ -208,11 +200,9 @@ def latent_attention_pallas(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s:
     block_s: keys per block (TPU 512, GPU 64, CPU 128). num_splits: parallel key partitions
       (flash decoding; TPU 1, GPU ⌊132/B⌋). block_q: query rows (T·H) per program (GPU 32; else the
       rows rounded up to a power of two ≥ 16, at most 256). mode: "grid" | "loop" (see module doc).
-    platform: target backend "tpu" | "gpu" | "cpu" for the tile defaults, interpret default and compiler
-      parameters (None = the default backend; set it to lower ahead of time for another backend).
+    platform: the target backend (`_common.backend_platform`; None = the default one).
     """
-    plat = backend_platform(platform)
-    interpret = resolve_interpret(interpret, plat)
+    plat, interpret = target(platform, interpret)
     mode, block_s, num_splits, block_q = _defaults(mode, block_s, num_splits, block_q, q_hat.shape[0], plat)
     return _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, float(scale), block_s, interpret, num_splits, block_q, mode,
                 plat=plat)
