@@ -22,7 +22,6 @@ from ling_jax.checkpoint.blocks import reader_fp8
 from ling_jax.checkpoint.orbax_validate import data_file_inventory
 from ling_jax.loader import ParamSource, converted_entries, abstract_model, fill_params, open_validated
 from ling_jax.ops import as_dtype, default_dtype
-from ling_jax.quantized import BlockFP8
 from sharding.distributed import barrier, is_primary
 from sharding.mesh import mesh_spec_string, parse_mesh
 
