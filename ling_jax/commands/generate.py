@@ -27,9 +27,10 @@ def add_parser(sub):
     p.add_argument("--stop-ids", default=None, help="comma-separated stop token ids (default: EOS ids)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
-    p.add_argument("--keep-fp8", action="store_true",
-                   help="keep FP8-stored matrices as float8 + block scales on device, dequantised inside the "
-                        "matmul (the Pallas FP8 kernel with --impl pallas)")
+    p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_fp8", action="store_true",
+                   help="keep quantised weights on device as stored: FP8 matrices as float8 + block scales (the Pallas FP8 "
+                        "kernel with --impl pallas), MXFP4 routed experts as packed codes + E8M0 scales; each is "
+                        "dequantised inside its matmul (--keep-fp8: the old name)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_long_context_flag(p)
