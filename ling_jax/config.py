@@ -475,10 +475,10 @@ def _validate(c: LingConfig, err, d: dict) -> None:
         rq = q.get("routed_experts_quant_method")
         if rq is not None and rq != "mxfp4":
             err(f"quantization_config.routed_experts_quant_method={rq!r} is not supported (expected 'mxfp4')")
-        gs = q.get("routed_experts_group_size", 32 if rq else None)
-        if gs is not None and (rq is None or gs != 32 or not _is_int(gs)):
+        gs = q.get("routed_experts_group_size", 32)
+        if rq is not None and (not _is_int(gs) or gs != 32):
             err(f"quantization_config.routed_experts_group_size={gs!r} is not supported (MXFP4 routed experts "
-                f"use groups of 32" + ("" if rq else "; routed_experts_quant_method is not set") + ")")
+                f"use groups of 32)")
         mnc = q.get("modules_to_not_convert")
         if mnc is not None and not (isinstance(mnc, list) and all(isinstance(x, str) for x in mnc)):
             err("quantization_config.modules_to_not_convert must be a list of module names")

@@ -122,10 +122,12 @@ def reader_fp8(reader, cfg: LingConfig) -> Callable:
     return stored
 
 
-def release_fp8(cfg: LingConfig) -> Callable:
-    """`stored_fp8` of a release checkpoint of `cfg` (what its headers would say), for shape planning
-    without a checkpoint; loading always asks the checkpoint itself (`reader_fp8`)."""
-    f8 = {n for n, dt, _ in release_tensors(cfg, "fp8") if dt == FP8}
+def release_fp8(cfg: LingConfig, fp8_layout: str | None = None) -> Callable:
+    """`stored_fp8` of a release checkpoint of `cfg` (what its headers would say; `fp8_layout` None: the
+    writer's default), for shape planning without a checkpoint; loading always asks the checkpoint
+    itself (`reader_fp8`)."""
+    f8 = {n for n, dt, _ in (release_tensors(cfg, "fp8") if fp8_layout is None
+                             else release_tensors(cfg, "fp8", fp8_layout=fp8_layout)) if dt == FP8}
     return lambda path: all(n in f8 for n in tensor_names(path, cfg))
 
 
