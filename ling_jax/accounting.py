@@ -364,11 +364,13 @@ def weight_bytes(cfg: LingConfig, fmt: str = "fp8", include_mtp: bool = True,
 
 
 def cache_bytes(cfg: LingConfig, cache_dtype_bytes: int = 2, state_dtype_bytes: int = 4,
-                conv_dtype_bytes: int = 2) -> dict:
+                conv_dtype_bytes: int = 2, kv_cache_dtype: str = "auto") -> dict:
     """Inference cache sizes (spec §14), BF16 MLA cache / FP32 KDA state / BF16 conv state by default.
 
     * MLA (absorbed) latent cache: (kv_lora_rank + qk_rope_head_dim) values per token per MLA layer;
       ``mla_bytes_per_token`` counts the main MLA layers, ``..._with_mtp`` adds the MTP layer's.
+      kv_cache_dtype "fp8" (`ling_jax.kv_quant`): 1 byte per value + two float32 per-token scales
+      (584 B per token per layer for the real config, vs 1,152 in BF16); "auto"/"bf16": cache_dtype_bytes.
     * MLA expanded (reference) cache, for comparison: H·(qk_head_dim + v_head_dim) per token/layer.
     * KDA recurrent state: [H, head_dim, head_dim] per KDA layer per sequence, length-independent.
     * KDA conv state: 3 streams (q, k, v) × kda_width × (kernel − 1) past inputs per KDA layer.
@@ -377,7 +379,12 @@ def cache_bytes(cfg: LingConfig, cache_dtype_bytes: int = 2, state_dtype_bytes: 
     n_mla = sum(1 for t in types if t == MLA)
     n_kda = sum(1 for t in types if t == KDA)
     n_mtp = 1 if cfg.has_mtp else 0
-    mla_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cache_dtype_bytes
+    if kv_cache_dtype not in ("auto", "bf16", "fp8"):
+        raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r} (expected bf16 or fp8)")
+    if kv_cache_dtype == "fp8":
+        mla_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim + 2 * 4
+    else:
+        mla_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cache_dtype_bytes
     expanded_layer = cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * cache_dtype_bytes
     kda_layer = cfg.num_attention_heads * cfg.head_dim * cfg.head_dim * state_dtype_bytes
     conv_layer = 3 * cfg.kda_width * max(cfg.short_conv_kernel_size - 1, 0) * conv_dtype_bytes
@@ -498,7 +505,8 @@ def resident_bytes_per_device(cfg: LingConfig, fmt: str, mesh: dict[str, int], i
 def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
          device_memory_gib: Optional[float] = None, include_mtp: bool = True,
          reserve_gib: float = 0.0, sequences: int = 1,
-         fp8_layout: Optional[str] = RELEASE_FP8_LAYOUT, conv_dtype: str = RELEASE_CONV_DTYPE) -> dict:
+         fp8_layout: Optional[str] = RELEASE_FP8_LAYOUT, conv_dtype: str = RELEASE_CONV_DTYPE,
+         kv_cache_dtype: str = "bf16") -> dict:
     """Weight and cache memory of serving `cfg` on `mesh` (see `ling-jax plan --help`)."""
     _check_format(fmt)
     _check_layout(fp8_layout)
@@ -512,7 +520,7 @@ def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
         raise ValueError(f"sequences must be a non-negative integer, got {sequences!r}")
     summ = summary(cfg, fmt, include_mtp, fp8_layout, conv_dtype)
     dev = per_device_weight_bytes(cfg, stored_tensors(cfg, fmt, include_mtp, fp8_layout, conv_dtype), mesh)
-    cache = cache_bytes(cfg)
+    cache = cache_bytes(cfg, kv_cache_dtype=kv_cache_dtype)
     use_mtp = include_mtp and cfg.has_mtp
     mla_tok = cache["mla_bytes_per_token_with_mtp"] if use_mtp else cache["mla_bytes_per_token"]
     # KDA state and conv buffers split by head over `model` by the cache rules (when the head count
@@ -546,6 +554,7 @@ def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
         "even_split_gib_per_device": round(even / GiB, 2),
         "resident_bytes_per_device": resident,
         "resident_gib_per_device": round(resident / GiB, 2),
+        "kv_cache_dtype": kv_cache_dtype,
         "mla_cache_bytes_per_token": mla_tok,
         "mla_cache_bytes_per_token_main": cache["mla_bytes_per_token"],
         "mla_cache_bytes_per_token_mtp": cache["mla_bytes_per_token_mtp_layer"] if use_mtp else 0,

@@ -64,6 +64,9 @@ def add_parser(subparsers):
     p.add_argument("--fp8-layout", metavar="A|B", default=A.RELEASE_FP8_LAYOUT,
                    help="which MLA matrix the release keeps BF16: A = kv_a_proj_with_mqa (reproduces the "
                         "published byte total; default), B = head-wise g_proj (make-checkpoint's default)")
+    p.add_argument("--kv-cache-dtype", metavar="bf16|fp8", default="bf16",
+                   help="MLA latent cache storage: bf16 (default) or fp8 (1 byte per value + a float32 scale per "
+                        "token for the latent and one for the rope key: 584 instead of 1,152 B per token per layer)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
@@ -95,9 +98,12 @@ def plan_from_args(args) -> dict:
             raise ValueError
     except ValueError:
         raise ValueError(f"--sequences must be a non-negative integer, got {args.sequences!r}") from None
+    kv = str(args.kv_cache_dtype).lower()
+    if kv not in ("bf16", "fp8"):
+        raise ValueError(f"unknown --kv-cache-dtype {args.kv_cache_dtype!r} (expected bf16 or fp8)")
     cfg = LingConfig.from_json(args.config)
     return A.plan(cfg, fmt, mesh, mem, include_mtp=not args.no_mtp, reserve_gib=reserve, sequences=seqs,
-                  fp8_layout=layout)
+                  fp8_layout=layout, kv_cache_dtype=kv)
 
 
 def format_text(r: dict) -> str:
@@ -115,7 +121,7 @@ def format_text(r: dict) -> str:
         f"{r['devices']} devices, every tensor split evenly: the seed article's arithmetic)",
         f"resident       {r['resident_bytes_per_device']:,} ({r['resident_gib_per_device']:.2f} GiB: the device arrays "
         f"of the loaded model, bfloat16, quantised weights kept; routers float32)",
-        f"MLA cache      {r['mla_cache_bytes_per_token']:,} B/token ({r['mla_cache_bytes_per_token_main']:,} main "
+        f"MLA cache      {r['kv_cache_dtype']}, {r['mla_cache_bytes_per_token']:,} B/token ({r['mla_cache_bytes_per_token_main']:,} main "
         f"layers + {r['mla_cache_bytes_per_token_mtp']:,} MTP), full copy on every device of a replica",
         f"KDA state      {r['kda_state_bytes_per_sequence']:,} B/sequence ({b(r['kda_state_bytes_per_sequence'])}; "
         f"{b(r['kda_state_bytes_per_sequence_per_device'])} per device)",
