@@ -486,9 +486,10 @@ def resident_bytes_per_device(cfg: LingConfig, fmt: str, mesh: dict[str, int], i
     placed by its own specs (`placement.param_specs`), constants (SwiGLU limits) included.
 
     It differs from the stored-bytes placement (`per_device_weight_bytes`) where the model does not
-    hold a tensor as stored: routers are float32 (stored BF16; routing runs in float32), float32-stored
-    small tensors (A_log, dt_bias, conv taps) take `dtype`, kept-FP8 routed-expert scales are
-    expanded per element along I (`quantized.BlockFP8`), and the per-layer limits are arrays."""
+    hold a tensor as stored: router weights are float32 (stored BF16; routing runs in float32: +0.27
+    GiB per device for the real config, nearly all of the difference for MXFP4), kept-FP8 routed-expert
+    scales are expanded per element along I (`quantized.BlockFP8`; fp8 only), F32-stored conv taps
+    take `dtype` (-3 MB per device on model=4), and the per-layer SwiGLU limits are 4-byte arrays."""
     model = _resident_model(cfg, fmt, include_mtp, fp8_layout, dtype)
     specs = param_specs(model, mesh, cfg.num_attention_heads)
     total = 0

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK
 from ling_jax.checkpoint.layout import CONV_TAPS, checkpoint_names, is_expert_path, release_tensors, scale_name
 from ling_jax.checkpoint.safetensors_io import DTYPES
