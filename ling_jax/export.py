@@ -29,7 +29,7 @@ from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTY
 from ling_jax.checkpoint.writer import (INDEX_FILE, checkpoint_config_dict, plan_shards, shard_file_name,
                                        write_generation_config, write_json)
 from ling_jax.config import LingConfig
-from ling_jax.quantized import BlockFP8
+from ling_jax.quantized import is_quantized
 from ling_jax.train.state import load_trained_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -41,9 +41,9 @@ def model_tensors(model) -> dict[str, np.ndarray]:
     cfg: LingConfig = model.cfg
     out: dict[str, np.ndarray] = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if isinstance(var.get_value(), BlockFP8) or np.dtype(var.get_value().dtype) == FP8_NP:
-            raise ValueError("export needs a float model: this one keeps FP8 weights + block scales (loaded "
-                             "with --keep-fp8); load it without that option")
+        if is_quantized(var.get_value()) or np.dtype(var.get_value().dtype) == FP8_NP:
+            raise ValueError("export needs a float model: this one keeps FP8 weights + block scales or MXFP4 "
+                             "experts (loaded with --keep-fp8 / --keep-quantized); load it without that option")
         _, names, _ = checkpoint_names(path, cfg)
         a = np.asarray(var.get_value(), dtype=np.float32)
         last = str(path[-1])

@@ -17,6 +17,7 @@ from flax import nnx
 import sharding as S
 from conftest import rel_err
 from ling_jax.cli import main
+from ling_jax.generate import generate
 from ling_jax.kv_quant import dequantize_per_token, quantize_per_token
 from ling_jax.model import init_cache
 
@@ -111,3 +112,12 @@ def _err(argv, capsys):
     capsys.readouterr()
     assert main(argv) == 2
     return capsys.readouterr().err
+
+
+def test_generate_with_fp8_cache(tiny_model):
+    """`generate(..., kv_cache_dtype="fp8")` (the CLI's --kv-cache-dtype fp8) runs the whole decode
+    loop on the FP8 cache; a bad value is refused naming the option."""
+    res = generate(tiny_model, [[5, 9, 13, 2]], 3, kv_cache_dtype="fp8")
+    assert len(res.tokens[0]) == 3 and all(0 <= t < tiny_model.cfg.vocab_size for t in res.tokens[0])
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8"):
+        init_cache(tiny_model.cfg, 1, 8, jnp.float32, kv_cache_dtype="int8")

@@ -16,6 +16,7 @@ re-quantised by `ling-jax quantize --experts mxfp4`. On it:
 """
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -33,6 +34,7 @@ from ling_jax.checkpoint.safetensors_io import CheckpointError
 from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.cli import main
 from ling_jax.config import LingConfig
+from ling_jax.export import export_checkpoint
 from ling_jax.forward import forward
 from ling_jax.loader import load_model
 from ling_jax.quantized import MXFP4Blocks
@@ -123,9 +125,19 @@ def test_keep_quantized_holds_mxfp4_and_logits_equal(kept, reference):
     out = forward(kept, IDS, mtp=True)
     assert rel_err(out["logits"], reference[0]) < TOL
     assert rel_err(out["mtp_logits"], reference[1]) < TOL
+    with pytest.raises(ValueError, match="MXFP4 experts .* --keep-quantized"):
+        export_checkpoint(kept, "/nonexistent/never-written", progress=False)
     # the gathered (decode) path unpacks after its gather: same logits
     g = forward(kept, IDS[:1, :3], exec=kept.exec.replace(experts="gather"))["logits"]
     assert rel_err(g, reference[0][:1, :3]) < TOL
+
+
+def test_cli_logits_keep_quantized(mx_ck, reference, tmp_path):
+    """`ling-jax logits --keep-quantized` (the new name of --keep-fp8) on the MXFP4 checkpoint."""
+    out = tmp_path / "l.npz"
+    assert main(["logits", "--checkpoint", mx_ck, "--input-ids", ",".join(map(str, IDS[0])), "--out", str(out),
+                 "--keep-quantized"]) == 0
+    assert rel_err(np.load(out)["logits"], reference[0][0]) < TOL
 
 
 MESHES = {"expert=4": ({"data": 1, "expert": 4, "model": 1}, 4),
@@ -247,8 +259,6 @@ def _set_config(d, fn):
     ("group_size", r"routed_experts_group_size=16 is not supported"),
 ])
 def test_malformed_mxfp4_refused(mx_ck, tmp_path, capsys, what, message):
-    import re
-
     bad = str(tmp_path / "bad")
     shutil.copytree(mx_ck, bad)
     if what == "nan":
