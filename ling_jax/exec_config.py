@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import jax
+
 KERNELS = ("xla", "pallas")
 EXPERT_PATHS = ("auto", "gather", "grouped")
 GROUPED_MATMULS = ("capacity", "ragged")
@@ -83,7 +85,6 @@ class ExecConfig:
         if not isinstance(self.kda_chunk, int) or isinstance(self.kda_chunk, bool) or self.kda_chunk < 1:
             raise ValueError(f"ExecConfig.kda_chunk must be a positive int, got {self.kda_chunk!r}")
         if self.remat is not None:
-            import jax
             if not callable(getattr(jax.checkpoint_policies, str(self.remat), None)):
                 raise ValueError(f"ExecConfig.remat must be None or a jax.checkpoint_policies name, "
                                  f"got {self.remat!r}")
@@ -94,7 +95,6 @@ class ExecConfig:
         given, the model config `cfg` (decides the layer loop). `overrides` replace any field;
         `kernels=None`/`kda_chunk=None`/`layer_loop=None` mean "the default" (handy for CLI flags)."""
         if platform is None:
-            import jax
             platform = jax.default_backend()
         accel = platform in ("tpu", "gpu", "cuda", "rocm")
         unroll = (cfg is not None and cfg.num_hidden_layers <= UNROLL_MAX_LAYERS

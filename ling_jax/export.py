@@ -18,17 +18,20 @@ import os
 import shutil
 from typing import Optional
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from ling_jax.checkpoint import layout as L
-from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_quant_fp8
+from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE as FP8_NP, block_dequant_fp8, block_quant_fp8
 from ling_jax.checkpoint.atomic import make_temp_dir
 from ling_jax.checkpoint.layout import checkpoint_names
 from ling_jax.checkpoint.safetensors_io import prepare_out_dir, replace_dir, DTYPES, ShardWriter, nbytes
 from ling_jax.checkpoint.writer import (INDEX_FILE, checkpoint_config_dict, plan_shards, shard_file_name,
                                        write_generation_config, write_json)
 from ling_jax.config import LingConfig
+from ling_jax.loader import load_model
 from ling_jax.quantized import is_quantized
 from ling_jax.train.state import load_trained_model
 
@@ -113,7 +116,6 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o777 & ~mask)
-        from tqdm.auto import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="exporting", disable=not progress, leave=False)
         weight_map: dict[str, str] = {}
@@ -153,9 +155,7 @@ def export_checkpoint(model, out_dir: str, dtype: str = "fp8", tokenizer_dir: Op
 def quantize_like_export(model, dtype: str = "fp8"):
     """A copy of `model` whose parameters went through the export's storage rounding (FP8 blocks or
     BF16, F32 for A_log/dt_bias/expert_bias) and back: what loading the exported checkpoint gives."""
-    import jax.numpy as jnp
 
-    from ling_jax.checkpoint.fp8 import block_dequant_fp8
 
     cfg = model.cfg
     block = tuple(cfg.weight_block_size or DEFAULT_BLOCK)
@@ -194,7 +194,6 @@ def load_source(path: str, dtype: str = "float32", step: Optional[int] = None):
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: directory not found")
     if os.path.isfile(os.path.join(path, "config.json")):
-        from ling_jax.loader import load_model
         return load_model(path, dtype, with_mtp=True, progress=False)
     base = os.path.basename(path)
     if base.isdigit() and step is None:

@@ -99,7 +99,8 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, key
 # decode loops
 
 def _emit(state: DecodeState, toks, count, stop_ids, max_new):
-    """Append toks[:, :count[b]] (truncated at the first stop id and at max_new) to the output."""
+    """Append toks[:, :count[b]] (truncated at the first stop id and at max_new) to the output.
+    max_new may be traced (≤ the output buffer's width)."""
     B, n = toks.shape
     j = jnp.arange(n)[None, :]
     stop = _is_stop(toks, stop_ids) & (j < count[:, None])
@@ -109,7 +110,7 @@ def _emit(state: DecodeState, toks, count, stop_ids, max_new):
     take = jnp.where(state.done, 0, take)
     out = state.out
     for i in range(n):
-        pos = jnp.clip(state.n_out + i, 0, max_new - 1)
+        pos = jnp.clip(state.n_out + i, 0, out.shape[1] - 1)  # the buffer may be longer than max_new
         upd = i < take
         cur = jnp.take_along_axis(out, pos[:, None], axis=1)[:, 0]
         out = out.at[jnp.arange(B), pos].set(jnp.where(upd, toks[:, i], cur))
@@ -186,12 +187,15 @@ def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_ne
                         rounds=state.rounds + active, accepted=state.accepted + take)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "stop_ids", "max_new", "speculative",
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "stop_ids", "speculative",
                                              "stream_fn", "exec"), donate_argnames=("state",))
 def decode_loop(graphdef, params, state: DecodeState, *, sampling: SamplingParams, stop_ids: tuple,
-                max_new: int, speculative: int = 0, stream_fn: Callable | None = None,
+                max_new, speculative: int = 0, stream_fn: Callable | None = None,
                 exec: ExecConfig | None = None) -> DecodeState:
-    """Run decode steps until every sequence is done, all inside one `lax.while_loop`."""
+    """Run decode steps until every sequence is done, all inside one `lax.while_loop`.
+
+    max_new: new tokens per sequence, a traced int (not a static shape: a new value does not
+    compile again), at most `state.out`'s width."""
     model = nnx.merge(graphdef, params)
     ex = (exec or model.exec).replace(skip_logits=False, kda_states=False)
     stacked = model.stacked_layers(ex)  # loop-invariant: stacked once, not in every step
@@ -204,6 +208,26 @@ def decode_loop(graphdef, params, state: DecodeState, *, sampling: SamplingParam
 
 # ---------------------------------------------------------------------------------------------
 # user API
+
+def length_bucket(n: int) -> int:
+    """The smallest of 16, 24, 32, 48, 64, 96, … (2^k and 1.5·2^k) that is ≥ n. Why: `generate`
+    pads prompt widths, output buffers and cache lengths to these, so a new prompt length or
+    `max_new_tokens` inside a bucket reuses the compiled programs; the ladder wastes at most a
+    third of a shape (50% of the smallest steps)."""
+    b = 16
+    while True:
+        if n <= b:
+            return b
+        if n <= b * 3 // 2:
+            return b * 3 // 2
+        b *= 2
+
+
+def cache_length(prompt_len: int, max_new_tokens: int, speculative: int = 0) -> int:
+    """The cache length `generate` allocates (without `max_len`): room for the prompt, the new
+    tokens and a verify chunk, at least the padded prompt width, bucketed."""
+    return length_bucket(max(prompt_len + max_new_tokens + speculative + 1, length_bucket(prompt_len)))
+
 
 def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     if len(prompts) == 0:
@@ -230,7 +254,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
 
     sampling: greedy by default; `SamplingParams(temperature, top_k, top_p, seed)` otherwise.
     speculative: number of MTP drafts per round (0 = plain decoding). stop_ids: default the
-    config's EOS ids. stream(tokens [B,n], counts [B]) is called from inside the compiled loop
+    config's EOS ids. Compiles once per batch size and bucket (`length_bucket`) of the prompt
+    width, the cache length and `max_new_tokens`. stream(tokens [B,n], counts [B]) is called from inside the compiled loop
     as tokens are produced (tokens[b, :counts[b]] are new for sequence b). exec: how to run
     (default `model.exec`; e.g. `model.exec.replace(kernels="pallas", kda_chunk=32)`).
     kv_cache_dtype: "auto" (None: the MLA cache in the model dtype) or "fp8" (`ling_jax.kv_quant`).
@@ -244,12 +269,15 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         raise ValueError("speculative decoding needs the MTP layer, and this checkpoint/model has none")
     ids, lens = pad_prompts(prompts, cfg.vocab_size)
     B = len(prompts)
+    width = length_bucket(ids.shape[1])  # bucketed prompt width: right padding is exact
+    ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])))
     need = int(lens.max()) + max_new_tokens + speculative + 1
-    max_len = max_len or need
-    if int(lens.max()) + max_new_tokens > max_len:
+    if max_len is not None and int(lens.max()) + max_new_tokens > max_len:
         raise ValueError(f"prompt of {int(lens.max())} tokens + {max_new_tokens} new tokens does not fit the "
                          f"cache of max_len={max_len}")
-    max_len = max(max_len, need)
+    # the padded prompt is written whole: the cache must hold its width too
+    max_len = max(max_len, need, width) if max_len is not None else cache_length(int(lens.max()), max_new_tokens,
+                                                                                 speculative)
     stop = tuple(int(s) for s in (cfg.eos_token_id if stop_ids is None else stop_ids))
     graphdef, params = nnx.split(model)
     with_mtp = bool(speculative)
@@ -260,12 +288,13 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     cache, _, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0, k0,
                                  sampling=sampling, with_mtp=with_mtp, fresh=True, exec=exec)
     zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the loop state is donated
-    state = DecodeState(cache, tok, hid, jnp.zeros((B,), bool), jnp.zeros((B, max_new_tokens), jnp.int32),
+    out_width = length_bucket(max_new_tokens)  # the output buffer is bucketed; max_new is traced
+    state = DecodeState(cache, tok, hid, jnp.zeros((B,), bool), jnp.zeros((B, out_width), jnp.int32),
                         zeros(), key, zeros(), zeros())
     state, take = _emit(state, tok[:, None], jnp.ones((B,), jnp.int32), stop, max_new_tokens)
     if stream is not None:
         stream(np.asarray(tok[:, None]), np.asarray(take))
-    state = decode_loop(graphdef, params, state, sampling=sampling, stop_ids=stop, max_new=max_new_tokens,
+    state = decode_loop(graphdef, params, state, sampling=sampling, stop_ids=stop, max_new=np.int32(max_new_tokens),
                         speculative=speculative, stream_fn=stream, exec=exec)
     out, n_out = np.asarray(state.out), np.asarray(state.n_out)
     toks = [out[b, :n_out[b]].tolist() for b in range(B)]

@@ -36,6 +36,36 @@ class MLACache(NamedTuple):
     k_pe_scale: Optional[jax.Array] = None
 
 
+class PagedMLACache(NamedTuple):
+    """Per-layer latent cache kept in fixed-size pages shared by many sequences (the serving engine).
+
+    c_pages: [n_pages, P, kv_lora_rank]; kpe_pages: [n_pages, P, rope_dim] (after RoPE);
+    block_table: [B, max_blocks] int32, page of block j of sequence b (token position p of b lives
+    at page block_table[b, p // P], offset p % P). Why pages: a sequence holds only the pages its
+    length needs, so many sequences of different lengths share one pool without one max_len buffer
+    each. Entries past a sequence's length may name any page: they are masked by length.
+    The engine stores pools with `block_table=None` and fills it in per call.
+    """
+    c_pages: jax.Array
+    kpe_pages: jax.Array
+    block_table: jax.Array
+
+
+def paged_write(pages: jax.Array, new: jax.Array, block_table: jax.Array, pos: jax.Array, valid: jax.Array):
+    """Scatter new [B,T,X] into pages [n_pages,P,X] at the absolute positions pos [B,T]; tokens with
+    valid [B,T] False (right padding, idle rows) are dropped, so they never touch any page."""
+    n_pages, P = pages.shape[:2]
+    blk = jnp.take_along_axis(block_table, jnp.clip(pos // P, 0, block_table.shape[1] - 1), axis=1)
+    page = jnp.where(valid, blk, n_pages)  # out of range: dropped by the scatter
+    return pages.at[page, pos % P].set(new.astype(pages.dtype), mode="drop")
+
+
+def paged_gather(pages: jax.Array, block_table: jax.Array) -> jax.Array:
+    """The pages of each sequence in order: [B, max_blocks·P, X] (a contiguous-cache view)."""
+    B, nb = block_table.shape
+    return pages[block_table].reshape(B, nb * pages.shape[1], pages.shape[2])
+
+
 def mla_zero_cache(cfg: LingConfig, batch: int, max_len: int, dtype, kv_cache_dtype: str = "auto") -> MLACache:
     """Zero cache in `dtype`, or ("fp8") float8 values + float32 per-token scales."""
     if kv_cache_dtype == "fp8":
@@ -99,13 +129,15 @@ class MultiheadLatentAttention(nnx.Module):
         # plain floats, not arrays: NNX would otherwise treat them as state
         self.inv_freq, self.rope_factor, self.scale = tuple(map(float, inv_freq)), float(af), softmax_scale(cfg)
 
-    def __call__(self, x, cache: MLACache, lengths, n_valid, ex: ExecConfig):
+    def __call__(self, x, cache: MLACache | PagedMLACache | None, lengths, n_valid, ex: ExecConfig):
         """x: [B,T,D]; cache holds `lengths[b]` tokens already; `n_valid[b]` of the T are real.
 
         `ex.mla_form`: "expanded" | "absorbed" | "auto" (expanded when the key set is the new tokens
         only, i.e. a cache-free forward; absorbed otherwise); `ex.kernels`: the absorbed core and
         the FP8 matmul of quantised projections. Returns (out [B,T,D], new cache).
-        cache=None means a cache-free forward over the T tokens (positions 0..T-1).
+        cache=None means a cache-free forward over the T tokens (positions 0..T-1). A PagedMLACache
+        gets the real new tokens scattered into their pages and attends over the gathered pages
+        (the same keys as a contiguous cache; padding is never written).
         """
         cfg = self.cfg
         B, T, _ = x.shape
@@ -125,6 +157,14 @@ class MultiheadLatentAttention(nnx.Module):
             c_all, kpe_all, new_cache = c_new, kpe_new, None
             if form == "auto":
                 form = "expanded"
+        elif isinstance(cache, PagedMLACache):
+            valid = jnp.arange(T)[None, :] < n_valid[:, None]
+            cp = paged_write(cache.c_pages, c_new, cache.block_table, pos, valid)
+            kp = paged_write(cache.kpe_pages, kpe_new, cache.block_table, pos, valid)
+            new_cache = PagedMLACache(cp, kp, cache.block_table)
+            c_all, kpe_all = paged_gather(cp, cache.block_table), paged_gather(kp, cache.block_table)
+            if form == "auto":
+                form = "absorbed"
         else:
             write = jax.vmap(lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=0))
             if cache.c_scale is not None:  # FP8 cache: store per-token e4m3 + scale, attend to the decode

@@ -27,7 +27,10 @@ __all__ = [
     "mask_top_p",
     "processed_logits",
     "probs",
+    "processed_logits_rows",
+    "request_keys",
     "sample",
+    "sample_rows",
     "speculative_accept",
     "speculative_accept_greedy",
 ]
@@ -152,6 +155,63 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
         return jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1).astype(jnp.int32)
     x = processed_logits(logits, params)
     return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-row parameters (the serving engine: one batch, every row its own request)
+
+def processed_logits_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                          top_p: jax.Array) -> jax.Array:
+    """`processed_logits` with the parameters given per row as arrays, so one compiled program
+    serves any mix of requests: logits [B, V]; temperature [B] f32 (0 = greedy); top_k [B] int32
+    (0 = off); top_p [B] f32 in (0, 1]. Row b equals `processed_logits(logits[b:b+1], params_b)`:
+    the same temperature division, the same lower-id-first order (a stable descending sort in
+    place of `lax.top_k`, whose order it is) and the same nucleus rule over the top-k survivors
+    (their softmax is taken over the sorted row with the rest at -inf: equal in exact arithmetic,
+    it may differ in the last bit of a sum, which matters only for a mass exactly at p).
+    """
+    x = jnp.asarray(logits, jnp.float32)
+    vocab = x.shape[-1]
+    temperature = jnp.asarray(temperature, jnp.float32)
+    greedy = temperature == 0.0
+    x = x / jnp.where(greedy, 1.0, temperature)[:, None]
+    order = jnp.argsort(-x, axis=-1, stable=True)
+    sorted_x = jnp.take_along_axis(x, order, axis=-1)
+    k = jnp.asarray(top_k, jnp.int32)
+    k = jnp.where((k > 0) & (k < vocab), k, vocab)
+    keep = jnp.arange(vocab)[None, :] < k[:, None]
+    sorted_k = jnp.where(keep, sorted_x, _NEG_INF)
+    keep = keep & _nucleus_keep_sorted(sorted_k, jnp.asarray(top_p, jnp.float32)[:, None])
+    out = _scatter_rows(jnp.where(keep, sorted_x, _NEG_INF), order, vocab)
+    if vocab > 1:  # greedy rows: the argmax entry alone (as `processed_logits` does)
+        top = jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1)
+        onehot = jnp.arange(vocab)[None, :] == top[:, None]
+        out = jnp.where(greedy[:, None], jnp.where(onehot, jnp.asarray(logits, jnp.float32), _NEG_INF), out)
+    return out
+
+
+def request_keys(seeds: jax.Array, counts: jax.Array) -> jax.Array:
+    """One PRNG key per row: `fold_in(key(seed[b]), count[b])`. Why: a request's draw for its
+    n-th token then depends only on its own seed and n, never on its batch neighbours, its slot,
+    or how often it was preempted and recomputed."""
+    return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(
+        jnp.asarray(seeds, jnp.uint32), jnp.asarray(counts, jnp.int32))
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                top_p: jax.Array) -> jax.Array:
+    """`sample` with per-row parameters and keys: [B, V] -> [B] int32. Row b equals
+    `sample(logits[b:b+1], keys[b], params_b)[0]`. A batch of only greedy rows skips the sort."""
+    x = jnp.asarray(logits, jnp.float32)
+    greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    greedy = jnp.asarray(temperature, jnp.float32) == 0.0
+
+    def sampled():
+        p = processed_logits_rows(x, temperature, top_k, top_p)
+        drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])(keys, p)
+        return jnp.where(greedy, greedy_tok, drawn.astype(jnp.int32))
+
+    return jax.lax.cond(jnp.all(greedy), lambda: greedy_tok, sampled)
 
 
 def speculative_accept(

@@ -14,7 +14,7 @@ from sharding.rules import (CACHE_AXES, LOGICAL_AXES, RULES, LogicalRules, Unkno
                             cache_shardings, cache_specs, spec)
 from sharding.distributed import (add_distributed_args, barrier, distributed_init_from_args_or_env,
                                   init_from_args, is_primary, primary_print)
-from sharding.place import batch_sharding, global_batch, shard_cache, to_host, use_mesh
+from sharding.place import batch_sharding, global_batch, shard_cache, to_host
 
 __all__ = [
     "AXES", "default_mesh_shape", "make_mesh", "mesh_sizes", "mesh_spec_string", "parse_mesh", "parse_mesh_shape",
@@ -23,5 +23,5 @@ __all__ = [
     "cache_shardings", "cache_specs", "spec",
     "add_distributed_args", "barrier", "distributed_init_from_args_or_env", "init_from_args", "is_primary",
     "primary_print",
-    "batch_sharding", "global_batch", "shard_cache", "to_host", "use_mesh",
+    "batch_sharding", "global_batch", "shard_cache", "to_host",
 ]

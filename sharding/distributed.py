@@ -15,6 +15,7 @@ import os
 import sys
 
 import jax
+from jax.experimental import multihost_utils
 
 ENV_COORD, ENV_NPROC, ENV_PID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
@@ -67,7 +68,6 @@ def primary_print(*args, **kw) -> None:
 def barrier(name: str) -> None:
     """All processes wait here (no-op single-process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
 
 

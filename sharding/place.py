@@ -4,9 +4,9 @@ Parameters are placed where they are loaded (`ling_jax.loader`), by their declar
 """
 from __future__ import annotations
 
-import contextlib
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -37,13 +37,5 @@ def global_batch(x, mesh) -> jax.Array:
 def to_host(x) -> np.ndarray:
     """Full value of a (possibly multi-process) global array as numpy, on every process."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils  # only multi-process runs need it
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
-
-
-@contextlib.contextmanager
-def use_mesh(mesh):
-    """`with use_mesh(mesh):` installs `mesh` as the context mesh (for MoE impl='ep' without a plan)."""
-    with jax.set_mesh(mesh):
-        yield mesh

@@ -1,6 +1,7 @@
 """Generation: cached decode = full-sequence forward, batching, carried caches, speculative, sampling."""
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import pytest
 import np_reference as R
 from conftest import load_from_dict
 from ling_jax.cli import main as cli_main
-from ling_jax.generate import DecodeState, decode_loop, generate, prefill
+from ling_jax.generate import DecodeState, cache_length, decode_loop, generate, length_bucket, prefill
 from ling_jax.model import init_cache
 from ling_jax.forward import forward
 from ling_jax.sampling import SamplingParams
@@ -190,3 +191,22 @@ def test_scanned_layers_equal_unrolled_layers():
     np.testing.assert_allclose(out["scan"], out["unroll"], rtol=1e-5, atol=1e-5)
     assert plain.tokens == spec.tokens
     _check_greedy_against_full_forward(model, prompts, plain)
+
+
+def test_new_lengths_within_buckets_do_not_recompile(tiny_model):
+    """Prompt widths, cache lengths and max_new_tokens are bucketed (`length_bucket`): after one call,
+    another prompt length and max_new_tokens in the same buckets compile nothing, and stay exact."""
+    assert [length_bucket(n) for n in (1, 16, 17, 24, 25, 33, 49, 100)] == [16, 16, 24, 24, 32, 48, 64, 128]
+    assert cache_length(5, 6) == 16 and cache_length(7, 8) == 16 and cache_length(20, 1) == 24
+    generate(tiny_model, [[1, 2, 3, 4, 5], [9]], 6, stop_ids=())
+    events = []
+    listener = lambda name, *a, **k: events.append(name) if name.endswith("backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        prompts = [[4, 8, 15, 16, 23, 42, 7], [3, 3]]
+        res = generate(tiny_model, prompts, 8, stop_ids=())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+    assert [len(t) for t in res.tokens] == [8, 8]
+    _check_greedy_against_full_forward(tiny_model, prompts, res)

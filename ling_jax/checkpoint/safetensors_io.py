@@ -15,6 +15,7 @@ inspected but not read.
 from __future__ import annotations
 
 import json
+import shutil
 import math
 import os
 import struct
@@ -376,7 +377,6 @@ def replace_dir(tmp: str, out_dir: str) -> None:
     """Move a finished directory `tmp` to `out_dir`, replacing any existing one only once `tmp` is
     complete (renames within one parent directory; a reader never sees a half-written checkpoint).
     The replaced directory is parked under a `.ling-tmp-*` name (see `atomic`) and then deleted."""
-    import shutil
     if os.path.exists(out_dir):
         old = temp_path(out_dir)
         os.rename(out_dir, old)

@@ -10,6 +10,8 @@ The checks are self-contained (no state); `load_for_args` is the one place a com
 """
 from __future__ import annotations
 
+import json
+
 import argparse
 import math
 import os
@@ -220,3 +222,13 @@ def load_for_args(args, with_mtp: bool):
     model = load_model(args.checkpoint, args.dtype, mesh=mesh, with_mtp=with_mtp, keep_quantized=keep,
                        progress=False)
     return model, mesh
+
+
+def print_report(report: dict, as_json: bool, format_text) -> int:
+    """A command's report on stdout: JSON (`--json`) or the command's text table. Returns 0."""
+    if as_json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_text(report))
+    return 0

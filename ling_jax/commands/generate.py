@@ -54,7 +54,7 @@ def jax_process_count() -> int:
 
 
 def run(args) -> int:
-    from ling_jax.generate import generate
+    from ling_jax.generate import cache_length, generate
     from ling_jax.commands.common import load_for_args
     from ling_jax.sampling import SamplingParams
     from ling_jax.tokenizer import Tokenizer, eos_token_ids, load_generation_config
@@ -87,7 +87,8 @@ def run(args) -> int:
     total = len(ids) + args.max_new_tokens
     dtype_bytes = 4 if (args.dtype or _default_dtype()) == "float32" else 2
     kv = args.kv_cache_dtype
-    need = generate_cache_bytes(cfg, 1, total + args.speculative + 1, dtype_bytes, args.speculative > 0, kv)
+    need = generate_cache_bytes(cfg, 1, cache_length(len(ids), args.max_new_tokens, args.speculative),
+                                dtype_bytes, args.speculative > 0, kv)  # what generate() allocates
     check_cache_fits(need, f"--max-new-tokens {args.max_new_tokens}")  # before anything is allocated
     check_context_length(total, cfg, args.allow_long_context, "--max-new-tokens")
     apply_value_check_flag(args)

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
+from ling_jax.commands.common import print_report
 from ling_jax import accounting as A
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
@@ -215,10 +215,4 @@ def format_table(r: dict) -> str:
 
 
 def run(args) -> int:
-    r = inspect_dir(args.dir)
-    if args.json:
-        json.dump(r, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(format_table(r))
-    return 0
+    return print_report(inspect_dir(args.dir), args.json, format_table)

@@ -25,21 +25,23 @@ Cache: the MLA latent cache (BF16, kv_lora_rank + qk_rope_head_dim = 576 values 
 layer, MTP layer included unless --no-mtp) has a single KV head, so each device of a model replica
 keeps all of it; the KDA recurrent state (FP32 [heads, 128, 128] per KDA layer) and the BF16 conv
 state (3 x width x (kernel-1) per KDA layer) split by head/channel over the `model` axis.
+--kv-cache-dtype fp8: the MLA cache as float8 + two float32 scales per token (584 B per layer).
+
 Three per-device weight figures: "per device" (the stored bytes placed by the loader's rules: what
 `tokens_fit` uses), "even split" (total / devices, every tensor split evenly: the seed article's
 arithmetic, 291.64 / 4 = 72.91 GiB) and "resident" (the bytes of the device arrays the loaded model
 holds with --keep-quantized in bfloat16: routers float32, FP8 expert scales expanded per element;
-`accounting.resident_bytes_per_device`). With --device-memory, `tokens_fit` = floor((memory - weights - reserve - sequences x KDA state and
-conv state) / MLA bytes per token) per device (= per model replica; `tokens_fit_mesh` multiplies
-by the data axis).
+`accounting.resident_bytes_per_device`). With --device-memory, `tokens_fit` = floor((memory -
+weights - reserve - sequences x KDA state and conv state) / MLA bytes per token) per device (= per
+model replica; `tokens_fit_mesh` multiplies by the data axis); the even-split line repeats it with
+the seed's arithmetic (weights and KDA state divided by the device count).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
 
+from ling_jax.commands.common import print_report
 from ling_jax import accounting as A
 from ling_jax.config import LingConfig
 from sharding.mesh import parse_mesh_shape
@@ -141,10 +143,4 @@ def format_text(r: dict) -> str:
 
 
 def run(args) -> int:
-    r = plan_from_args(args)
-    if args.json:
-        json.dump(r, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(format_text(r))
-    return 0
+    return print_report(plan_from_args(args), args.json, format_text)

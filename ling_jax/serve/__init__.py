@@ -1,0 +1,4 @@
+"""Serving: a continuous-batching engine over paged MLA latents and KDA state slots (README.md)."""
+from ling_jax.serve.engine import Engine, RequestHandle, RequestParams  # noqa: F401
+
+__all__ = ["Engine", "RequestHandle", "RequestParams"]

@@ -1,0 +1,232 @@
+"""The serving engine's device memory: sequence slots and latent-cache pages, as explicit pytrees.
+
+Two kinds of memory, sized once at start-up (nothing is allocated per request):
+
+* **Slots** (`max_slots`): row s of every KDA layer's recurrent state [H,dk,dv] f32 and three conv
+  states [K-1, H·dk], and of `hidden` (the last processed token's final-normed hidden, the MTP
+  layer's next input). KDA memory is length-independent, so a slot is all a sequence needs of it.
+* **Pages** (`num_pages` × `page_size` tokens): every MLA layer (and the MTP layer's) keeps its
+  latent `c` [kv_lora_rank] and rotated key `k_pe` [rope_dim] in one page pool per layer; a
+  sequence owns a list of pages (its block table row), so a short sequence holds few pages and
+  many lengths share one pool. All layers share one page numbering: page i of every layer's pool
+  belongs to the same sequence, hence one block table serves all layers.
+
+The pools are stacked like the model's cache (`HybridCache`: per block of `layer_plan`, per run,
+arrays `[repeats, n, ...]`), so `as_cache` turns them into the cache the model consumes without
+copying the pools. `PageAllocator` is the host-side bookkeeping of which slot owns which pages.
+Byte counts use the arithmetic of `ling_jax.accounting.cache_bytes`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.accounting import cache_bytes
+from ling_jax.config import KDA, LingConfig
+from ling_jax.kda import kda_zero_state
+from ling_jax.layer_stack import layer_plan
+from ling_jax.mla import PagedMLACache
+from ling_jax.model import HybridCache
+
+GIB = 1024 ** 3
+
+
+class Pools(NamedTuple):
+    """layers: per block, per run: KDAState with arrays [repeats, n, max_slots, ...] or
+    PagedMLACache (block_table None) with pages [repeats, n, num_pages, page_size, ...];
+    mtp: the MTP layer's PagedMLACache [num_pages, page_size, ...] or None;
+    hidden: [max_slots, D] final-normed hidden of each slot's last processed token."""
+    layers: tuple
+    mtp: Optional[PagedMLACache]
+    hidden: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizes:
+    """How many slots and pages, and what they cost. `max_blocks` = pages one sequence may hold
+    (ceil(max_seq_len / page_size)): the width of the block table."""
+    max_slots: int
+    page_size: int
+    num_pages: int
+    max_seq_len: int
+    with_mtp: bool
+    page_bytes: int
+    slot_bytes: int
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.page_bytes + self.max_slots * self.slot_bytes
+
+
+def _byte_costs(cfg: LingConfig, dtype, with_mtp: bool) -> tuple[int, int, dict]:
+    """(bytes of one page across all MLA pools, bytes of one slot across all KDA layers, cache_bytes)."""
+    item = jnp.dtype(dtype).itemsize
+    cb = cache_bytes(cfg, cache_dtype_bytes=item, state_dtype_bytes=4, conv_dtype_bytes=item)
+    per_token = cb["mla_bytes_per_token_with_mtp"] if with_mtp else cb["mla_bytes_per_token"]
+    slot = (cb["kda_state_bytes_per_sequence"] + cb["kda_conv_state_bytes_per_sequence"]
+            + cfg.hidden_size * item)
+    return per_token, slot, cb
+
+
+def plan_pools(cfg: LingConfig, dtype, *, max_slots: int, page_size: int, num_pages: int | None = None,
+               cache_memory_gib: float | None = None, max_seq_len: int | None = None,
+               with_mtp: bool = True) -> PoolSizes:
+    """Sizes from either `num_pages` or a cache memory budget (slots are paid first, the rest
+    becomes pages). max_seq_len (prompt + generated tokens of one request) defaults to the
+    smaller of the model's context and the whole pool."""
+    for name, v in (("max_slots", max_slots), ("page_size", page_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    with_mtp = bool(with_mtp and cfg.has_mtp)
+    per_token, slot, _ = _byte_costs(cfg, dtype, with_mtp)
+    page = per_token * page_size
+    if (num_pages is None) == (cache_memory_gib is None):
+        raise ValueError("give exactly one of num_pages or cache_memory_gib")
+    if num_pages is None:
+        if not cache_memory_gib > 0:
+            raise ValueError(f"cache_memory_gib must be > 0, got {cache_memory_gib!r}")
+        budget = int(cache_memory_gib * GIB) - max_slots * slot
+        if budget < page:
+            raise ValueError(f"cache_memory_gib={cache_memory_gib} does not cover {max_slots} slots "
+                             f"({max_slots * slot} bytes) plus one page ({page} bytes)")
+        num_pages = budget // page
+    if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
+        raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+    max_seq_len = max_seq_len or min(cfg.max_position_embeddings, num_pages * page_size)
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    return PoolSizes(max_slots, page_size, num_pages, max_seq_len, with_mtp, page, slot)
+
+
+def describe(cfg: LingConfig, sizes: PoolSizes, dtype) -> str:
+    """The start-up report: what the pools hold and the arithmetic of their size."""
+    per_token, slot, cb = _byte_costs(cfg, dtype, sizes.with_mtp)
+    n_mla = cb["num_mla_layers"] + (1 if sizes.with_mtp else 0)
+    pages = sizes.num_pages * sizes.page_bytes
+    slots = sizes.max_slots * sizes.slot_bytes
+    return "\n".join([
+        f"cache pools ({jnp.dtype(dtype).name} latents, float32 KDA state):",
+        f"  pages: {sizes.num_pages} x {sizes.page_size} tokens x {n_mla} MLA layers"
+        f"{' (incl. MTP)' if sizes.with_mtp else ''} x {cb['mla_bytes_per_token_per_layer']} B/token/layer"
+        f" = {pages / GIB:.4f} GiB ({sizes.num_pages * sizes.page_size} tokens in all)",
+        f"  slots: {sizes.max_slots} x ({cb['num_kda_layers']} KDA layers x "
+        f"({cb['kda_state_bytes_per_sequence_per_layer']} B state + "
+        f"{cb['kda_conv_state_bytes_per_sequence_per_layer']} B conv) + {cfg.hidden_size * jnp.dtype(dtype).itemsize} B hidden)"
+        f" = {slots / GIB:.4f} GiB",
+        f"  total {sizes.total_bytes / GIB:.4f} GiB; one request holds at most {sizes.max_seq_len} tokens "
+        f"({sizes.max_blocks} pages)",
+    ])
+
+
+def init_pools(cfg: LingConfig, sizes: PoolSizes, dtype) -> Pools:
+    """Zero pools (zero pages are finite, so a masked key never turns into NaN)."""
+    S, NP, P = sizes.max_slots, sizes.num_pages, sizes.page_size
+
+    def paged():
+        return PagedMLACache(jnp.zeros((NP, P, cfg.kv_lora_rank), dtype),
+                             jnp.zeros((NP, P, cfg.qk_rope_head_dim), dtype), None)
+
+    def stacked(make, block, r):
+        m, n = block.repeats, block.runs[r].n
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (m, n) + x.shape).copy(), make())
+
+    layers = tuple(tuple(stacked((lambda: kda_zero_state(cfg, S, dtype)) if run.attn == KDA else paged, b, r)
+                         for r, run in enumerate(b.runs)) for b in layer_plan(cfg))
+    return Pools(layers, paged() if sizes.with_mtp else None, jnp.zeros((S, cfg.hidden_size), dtype))
+
+
+def as_cache(cfg: LingConfig, pools: Pools, block_table: jax.Array, lengths: jax.Array,
+             rows: jax.Array | None = None, fresh: jax.Array | None = None) -> HybridCache:
+    """The HybridCache the model reads, for the slot rows `rows` [R] (None: every slot).
+
+    fresh [R] bool: rows starting a new sequence in a reused slot: their KDA state reads as zero
+    (what the slot's previous owner left is never seen).
+    KDA states of the rows are gathered (an index of the pool equal to max_slots marks a padding
+    row: clipped on read, dropped on write by `with_cache`); MLA layers get their whole page pool
+    plus block_table [R, max_blocks]. Why the block table is broadcast per layer: the layer stack
+    scans caches stacked [repeats, n, ...] and hands each layer its slice; the copy is
+    R·max_blocks int32 per layer, tiny next to one page."""
+    layers = []
+    for b, block in enumerate(layer_plan(cfg)):
+        runs = []
+        for r, run in enumerate(block.runs):
+            c = pools.layers[b][r]
+            if run.attn == KDA:
+                c = c if rows is None else jax.tree.map(lambda x: jnp.take(x, rows, axis=2, mode="clip"), c)
+                if fresh is not None:
+                    c = jax.tree.map(lambda x: jnp.where(fresh.reshape((1, 1, -1) + (1,) * (x.ndim - 3)),
+                                                         jnp.zeros((), x.dtype), x), c)
+                runs.append(c)
+            else:
+                bt = jnp.broadcast_to(block_table, (block.repeats, run.n) + block_table.shape)
+                runs.append(c._replace(block_table=bt))
+        layers.append(tuple(runs))
+    mtp = None if pools.mtp is None else pools.mtp._replace(block_table=block_table)
+    return HybridCache(tuple(layers), mtp, lengths)
+
+
+def with_cache(cfg: LingConfig, pools: Pools, cache: HybridCache, rows: jax.Array | None = None) -> Pools:
+    """Pools updated from the cache a model call returned (inverse of `as_cache`): KDA rows
+    scattered back (padding rows, index max_slots, dropped), page pools taken as they are."""
+    layers = []
+    for b, block in enumerate(layer_plan(cfg)):
+        runs = []
+        for r, run in enumerate(block.runs):
+            old, new = pools.layers[b][r], cache.layers[b][r]
+            if run.attn == KDA:
+                runs.append(new if rows is None else jax.tree.map(
+                    lambda o, n: o.at[:, :, rows].set(n.astype(o.dtype), mode="drop"), old, new))
+            else:
+                runs.append(new._replace(block_table=None))
+        layers.append(tuple(runs))
+    mtp = None if cache.mtp is None else cache.mtp._replace(block_table=None)
+    return Pools(tuple(layers), mtp, pools.hidden)
+
+
+class PageAllocator:
+    """Host-side page bookkeeping: a free list and each slot's pages in block order.
+
+    Deterministic (a LIFO free list), so a run is reproducible. `ensure(slot, n_tokens)` grows a
+    slot to hold n_tokens, all or nothing; `release(slot)` returns its pages.
+    """
+
+    def __init__(self, sizes: PoolSizes):
+        self.sizes = sizes
+        self.free = list(range(sizes.num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self.pages: dict[int, list[int]] = {}
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.sizes.page_size)
+
+    def ensure(self, slot: int, n_tokens: int) -> bool:
+        have = self.pages.setdefault(slot, [])
+        need = self.pages_for(n_tokens) - len(have)
+        if need > len(self.free):
+            return False
+        for _ in range(max(need, 0)):
+            have.append(self.free.pop())
+        return True
+
+    def release(self, slot: int) -> None:
+        self.free.extend(reversed(self.pages.pop(slot, [])))
+
+    @property
+    def used(self) -> int:
+        return self.sizes.num_pages - len(self.free)
+
+    def block_rows(self, slots) -> np.ndarray:
+        """[len(slots), max_blocks] int32 block table rows (unused entries 0: masked by length)."""
+        out = np.zeros((len(slots), self.sizes.max_blocks), np.int32)
+        for i, s in enumerate(slots):
+            if s is not None:
+                p = self.pages.get(s, [])
+                out[i, :len(p)] = p
+        return out

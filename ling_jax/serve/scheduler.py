@@ -1,0 +1,143 @@
+"""Host-side scheduling: the request queue, slot assignment, page growth and preemption.
+
+Pure Python over `Request` records and a `PageAllocator`; it decides, before each engine step,
+which slots decode one token and which prefill a chunk of how many tokens. Nothing here touches
+the device, so the policy is testable and deterministic.
+
+Policy (one `schedule()` call per engine step):
+1. Admit: while a slot is free, the head of the queue is admitted if the free pages could hold
+   its whole prompt (+1 token); first come, first served, no skipping (a preempted request goes
+   back to the head).
+2. Decode: every slot whose prompt is done gets the page for its next token, oldest request
+   first. If no page is free, the youngest running request is preempted (its pages and slot
+   freed, itself requeued at the head to be recomputed from prompt + generated tokens); when
+   the youngest is the one asking, it preempts itself. Age is the order of first admission and
+   survives preemption, so the oldest request always progresses and none starves.
+3. Prefill: prompts still being fed get chunks, oldest first, at most `prefill_rows` rows and
+   `prefill_chunk` tokens in all, each chunk cut to the pages it can get (never preempting: a
+   waiting prefill resumes when pages come back).
+4. If nothing can run while requests hold slots (every page held by half-fed prompts), the
+   youngest is preempted and the plan made again, so the engine never stalls.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Optional
+
+from ling_jax.serve.pools import PageAllocator
+
+QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request's mutable state. `feed` = the tokens to prefill on (re)admission: the prompt,
+    plus the tokens generated before a preemption; `n_fed` = tokens of this sequence in the cache
+    (the slot's length); `age` = order of first admission (larger = younger, the preemption
+    victim; kept across preemptions, so a recomputed request is not the next victim again)."""
+    id: int
+    prompt: list
+    params: object              # engine.RequestParams
+    stop: frozenset
+    generated: list = dataclasses.field(default_factory=list)
+    state: str = QUEUED
+    slot: Optional[int] = None
+    feed: list = dataclasses.field(default_factory=list)
+    n_fed: int = 0
+    age: int = -1
+    finish_reason: Optional[str] = None
+    preemptions: int = 0
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one engine step runs: decode requests (one token each) and (request, n tokens) chunks."""
+    decode: list
+    prefill: list
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, max_slots: int, prefill_chunk: int, prefill_rows: int):
+        self.alloc = allocator
+        self.slots: list[Optional[Request]] = [None] * max_slots
+        self.queue: collections.deque[Request] = collections.deque()
+        self.prefill_chunk = prefill_chunk
+        self.prefill_rows = prefill_rows
+        self.preemptions = 0
+        self._age = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def running(self) -> list[Request]:
+        """Requests holding a slot, oldest first."""
+        return sorted((r for r in self.slots if r is not None), key=lambda r: r.age)
+
+    def release(self, req: Request) -> None:
+        """Free the request's slot and pages (finish, cancel, preemption)."""
+        if req.slot is not None:
+            self.alloc.release(req.slot)
+            self.slots[req.slot] = None
+            req.slot = None
+
+    def preempt(self, req: Request) -> None:
+        """Drop the request's cache and requeue it at the head, to be recomputed from its prompt
+        and the tokens it already generated (`feed`); its sampled tokens are kept."""
+        self.release(req)
+        req.state, req.n_fed = QUEUED, 0
+        req.preemptions += 1
+        self.preemptions += 1
+        self.queue.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        self.release(req)
+        if req in self.queue:
+            self.queue.remove(req)
+        req.state, req.finish_reason = DONE, reason
+
+    # -- policy --------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.queue and None in self.slots:
+            req = self.queue[0]
+            feed = list(req.prompt) + list(req.generated)
+            if self.alloc.pages_for(len(feed) + 1) > len(self.alloc.free):
+                break
+            self.queue.popleft()
+            slot = self.slots.index(None)
+            self.slots[slot] = req
+            req.slot, req.state, req.feed, req.n_fed = slot, PREFILL, feed, 0
+            if req.age < 0:  # first admission; a preempted request keeps its age (no starvation)
+                req.age, self._age = self._age, self._age + 1
+
+    def schedule(self) -> Plan:
+        while True:
+            self._admit()
+            decode = []
+            for req in self.running():
+                if req.state != DECODE or req.slot is None:
+                    continue
+                while not self.alloc.ensure(req.slot, req.n_fed + 1):
+                    victim = self.running()[-1]
+                    self.preempt(victim)
+                    if victim is req:
+                        break
+                else:
+                    decode.append(req)
+            prefill, budget = [], self.prefill_chunk
+            for req in self.running():
+                if req.state != PREFILL:
+                    continue
+                if len(prefill) == self.prefill_rows or budget == 0:
+                    break
+                held = len(self.alloc.pages.get(req.slot, []))
+                room = (held + len(self.alloc.free)) * self.alloc.sizes.page_size - req.n_fed
+                n = min(budget, len(req.feed) - req.n_fed, room)
+                if n <= 0:
+                    continue
+                if not self.alloc.ensure(req.slot, req.n_fed + n):
+                    raise AssertionError("page accounting out of step")  # room was computed above
+                prefill.append((req, n))
+                budget -= n
+            running = self.running()
+            if decode or prefill or not running:
+                return Plan(decode, prefill)
+            self.preempt(running[-1])

@@ -1,0 +1,110 @@
+"""The engine's two compiled programs: a prefill chunk over a few slot rows, a decode step over all slots.
+
+Both are pure functions `(params, pools, inputs) -> (pools, next tokens)`; the pools are donated,
+so the page pools are updated in place. Why two programs and not one: a decode step feeds one
+token per slot through the token-by-token KDA recurrence (what `generate` decodes with), a
+prefill chunk feeds up to `prefill_chunk` tokens of a few rows through the chunked scan; fused
+into one [slots, chunk] batch every decoding row would pay for a whole chunk. Each is compiled
+for a fixed set of shapes: decode for [max_slots, 1], prefill for [prefill_rows, T] with T one of
+the token buckets (see `ling_jax.serve.engine`).
+
+Rows that have nothing to do (idle slots in decode, unused rows of a prefill batch) get
+n_valid = 0: their KDA state passes through unchanged (g = 0, beta = 0, conv state kept), their
+latents are never written to a page (`mla.paged_write` drops them), and their outputs are ignored.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ling_jax.exec_config import ExecConfig
+from ling_jax.sampling import request_keys, sample_rows
+from ling_jax.serve.pools import Pools, as_cache, with_cache
+
+
+class RowSampling(NamedTuple):
+    """Per-row sampling parameters ([R] arrays): temperature f32 (0 = greedy), top_k int32 (0 =
+    off), top_p f32, seed uint32, n_gen int32 (index of the token being drawn: its random stream
+    is fold_in(key(seed), n_gen))."""
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    n_gen: jax.Array
+
+
+class StepInputs(NamedTuple):
+    """One call's inputs. ids [R,T] int32 right-padded, n_valid [R] real tokens, lengths [R]
+    tokens already cached, block_table [R, max_blocks], rows [R] slot of each row (max_slots =
+    padding row; decode: arange(max_slots)), sampling: RowSampling."""
+    rows: jax.Array
+    ids: jax.Array
+    n_valid: jax.Array
+    lengths: jax.Array
+    block_table: jax.Array
+    sampling: RowSampling
+
+
+def _take_last(x, n_valid):
+    """x[b, max(n_valid[b]-1, 0)] for x [R,T,...]."""
+    idx = jnp.maximum(n_valid - 1, 0)
+    return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+
+
+def _mtp_update(model, mtp_cache, ids, hidden, prev_hidden, start, n_valid, ex: ExecConfig):
+    """Fill the MTP layer's pages for the tokens just fed: MTP slot t pairs token t+1 with the main
+    hidden at t (spec §11), so feeding tokens start..start+n-1 completes slots start-1..start+n-2
+    (the first uses the previous call's last hidden); a row starting at 0 completes 0..n-2. This
+    is `generate.prefill`'s fresh / carried forms, chosen per row."""
+    R, T = ids.shape
+    fresh = start == 0
+    shifted = jnp.concatenate([ids[:, 1:], jnp.zeros((R, 1), ids.dtype)], axis=1)
+    mtp_ids = jnp.where(fresh[:, None], shifted, ids)
+    carried = jnp.concatenate([prev_hidden[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
+    h = jnp.where(fresh[:, None, None], hidden, carried)
+    m_start = jnp.where(fresh, 0, start - 1)
+    m_n = jnp.where(fresh, jnp.maximum(n_valid - 1, 0), n_valid)
+    emb = model.model.word_embeddings(mtp_ids).astype(model.dtype)
+    _, mtp_cache, _ = model.mtp(emb, h.astype(model.dtype), mtp_cache, m_start, m_n, ex)
+    return mtp_cache
+
+
+def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, gather_rows: bool):
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    rows = inp.rows if gather_rows else None
+    fresh = (inp.lengths == 0) & (inp.n_valid > 0)  # a new sequence, maybe in a reused slot
+    cache = as_cache(cfg, pools, inp.block_table, inp.lengths, rows, fresh)
+    prev_hidden = jnp.take(pools.hidden, inp.rows, axis=0, mode="clip") if gather_rows else pools.hidden
+    out = model(inp.ids, cache, inp.n_valid, exec=ex)
+    new_cache = out["cache"]
+    if pools.mtp is not None:
+        new_cache = new_cache._replace(mtp=_mtp_update(model, cache.mtp, inp.ids, out["hidden"], prev_hidden,
+                                                       inp.lengths, inp.n_valid, ex))
+    hid = _take_last(out["hidden"], inp.n_valid)
+    logits = model.logits(hid, ex)
+    s = inp.sampling
+    tok = sample_rows(logits, request_keys(s.seed, s.n_gen), s.temperature, s.top_k, s.top_p)
+    hid = jnp.where((inp.n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
+    new_pools = with_cache(cfg, pools, new_cache, rows)
+    hidden = (pools.hidden.at[inp.rows].set(hid.astype(pools.hidden.dtype), mode="drop") if gather_rows
+              else hid.astype(pools.hidden.dtype))
+    return new_pools._replace(hidden=hidden), tok
+
+
+def make_step_fns(graphdef, ex: ExecConfig):
+    """(prefill, decode): jitted `(params, pools, StepInputs) -> (pools, tokens [R])`, pools donated.
+
+    prefill runs the chunked KDA scan over the gathered rows; decode the recurrent KDA step over
+    every slot (rows = arange(max_slots), nothing gathered). Each call of one function object with
+    new shapes compiles once; `_cache_size()` counts them (the engine's compile bound)."""
+    pre_ex = ex.replace(kda_mode="chunk", kda_states=False, skip_logits=True)
+    dec_ex = ex.replace(kda_mode="recurrent", kda_states=False, skip_logits=True)
+    prefill = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, pre_ex, True),
+                      donate_argnums=(1,))
+    decode = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, dec_ex, False),
+                     donate_argnums=(1,))
+    return prefill, decode

@@ -1,0 +1,255 @@
+"""The serving engine: continuous batching equals `generate` request by request, preemption,
+seeded streams independent of the batch, no leaks after cancellations, no compiles after warm-up."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import rel_err
+from ling_jax.config import KDA
+from ling_jax.generate import generate, prefill
+from ling_jax.layer_stack import layer_plan
+from ling_jax.mla import paged_gather
+from ling_jax.model import init_cache, layer_cache
+from ling_jax.sampling import SamplingParams
+from ling_jax.serve import Engine, RequestParams
+
+PAGE, MAX_SEQ, MAX_NEW = 8, 96, 20
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=48, prefill_chunk=32, prefill_rows=2,
+                 max_seq_len=MAX_SEQ)
+    eng.warmup()
+    assert eng.compiled_shapes() == 1 + len(eng.buckets) == 4
+    return eng
+
+
+def _workload(seed, n, vocab):
+    """n requests: prompts of 1 .. 60 tokens (up to 8 pages), max_tokens 1 .. 20, arrival steps."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 61, n)
+    lens[:3] = (1, 8, 60)  # one token, exactly one page, several pages with a partial last one
+    prompts = [rng.integers(0, vocab, int(m)).tolist() for m in lens]
+    max_tokens = rng.integers(1, MAX_NEW + 1, n).tolist()
+    arrivals = np.sort(rng.integers(0, 40, n)).tolist()
+    return prompts, max_tokens, arrivals
+
+
+def _run(eng, prompts, params, arrivals):
+    """Submit request i at engine step arrivals[i]; run to the end; collect streamed tokens too."""
+    handles, streamed, step = [None] * len(prompts), {}, 0
+    while step <= max(arrivals) or eng.has_work():
+        for i, a in enumerate(arrivals):
+            if a == step:
+                handles[i] = eng.submit(prompts[i], params[i])
+        for h, toks in eng.step().items():
+            streamed.setdefault(h.id, []).extend(toks)
+        step += 1
+    for h in handles:
+        assert h.finished and streamed.get(h.id, []) == h.generated
+    return handles
+
+
+def _truncate(tokens, max_tokens, stop):
+    out = []
+    for t in tokens[:max_tokens]:
+        out.append(t)
+        if t in stop:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tiny_cfg):
+    """generate() without stops for the whole workload in one batch (batch = alone is checked in
+    test_generate); each request's expected tokens are these truncated at its own limit / stop."""
+    prompts, max_tokens, arrivals = _workload(0, 32, tiny_cfg.vocab_size)
+    full = generate(tiny_model, prompts, MAX_NEW, stop_ids=()).tokens
+    rng = np.random.default_rng(1)  # stop ids: a token the request would emit, for every third request
+    stops = [(int(full[i][rng.integers(0, len(full[i]))]),) if i % 3 == 0 else () for i in range(len(prompts))]
+    expected = [_truncate(full[i], max_tokens[i], stops[i]) for i in range(len(prompts))]
+    params = [RequestParams(max_tokens=max_tokens[i], stop_ids=stops[i]) for i in range(len(prompts))]
+    return prompts, params, arrivals, expected, full
+
+
+def test_random_requests_equal_generate_alone(engine, tiny_model, reference):
+    prompts, params, arrivals, expected, full = reference
+    handles = _run(engine, prompts, params, arrivals)
+    for i, h in enumerate(handles):
+        assert h.generated == expected[i], i
+        reason = "stop" if h.generated[-1] in params[i].stop_ids else "length"
+        assert h.finish_reason == reason
+    assert sum(h.finish_reason == "stop" and len(h.generated) < params[i].max_tokens
+               for i, h in enumerate(handles)) >= 3  # some stop ids fired before the limit
+    alone = generate(tiny_model, [prompts[2]], params[2].max_tokens, stop_ids=params[2].stop_ids).tokens[0]
+    assert alone == handles[2].generated
+    st = engine.stats()
+    assert st["slots_in_use"] == st["pages_in_use"] == st["queue_depth"] == 0
+    assert st["preemptions"] == 0
+
+
+def test_preemption_under_tiny_pool_gives_same_tokens(tiny_model, reference):
+    prompts, params, arrivals, expected, _ = reference
+    # 10 pages x 8 = 80 tokens for 4 slots: requests of up to 80 tokens run, but not side by side
+    eng = Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=10, prefill_chunk=16, prefill_rows=2,
+                 max_seq_len=80, buckets=(16,), widths=(4, 10))
+    handles = _run(eng, prompts, params, arrivals)
+    assert [h.generated for h in handles] == expected
+    assert eng._decode._cache_size() == 2  # decode steps ran over 4-page and 10-page block tables
+    st = eng.stats()
+    assert st["preemptions"] >= 3, st
+    assert st["slots_in_use"] == st["pages_in_use"] == st["queue_depth"] == 0
+    assert sorted(eng.alloc.free) == list(range(10))
+
+
+def test_seeded_request_same_alone_and_in_busy_batch(engine, tiny_cfg):
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, tiny_cfg.vocab_size, 21).tolist()
+    p = RequestParams(max_tokens=16, temperature=1.0, top_k=20, top_p=0.9, seed=1234, stop_ids=())
+    h = engine.submit(prompt, p)
+    engine.run_until_done()
+    alone = h.generated
+    others = [rng.integers(0, tiny_cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 50, 9)]
+    kinds = [RequestParams(max_tokens=int(m), temperature=float(t), top_k=int(k), seed=int(s), stop_ids=())
+             for m, t, k, s in zip(rng.integers(1, 20, 9), rng.choice([0.0, 0.8, 1.5], 9),
+                                   rng.choice([0, 5], 9), rng.integers(0, 100, 9))]
+    busy = _run(engine, others[:5] + [prompt] + others[5:], kinds[:5] + [p] + kinds[5:],
+                [0, 0, 0, 1, 2, 3, 3, 4, 6, 9])
+    assert busy[5].generated == alone
+    other_seed = engine.submit(prompt, RequestParams(max_tokens=16, temperature=1.0, top_k=20, top_p=0.9,
+                                                     seed=99, stop_ids=()))
+    engine.run_until_done()
+    assert other_seed.generated != alone  # the stream really depends on the seed
+
+
+def test_cancel_and_no_leak(engine, reference):
+    prompts, params, _, expected, _ = reference
+    handles = [engine.submit(prompts[i], params[i]) for i in range(12)]
+    engine.cancel(handles[11])  # still queued
+    for _ in range(3):
+        engine.step()
+    running = [h for h in handles[:11] if not h.finished and h._req.slot is not None]
+    assert running
+    engine.cancel(running[0])
+    engine.cancel(running[0])  # twice is harmless
+    engine.run_until_done()
+    for i, h in enumerate(handles):
+        if h in (handles[11], running[0]):
+            assert h.finish_reason == "cancelled"
+        else:
+            assert h.generated == expected[i], i
+    assert handles[11].generated == []
+    st = engine.stats()
+    assert st["slots_in_use"] == st["pages_in_use"] == st["queue_depth"] == 0
+    assert sorted(engine.alloc.free) == list(range(engine.sizes.num_pages))
+    assert not engine.alloc.pages and all(s is None for s in engine.sched.slots)
+
+
+def test_no_compiles_after_warmup(engine, tiny_cfg):
+    """50 random requests (lengths 1..76, greedy and sampled, random stops) compile nothing."""
+    events = []
+    listener = lambda name, *a, **k: events.append(name) if name.endswith("backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        rng = np.random.default_rng(7)
+        before = engine.compiled_shapes()
+        for _ in range(50):
+            n = int(rng.integers(1, 77))
+            engine.submit(rng.integers(0, tiny_cfg.vocab_size, n).tolist(),
+                          RequestParams(max_tokens=int(rng.integers(1, MAX_SEQ - n + 1)),
+                                        temperature=float(rng.choice([0.0, 0.7])), top_k=int(rng.choice([0, 3])),
+                                        top_p=float(rng.choice([1.0, 0.8])), seed=int(rng.integers(0, 2 ** 31)),
+                                        stop_ids=(int(rng.integers(0, tiny_cfg.vocab_size)),)))
+            if rng.random() < 0.5:
+                engine.step()
+        engine.run_until_done()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert engine.compiled_shapes() == before == 4
+    assert events == []
+
+
+def test_engine_pages_equal_contiguous_prefill(engine, tiny_model, tiny_cfg):
+    """A running request's main-MLA and MTP pages equal the contiguous caches `generate.prefill`
+    (fresh, with MTP) builds over the same tokens: prompt fed in 2 chunks (32 + 13), then decode steps."""
+    cfg = tiny_cfg
+    prompt = np.random.default_rng(11).integers(0, cfg.vocab_size, 45).tolist()
+    h = engine.submit(prompt, RequestParams(max_tokens=30, stop_ids=()))
+    while len(h.generated) < 6:
+        engine.step()
+    req = h._req
+    fed = (prompt + h.generated)[:req.n_fed]
+    assert req.n_fed == 45 + 5
+    bt = jnp.asarray(engine.alloc.block_rows([req.slot]))
+    graphdef, params = nnx.split(tiny_model)
+    cache = init_cache(cfg, 1, 64, jnp.float32, with_mtp=True)
+    cache, _, _, _ = prefill(graphdef, params, cache, jnp.asarray([fed], jnp.int32),
+                             jnp.asarray([len(fed)], jnp.int32), jnp.zeros((1, cfg.hidden_size)), jax.random.key(0),
+                             sampling=SamplingParams(), with_mtp=True, fresh=True)
+    n = len(fed)
+    checked = 0
+    for b_i, block in enumerate(layer_plan(cfg)):
+        for r, run in enumerate(block.runs):
+            if run.attn == KDA:
+                continue
+            for g, row in enumerate(block.layer_grid(r)):
+                for i, layer in enumerate(row):
+                    ref = layer_cache(cache, cfg, layer)
+                    pc = engine.pools.layers[b_i][r]
+                    # not bit-equal: the engine fed 32 + 13 chunked, then 5 recurrent decode steps
+                    assert rel_err(paged_gather(pc.c_pages[g, i], bt)[0, :n], ref.c[0, :n]) < 1e-5
+                    assert rel_err(paged_gather(pc.kpe_pages[g, i], bt)[0, :n], ref.k_pe[0, :n]) < 1e-5
+                    checked += 1
+    assert checked == sum(t != KDA for t in cfg.layer_types)
+    m = n - 1  # MTP slot t pairs token t+1 with hidden t: n fed tokens complete n-1 slots
+    assert rel_err(paged_gather(engine.pools.mtp.c_pages, bt)[0, :m], cache.mtp.c[0, :m]) < 1e-5
+    assert rel_err(paged_gather(engine.pools.mtp.kpe_pages, bt)[0, :m], cache.mtp.k_pe[0, :m]) < 1e-5
+    engine.cancel(h)
+    assert engine.stats()["pages_in_use"] == 0
+
+
+def test_engine_bad_input(engine, tiny_model, tiny_cfg):
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        engine.submit([], RequestParams())
+    with pytest.raises(ValueError, match=r"token id 97 is outside the vocabulary \[0, 97\)"):
+        engine.submit([1, 97], RequestParams())
+    with pytest.raises(ValueError, match="exceeds the engine's max_seq_len=96"):
+        engine.submit([1] * 90, RequestParams(max_tokens=7))
+    with pytest.raises(TypeError, match="params must be a RequestParams"):
+        engine.submit([1], {"max_tokens": 3})
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+        RequestParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        RequestParams(top_p=0.0)
+    with pytest.raises(ValueError, match="needs num_pages or cache_memory_gib"):
+        Engine(tiny_model, max_slots=2)
+    with pytest.raises(ValueError, match="max_seq_len=200 exceeds the pool"):
+        Engine(tiny_model, max_slots=2, page_size=8, num_pages=10, max_seq_len=200)
+    assert "pages: 48 x 8 tokens x 5 MLA layers (incl. MTP)" in engine.describe()
+    with pytest.raises(ValueError, match="must be positive and end at max_blocks=10"):
+        Engine(tiny_model, max_slots=2, page_size=8, num_pages=10, widths=(4, 8))
+
+
+def test_handle_tokens_iterates_while_the_engine_steps(engine, reference):
+    prompts, params, _, expected, _ = reference
+    seen = []
+    h1 = engine.submit(prompts[3], params[3])
+    h2 = engine.submit(prompts[4], params[4], on_tokens=lambda h, t: seen.append((h.id, list(t), h.finished)))
+    assert list(h1.tokens()) == expected[3] and h1.finished
+    assert list(h2.tokens()) == expected[4] and h2.finished  # h2 advanced while h1 was iterated
+    assert [t for _, ts, _ in seen for t in ts] == expected[4] and {i for i, _, _ in seen} == {h2.id}
+    assert [f for _, _, f in seen] == [False] * (len(seen) - 1) + [True]
+    assert engine.stats()["slots_in_use"] == 0
+
+
+def test_unrolled_layer_loop_gives_the_same_tokens(tiny_model, reference):
+    prompts, params, _, expected, _ = reference
+    eng = Engine(tiny_model, max_slots=2, page_size=PAGE, num_pages=24, prefill_chunk=16, max_seq_len=80,
+                 buckets=(16,), exec=tiny_model.exec.replace(layer_loop="unroll"))
+    picks = [0, 1, 2, 5]
+    handles = [eng.submit(prompts[i], params[i]) for i in picks]
+    eng.run_until_done()
+    assert [h.generated for h in handles] == [expected[i] for i in picks]

@@ -1,0 +1,184 @@
+"""Serving engine parts: paged MLA cache = contiguous cache, per-row sampling = `sample`, page
+allocator and scheduler policy (host only)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ling_jax.config import KDA
+from ling_jax.layer_stack import layer_plan
+from ling_jax.mla import paged_gather
+from ling_jax.model import init_cache, layer_cache
+from ling_jax.sampling import (SamplingParams, processed_logits, processed_logits_rows, request_keys, sample,
+                               sample_rows)
+from ling_jax.serve import Engine, RequestParams
+from ling_jax.serve.pools import PageAllocator, as_cache, init_pools, plan_pools, with_cache
+from ling_jax.serve.scheduler import DECODE, PREFILL, QUEUED, Request, Scheduler
+
+
+def test_paged_mla_equals_contiguous_cache(tiny_model, tiny_cfg):
+    """Two calls (a 13-token chunk, then 6 more with row 1 padded) over 4-token pages in a scattered
+    block table: logits within 1e-5 of the contiguous cache, pages hold the same latents, and no
+    page outside the block table is written (padding included)."""
+    cfg, P, NP = tiny_cfg, 4, 16
+    sizes = plan_pools(cfg, jnp.float32, max_slots=2, page_size=P, num_pages=NP, max_seq_len=24, with_mtp=False)
+    graphdef, params = nnx.split(tiny_model)
+    pages = np.array([[9, 2, 14, 5, 0, 11], [3, 7, 12, 1, 8, 4]], np.int32)  # 6 blocks each, none shared
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 19)).astype(np.int32)
+    n2 = np.array([6, 4], np.int32)  # row 1: 2 padding tokens in the second call
+
+    @jax.jit
+    def contiguous(params, cache, ids, n_valid):
+        out = nnx.merge(graphdef, params)(ids, cache, n_valid)
+        return out["logits"], out["cache"]
+
+    @jax.jit
+    def paged(params, pools, ids, n_valid, lengths):
+        cache = as_cache(cfg, pools, jnp.asarray(pages), lengths)
+        out = nnx.merge(graphdef, params)(ids, cache, n_valid)
+        return out["logits"], with_cache(cfg, pools, out["cache"])
+
+    cache = init_cache(cfg, 2, 24, jnp.float32, with_mtp=False)
+    l1, cache = contiguous(params, cache, ids[:, :13], np.full(2, 13, np.int32))
+    l2, cache = contiguous(params, cache, ids[:, 13:], n2)
+    pools = init_pools(cfg, sizes, jnp.float32)
+    m1, pools = paged(params, pools, ids[:, :13], np.full(2, 13, np.int32), np.zeros(2, np.int32))
+    m2, pools = paged(params, pools, ids[:, 13:], n2, np.full(2, 13, np.int32))
+    np.testing.assert_allclose(np.asarray(m1), np.asarray(l1), atol=1e-5, rtol=1e-5)
+    for b in range(2):  # padded logits of row 1 are not compared
+        np.testing.assert_allclose(np.asarray(m2)[b, :n2[b]], np.asarray(l2)[b, :n2[b]], atol=1e-5, rtol=1e-5)
+    lengths = 13 + n2
+    for b_i, block in enumerate(layer_plan(cfg)):
+        for r, run in enumerate(block.runs):
+            if run.attn == KDA:
+                continue
+            for g, row in enumerate(block.layer_grid(r)):
+                for i, layer in enumerate(row):
+                    ref = layer_cache(cache, cfg, layer)
+                    pc = pools.layers[b_i][r]
+                    got_c = np.asarray(paged_gather(pc.c_pages[g, i], jnp.asarray(pages)))
+                    got_k = np.asarray(paged_gather(pc.kpe_pages[g, i], jnp.asarray(pages)))
+                    for b in range(2):
+                        np.testing.assert_allclose(got_c[b, :lengths[b]], np.asarray(ref.c)[b, :lengths[b]],
+                                                   atol=1e-6)
+                        np.testing.assert_allclose(got_k[b, :lengths[b]], np.asarray(ref.k_pe)[b, :lengths[b]],
+                                                   atol=1e-6)
+                    c_pages = np.asarray(pc.c_pages[g, i])
+                    used = set(pages.ravel().tolist())
+                    assert not c_pages[[p for p in range(NP) if p not in used]].any()
+                    # row 1 holds 17 tokens: its block 4 (page 8) has one token, block 5 (page 4) none
+                    assert c_pages[8, 0].any() and not c_pages[8, 1:].any() and not c_pages[4].any()
+                    assert np.abs(c_pages[0]).sum() > 0 and not c_pages[0, 3:].any()  # row 0: 19 = 4·4 + 3
+
+
+def test_sample_rows_equals_sample():
+    rng = np.random.default_rng(0)
+    ps = [SamplingParams(), SamplingParams(1.0, 0, 1.0, 3), SamplingParams(0.7, 5, 1.0, 1),
+          SamplingParams(1.3, 0, 0.8, 9), SamplingParams(0.9, 10, 0.6, 2), SamplingParams(2.0, 1, 0.5, 5)]
+    logits = jnp.asarray(rng.standard_normal((len(ps), 97)) * 2, jnp.float32)
+    arr = lambda f, dt: jnp.asarray([getattr(p, f) for p in ps], dt)
+    t, k, p = arr("temperature", jnp.float32), arr("top_k", jnp.int32), arr("top_p", jnp.float32)
+    pr = processed_logits_rows(logits, t, k, p)
+    for b in range(len(ps)):
+        np.testing.assert_array_equal(np.asarray(pr[b]), np.asarray(processed_logits(logits[b:b + 1], ps[b])[0]))
+    draws = []
+    for n in range(12):
+        keys = request_keys(arr("seed", jnp.uint32), jnp.full((len(ps),), n))
+        got = np.asarray(sample_rows(logits, keys, t, k, p))
+        assert got.tolist() == [int(sample(logits[b:b + 1], keys[b], ps[b])[0]) for b in range(len(ps))]
+        draws.append(got)
+    draws = np.array(draws)
+    assert (draws[:, 0] == int(jnp.argmax(logits[0]))).all() and (draws[:, 5] == int(jnp.argmax(logits[5]))).all()
+    assert len(set(draws[:, 1].tolist())) > 3  # temperature 1, no truncation: the draws vary with n
+    # a row's key depends on its own seed and count only
+    k1 = request_keys(jnp.asarray([7, 1], jnp.uint32), jnp.asarray([4, 0]))
+    k2 = request_keys(jnp.asarray([2, 7], jnp.uint32), jnp.asarray([9, 4]))
+    assert (jax.random.key_data(k1[0]) == jax.random.key_data(k2[1])).all()
+
+
+def _sizes(cfg, **kw):
+    return plan_pools(cfg, jnp.float32, **{"max_slots": 2, "page_size": 4, "num_pages": 6, "with_mtp": False, **kw})
+
+
+def test_page_allocator_and_sizes(tiny_cfg):
+    s = _sizes(tiny_cfg)
+    a = PageAllocator(s)
+    assert a.ensure(0, 5) and a.pages[0] == [0, 1] and a.used == 2
+    assert a.ensure(1, 16) and a.used == 6 and not a.ensure(0, 9) and a.pages[0] == [0, 1]  # all or nothing
+    assert a.block_rows([0, None]).tolist() == [[0, 1, 0, 0, 0, 0], [0] * 6]
+    a.release(1)
+    assert a.used == 2 and a.ensure(0, 9) and len(a.pages[0]) == 3
+    a.release(0)
+    assert sorted(a.free) == list(range(6))
+    by_mem = plan_pools(tiny_cfg, jnp.float32, max_slots=2, page_size=4, cache_memory_gib=1e-4)
+    assert by_mem.num_pages == (int(1e-4 * 1024 ** 3) - 2 * by_mem.slot_bytes) // by_mem.page_bytes
+    assert by_mem.page_bytes == 4 * 5 * (tiny_cfg.kv_lora_rank + tiny_cfg.qk_rope_head_dim) * 4  # 4 MLA + MTP
+    with pytest.raises(ValueError, match="exactly one of num_pages or cache_memory_gib"):
+        plan_pools(tiny_cfg, jnp.float32, max_slots=2, page_size=4)
+    with pytest.raises(ValueError, match="page_size must be a positive int"):
+        plan_pools(tiny_cfg, jnp.float32, max_slots=2, page_size=0, num_pages=3)
+    with pytest.raises(ValueError, match="does not cover"):
+        plan_pools(tiny_cfg, jnp.float32, max_slots=2, page_size=4, cache_memory_gib=1e-9)
+
+
+def test_scheduler_preempts_youngest_and_chunks(tiny_cfg):
+    s = _sizes(tiny_cfg, max_slots=3)  # 6 pages of 4 tokens
+    sch = Scheduler(PageAllocator(s), 3, prefill_chunk=6, prefill_rows=2)
+    reqs = [Request(i, list(range(n)), None, frozenset()) for i, n in enumerate((7, 3, 9))]
+    sch.queue.extend(reqs)
+    plan = sch.schedule()  # admission checks fit (a 2 pages, b 1, c 3 of 6) but allocates nothing
+    assert [r.state for r in reqs] == [PREFILL] * 3
+    assert [(r.id, n) for r, n in plan.prefill] == [(0, 6)]  # the budget of 6 went to the oldest
+    reqs[0].n_fed = 6
+    plan = sch.schedule()
+    assert [(r.id, n) for r, n in plan.prefill] == [(0, 1), (1, 3)]
+    reqs[0].n_fed, reqs[1].n_fed = 7, 3
+    reqs[0].state = reqs[1].state = DECODE
+    reqs[0].generated, reqs[1].generated = [5], [6]
+    plan = sch.schedule()  # decode a (8 tokens: 2 pages), b (4: 1 page); c gets a chunk of 6 (2 pages)
+    assert plan.decode == [reqs[0], reqs[1]] and [(r.id, n) for r, n in plan.prefill] == [(2, 6)]
+    assert sch.alloc.used == 5
+    for r, n in plan.prefill:
+        r.n_fed += n
+    reqs[0].n_fed, reqs[1].n_fed = 8, 4
+    plan = sch.schedule()  # a takes the last page; b needs a 2nd: none free -> c (youngest) preempted
+    assert reqs[2].state == QUEUED and reqs[2].slot is None and sch.preemptions == 1
+    assert plan.decode == [reqs[0], reqs[1]] and sch.queue[0] is reqs[2]
+    assert sch.alloc.used == 5
+
+
+def test_engine_policy_stress_with_a_stub_model(tiny_model):
+    """The host side of the engine under a stub model (the compiled steps replaced by a function
+    returning token 1): 60 requests into a pool far too small, random cancels. After every step
+    no page has two owners, every running slot holds the pages its tokens need, and the run ends
+    with everything free; preemptions happen and every request ends."""
+    eng = Engine(tiny_model, max_slots=3, page_size=4, num_pages=9, prefill_chunk=8, prefill_rows=2,
+                 max_seq_len=36)
+    fake = lambda params, pools, inp: (pools, np.ones(len(inp.rows), np.int32))
+    eng._prefill = eng._decode = fake
+    rng = np.random.default_rng(0)
+    handles = []
+    for step in range(4000):
+        if len(handles) < 60 and rng.random() < 0.3:
+            n = int(rng.integers(1, 30))
+            handles.append(eng.submit([2] * n, RequestParams(max_tokens=int(rng.integers(1, 37 - n)),
+                                                             stop_ids=())))
+        if handles and rng.random() < 0.02:
+            eng.cancel(handles[int(rng.integers(0, len(handles)))])
+        eng.step()
+        owned = [p for ps in eng.alloc.pages.values() for p in ps]
+        assert len(owned) == len(set(owned)) and not set(owned) & set(eng.alloc.free)
+        assert len(owned) + len(eng.alloc.free) == 9
+        for s, r in enumerate(eng.sched.slots):
+            if r is not None:
+                assert r.slot == s and r not in eng.sched.queue
+                assert len(eng.alloc.pages.get(s, [])) >= eng.alloc.pages_for(r.n_fed)
+        if len(handles) == 60 and not eng.has_work():
+            break
+    assert not eng.has_work() and eng.stats()["pages_in_use"] == 0 and sorted(eng.alloc.free) == list(range(9))
+    assert eng.stats()["preemptions"] > 0
+    for h in handles:
+        assert h.finished
+        if h.finish_reason != "cancelled":
+            assert h.finish_reason == "length" and h.generated == [1] * h._req.params.max_tokens
