@@ -74,11 +74,14 @@ import math
 from fractions import Fraction
 from typing import Iterable, NamedTuple, Optional
 
+from flax import nnx
+
 from ling_jax.checkpoint import layout as L
-from ling_jax.checkpoint.blocks import fp8_block
+from ling_jax.checkpoint.blocks import fp8_block, release_fp8, release_mxfp4
 from ling_jax.config import KDA, MLA, LingConfig
-from ling_jax.loader import param_layout
-from ling_jax.placement import block_fp8_specs
+from ling_jax.loader import abstract_model, param_layout
+from ling_jax.placement import block_fp8_specs, mxfp4_spec, param_specs
+from ling_jax.quantized import is_quantized
 from sharding.mesh import parse_mesh_shape
 from sharding.rules import cache_axes, spec
 
@@ -91,6 +94,7 @@ RELEASE_FP8_LAYOUT = "A"
 RELEASE_CONV_DTYPE = "F32"
 MXFP4_GROUP = 32          # inputs sharing one E8M0 scale
 MXFP4_SCALE_SUFFIX = ".weight_scale"
+MXFP4_DTYPES = ("MXFP4", "U8", "F8_E8M0")  # stored dtypes of MXFP4 expert codes / scales
 
 GROUPS = ("routed_experts", "kda_attention", "shared_experts", "mla_attention", "dense_ffn",
           "embed_head", "routers_norms", "mtp", "other")
@@ -360,11 +364,13 @@ def weight_bytes(cfg: LingConfig, fmt: str = "fp8", include_mtp: bool = True,
 
 
 def cache_bytes(cfg: LingConfig, cache_dtype_bytes: int = 2, state_dtype_bytes: int = 4,
-                conv_dtype_bytes: int = 2) -> dict:
+                conv_dtype_bytes: int = 2, kv_cache_dtype: str = "auto") -> dict:
     """Inference cache sizes (spec §14), BF16 MLA cache / FP32 KDA state / BF16 conv state by default.
 
     * MLA (absorbed) latent cache: (kv_lora_rank + qk_rope_head_dim) values per token per MLA layer;
       ``mla_bytes_per_token`` counts the main MLA layers, ``..._with_mtp`` adds the MTP layer's.
+      kv_cache_dtype "fp8" (`ling_jax.kv_quant`): 1 byte per value + two float32 per-token scales
+      (584 B per token per layer for the real config, vs 1,152 in BF16); "auto"/"bf16": cache_dtype_bytes.
     * MLA expanded (reference) cache, for comparison: H·(qk_head_dim + v_head_dim) per token/layer.
     * KDA recurrent state: [H, head_dim, head_dim] per KDA layer per sequence, length-independent.
     * KDA conv state: 3 streams (q, k, v) × kda_width × (kernel − 1) past inputs per KDA layer.
@@ -373,7 +379,12 @@ def cache_bytes(cfg: LingConfig, cache_dtype_bytes: int = 2, state_dtype_bytes: 
     n_mla = sum(1 for t in types if t == MLA)
     n_kda = sum(1 for t in types if t == KDA)
     n_mtp = 1 if cfg.has_mtp else 0
-    mla_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cache_dtype_bytes
+    if kv_cache_dtype not in ("auto", "bf16", "fp8"):
+        raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r} (expected bf16 or fp8)")
+    if kv_cache_dtype == "fp8":
+        mla_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim + 2 * 4
+    else:
+        mla_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cache_dtype_bytes
     expanded_layer = cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * cache_dtype_bytes
     kda_layer = cfg.num_attention_heads * cfg.head_dim * cfg.head_dim * state_dtype_bytes
     conv_layer = 3 * cfg.kda_width * max(cfg.short_conv_kernel_size - 1, 0) * conv_dtype_bytes
@@ -432,12 +443,12 @@ def per_device_weight_bytes(cfg: LingConfig, tensors: Iterable[Stored], mesh: di
         if name not in layout:
             raise ValueError(f"{t.name}: no model parameter holds this tensor (not part of the model of this config)")
         path, axes, shape = layout[name]
-        key = (path, t.scale, t.name.endswith(MXFP4_SCALE_SUFFIX))
+        mx = ".mlp.experts." in t.name and t.dtype in MXFP4_DTYPES
+        key = (path, t.scale, mx)
         if key not in specs:
             where = "/".join(map(str, path))
-            if key[2]:  # MXFP4 scales [.., out, in/32]: split like the weight wherever the grid divides
-                grid = tuple(shape[:-1]) + (-(-shape[-1] // MXFP4_GROUP),)
-                vs = spec(axes, grid, mesh, heads, where=where)
+            if mx:  # MXFP4 codes and scales: one spec, decided on the 32-group grid (`placement.mxfp4_spec`)
+                vs = mxfp4_spec(axes, shape, mesh, heads, where=where)
             else:
                 vs = spec(axes, shape, mesh, heads, where=where)
                 if t.scale:
@@ -452,10 +463,51 @@ def per_device_weight_bytes(cfg: LingConfig, tensors: Iterable[Stored], mesh: di
     return {"routed": r, "other": o, "total": r + o}
 
 
+_RESIDENT: dict = {}
+
+
+def _resident_model(cfg: LingConfig, fmt: str, include_mtp: bool, fp8_layout: Optional[str], dtype: str):
+    """The shape-only model the loader builds for a `fmt` checkpoint loaded with keep_quantized (fp8:
+    FP8 matrices as BlockFP8; mxfp4: also the routed experts as MXFP4Blocks; bf16: floats) in `dtype`.
+    Memoized (the last one: ~3 s for the real config)."""
+    key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), fmt, include_mtp, fp8_layout, dtype)
+    if key not in _RESIDENT:
+        f8 = release_fp8(cfg, fp8_layout or L.DEFAULT_FP8_LAYOUT) if fmt != "bf16" else None
+        mx = release_mxfp4(cfg) if fmt == "mxfp4" else None
+        _RESIDENT.clear()
+        _RESIDENT[key] = abstract_model(cfg, dtype, include_mtp and cfg.has_mtp, f8, mx)
+    return _RESIDENT[key]
+
+
+def resident_bytes_per_device(cfg: LingConfig, fmt: str, mesh: dict[str, int], include_mtp: bool = True,
+                              fp8_layout: Optional[str] = RELEASE_FP8_LAYOUT, dtype: str = "bfloat16") -> int:
+    """Bytes of the device arrays ONE device holds after `load_model(..., keep_quantized=True)` of a
+    `fmt` checkpoint in `dtype` on `mesh`: the loader's own shape-only model (`loader.abstract_model`)
+    placed by its own specs (`placement.param_specs`), constants (SwiGLU limits) included.
+
+    It differs from the stored-bytes placement (`per_device_weight_bytes`) where the model does not
+    hold a tensor as stored: router weights are float32 (stored BF16; routing runs in float32: +0.27
+    GiB per device for the real config, nearly all of the difference for MXFP4), kept-FP8 routed-expert
+    scales are expanded per element along I (`quantized.BlockFP8`; fp8 only), F32-stored conv taps
+    take `dtype` (-3 MB per device on model=4), and the per-layer SwiGLU limits are 4-byte arrays."""
+    model = _resident_model(cfg, fmt, include_mtp, fp8_layout, dtype)
+    specs = param_specs(model, mesh, cfg.num_attention_heads)
+    total = 0
+    for p, v in nnx.to_flat_state(nnx.state(model)):
+        val, sp = v.get_value(), specs[tuple(p)]
+        leaves = [val.primary, val.scales] if is_quantized(val) else [val]
+        sps = [sp.primary, sp.scales] if is_quantized(sp) else [sp]
+        for a, s in zip(leaves, sps):
+            n = math.prod(a.shape) * a.dtype.itemsize
+            total += n // _split(s, mesh)
+    return total
+
+
 def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
          device_memory_gib: Optional[float] = None, include_mtp: bool = True,
          reserve_gib: float = 0.0, sequences: int = 1,
-         fp8_layout: Optional[str] = RELEASE_FP8_LAYOUT, conv_dtype: str = RELEASE_CONV_DTYPE) -> dict:
+         fp8_layout: Optional[str] = RELEASE_FP8_LAYOUT, conv_dtype: str = RELEASE_CONV_DTYPE,
+         kv_cache_dtype: str = "bf16") -> dict:
     """Weight and cache memory of serving `cfg` on `mesh` (see `ling-jax plan --help`)."""
     _check_format(fmt)
     _check_layout(fp8_layout)
@@ -469,7 +521,7 @@ def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
         raise ValueError(f"sequences must be a non-negative integer, got {sequences!r}")
     summ = summary(cfg, fmt, include_mtp, fp8_layout, conv_dtype)
     dev = per_device_weight_bytes(cfg, stored_tensors(cfg, fmt, include_mtp, fp8_layout, conv_dtype), mesh)
-    cache = cache_bytes(cfg)
+    cache = cache_bytes(cfg, kv_cache_dtype=kv_cache_dtype)
     use_mtp = include_mtp and cfg.has_mtp
     mla_tok = cache["mla_bytes_per_token_with_mtp"] if use_mtp else cache["mla_bytes_per_token"]
     # KDA state and conv buffers split by head over `model` by the cache rules (when the head count
@@ -480,6 +532,11 @@ def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
     conv_split = _split(spec(cache_axes("cache/layers/0/conv_q"), (1, max(K - 1, 1), H * d), one, H), one)
     kda_dev = -(-cache["kda_state_bytes_per_sequence"] // state_split)
     conv_dev = -(-cache["kda_conv_state_bytes_per_sequence"] // conv_split)
+    n_dev = mesh["data"] * mesh["expert"] * mesh["model"]
+    # the seed article's arithmetic: every byte (weights and KDA state) split evenly over the devices
+    even = -(-summ["bytes"]["total"] // n_dev)
+    even_state = -(-(cache["kda_state_bytes_per_sequence"] + cache["kda_conv_state_bytes_per_sequence"]) // n_dev)
+    resident = resident_bytes_per_device(cfg, fmt, mesh, include_mtp, fp8_layout)
     out = {
         "weights": fmt,
         "fp8_layout": fp8_layout if fmt != "bf16" else None,
@@ -494,6 +551,11 @@ def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
         "weight_bytes_per_device": dev["total"],
         "weight_gib_per_device": round(dev["total"] / GiB, 2),
         "routed_expert_bytes_per_device": dev["routed"],
+        "even_split_bytes_per_device": even,
+        "even_split_gib_per_device": round(even / GiB, 2),
+        "resident_bytes_per_device": resident,
+        "resident_gib_per_device": round(resident / GiB, 2),
+        "kv_cache_dtype": kv_cache_dtype,
         "mla_cache_bytes_per_token": mla_tok,
         "mla_cache_bytes_per_token_main": cache["mla_bytes_per_token"],
         "mla_cache_bytes_per_token_mtp": cache["mla_bytes_per_token_mtp_layer"] if use_mtp else 0,
@@ -508,6 +570,8 @@ def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
         "tokens_fit": None,
         "tokens_fit_mesh": None,
         "fits": None,
+        "even_split_free_bytes_per_device": None,
+        "even_split_tokens_fit": None,
     }
     if device_memory_gib is not None:
         mem = int(round(device_memory_gib * GiB))
@@ -519,6 +583,10 @@ def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
                     "tokens_fit_mesh": (tokens if cache_free >= 0 else 0) * mesh["data"]
                     if tokens is not None else None,
                     "fits": cache_free >= 0})
+        even_free = mem - even - out["reserve_bytes"]
+        even_cache = even_free - sequences * even_state
+        out.update({"even_split_free_bytes_per_device": even_free,
+                    "even_split_tokens_fit": max(even_cache, 0) // mla_tok if mla_tok else None})
     return out
 
 

@@ -203,6 +203,12 @@ class LingConfig:
         return self.num_nextn_predict_layers > 0
 
     @property
+    def routed_experts_mxfp4(self) -> bool:
+        """quantization_config declares MXFP4 routed experts (`routed_experts_quant_method: mxfp4`,
+        Ling's recipe; `ling_jax.checkpoint.mxfp4`)."""
+        return (self.quantization_config or {}).get("routed_experts_quant_method") == "mxfp4"
+
+    @property
     def weight_block_size(self) -> tuple[int, int]:
         q = self.quantization_config or {}
         return tuple(q.get("weight_block_size", (128, 128)))
@@ -464,6 +470,13 @@ def _validate(c: LingConfig, err, d: dict) -> None:
         bs = q.get("weight_block_size", [128, 128])
         if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(_is_int(x) and 0 < x < _INT_LIMIT for x in bs)):
             err(f"quantization_config.weight_block_size={bs!r} must be two positive integers")
+        rq = q.get("routed_experts_quant_method")
+        if rq is not None and rq != "mxfp4":
+            err(f"quantization_config.routed_experts_quant_method={rq!r} is not supported (expected 'mxfp4')")
+        gs = q.get("routed_experts_group_size", 32)
+        if rq is not None and (not _is_int(gs) or gs != 32):
+            err(f"quantization_config.routed_experts_group_size={gs!r} is not supported (MXFP4 routed experts "
+                f"use groups of 32)")
         mnc = q.get("modules_to_not_convert")
         if mnc is not None and not (isinstance(mnc, list) and all(isinstance(x, str) for x in mnc)):
             err("quantization_config.modules_to_not_convert must be a list of module names")

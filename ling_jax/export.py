@@ -31,7 +31,7 @@ from ling_jax.checkpoint.writer import (checkpoint_config_dict, plan_shards, sto
                                        write_shards, write_tensor)
 from ling_jax.config import LingConfig, write_json
 from ling_jax.loader import load_model
-from ling_jax.quantized import BlockFP8
+from ling_jax.quantized import is_quantized
 from ling_jax.train.state import load_trained_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -54,9 +54,9 @@ def model_tensors(model) -> dict[str, np.ndarray]:
     cfg: LingConfig = model.cfg
     out: dict[str, np.ndarray] = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if isinstance(var.get_value(), BlockFP8) or np.dtype(var.get_value().dtype) == FP8_NP:
-            raise ValueError("export needs a float model: this one keeps FP8 weights + block scales (loaded "
-                             "with --keep-fp8); load it without that option")
+        if is_quantized(var.get_value()) or np.dtype(var.get_value().dtype) == FP8_NP:
+            raise ValueError("export needs a float model: this one keeps FP8 weights + block scales or MXFP4 "
+                             "experts (loaded with --keep-fp8 / --keep-quantized); load it without that option")
         out.update(_checkpoint_tensors(path, np.asarray(var.get_value(), np.float32), checkpoint_names(path, cfg)[1]))
     return out
 

@@ -249,7 +249,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              sampling: SamplingParams = SamplingParams(), speculative: int = 0,
              stop_ids: Sequence[int] | None = None, max_len: int | None = None,
              stream: Callable[[np.ndarray, np.ndarray], None] | None = None,
-             exec: ExecConfig | None = None) -> GenerationResult:
+             exec: ExecConfig | None = None, kv_cache_dtype: str | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids of any lengths).
 
     sampling: greedy by default; `SamplingParams(temperature, top_k, top_p, seed)` otherwise.
@@ -258,6 +258,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     width, the cache length and `max_new_tokens`. stream(tokens [B,n], counts [B]) is called from inside the compiled loop
     as tokens are produced (tokens[b, :counts[b]] are new for sequence b). exec: how to run
     (default `model.exec`; e.g. `model.exec.replace(kernels="pallas", kda_chunk=32)`).
+    kv_cache_dtype: "auto" (None: the MLA cache in the model dtype) or "fp8" (`ling_jax.kv_quant`).
     """
     cfg = model.cfg
     if max_new_tokens < 1:
@@ -280,7 +281,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     stop = tuple(int(s) for s in (cfg.eos_token_id if stop_ids is None else stop_ids))
     graphdef, params = nnx.split(model)
     with_mtp = bool(speculative)
-    cache = init_cache(cfg, B, max_len, model.dtype, with_mtp=with_mtp)
+    cache = init_cache(cfg, B, max_len, model.dtype, with_mtp=with_mtp, kv_cache_dtype=kv_cache_dtype)
     key = jax.random.key(sampling.seed)
     key, k0 = jax.random.split(key)
     hidden0 = jnp.zeros((B, cfg.hidden_size), model.dtype)

@@ -16,7 +16,10 @@ parameter being built (for Ling-3.1-flash the largest is one layer's stacked exp
 F8_E4M3 with a `weight_scale_inv` (read from the headers, tensor by tensor; for a converted
 directory from its per-parameter dtypes) holds a `BlockFP8` value (float8 values + float32 block
 scales, `ling_jax.checkpoint.blocks.fp8_block` layout) in its normal module; the rest loads as
-`dtype`. Layers scanned together (ling_jax.layer_stack) must have the same structure, so a
+`dtype`. Routed experts stored MXFP4 (`ling_jax.checkpoint.mxfp4`; the config declares them) hold
+an `MXFP4Blocks` (the packed uint8 codes + uint8 E8M0 scales as stored) and are unpacked inside the
+expert matmuls; without keep_quantized they are decoded at load (exactly, then cast to `dtype`).
+Layers scanned together (ling_jax.layer_stack) must have the same structure, so a
 parameter kept FP8 in only some layers of one scanned run is dequantised in all of them.
 """
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ling_jax.layer_stack import layer_plan
 from ling_jax.model import LingForCausalLM
 from ling_jax.ops import as_dtype, default_dtype
 from ling_jax.placement import attach_mesh, variable_axes, variable_sharding
-from ling_jax.quantized import BlockFP8, scale_grid
+from ling_jax.quantized import BlockFP8, MXFP4Blocks, mxfp4_packed_shape, mxfp4_scale_shape, scale_grid
 from sharding.distributed import is_primary
 from sharding.mesh import make_mesh
 from sharding.rules import path_str
@@ -88,7 +91,8 @@ def _scan_group(path, cfg: LingConfig) -> tuple:
 
 
 def quantized_paths(flat, cfg: LingConfig, stored_fp8: Callable) -> set:
-    """Paths of the 2-D+ parameters of `flat` ([(path, Variable)]) to hold as BlockFP8."""
+    """Paths of the 2-D+ parameters of `flat` ([(path, Variable)]) that `stored_fp8(path)` says to hold
+    quantised, each scan group (`_scan_group`) all or nothing."""
     cand = {tuple(p): stored_fp8(p) for p, v in flat if isinstance(v, nnx.Param) and len(v.get_value().shape) >= 2}
     ok: dict = {}
     for p, f in cand.items():
@@ -98,15 +102,22 @@ def quantized_paths(flat, cfg: LingConfig, stored_fp8: Callable) -> set:
 
 
 def abstract_model(cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = True,
-                   stored_fp8: Callable | None = None) -> LingForCausalLM:
+                   stored_fp8: Callable | None = None, stored_mxfp4: Callable | None = None) -> LingForCausalLM:
     """Shape-only LingForCausalLM: every variable a ShapeDtypeStruct, or a BlockFP8 of two for the
-    parameters `stored_fp8(path)` says the checkpoint stores FP8 (None: keep nothing quantised;
-    `blocks.release_fp8(cfg)` plans a release checkpoint without reading one)."""
+    parameters `stored_fp8(path)` says the checkpoint stores FP8, or an MXFP4Blocks of two (uint8)
+    for the routed experts `stored_mxfp4(path)` says it stores MXFP4 (None: keep nothing quantised;
+    `blocks.release_fp8(cfg)` / `blocks.release_mxfp4(cfg)` plan a checkpoint without reading one)."""
     model = nnx.eval_shape(lambda: LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(),
                                                    with_mtp=with_mtp))
+    flat = list(nnx.to_flat_state(nnx.state(model)))  # Variables shared with the model
+    mx = quantized_paths(flat, cfg, stored_mxfp4) if stored_mxfp4 is not None else set()
+    for p, v in flat:
+        if tuple(p) in mx:
+            shape = tuple(v.get_value().shape)
+            v.set_value(MXFP4Blocks(jax.ShapeDtypeStruct(mxfp4_packed_shape(shape), jnp.uint8),
+                                    jax.ShapeDtypeStruct(mxfp4_scale_shape(shape), jnp.uint8)))
     if stored_fp8 is not None:
-        flat = list(nnx.to_flat_state(nnx.state(model)))  # Variables shared with the model
-        keep = quantized_paths(flat, cfg, stored_fp8)
+        keep = quantized_paths(flat, cfg, stored_fp8) - mx
         for p, v in flat:
             if tuple(p) in keep:
                 shape, block = tuple(v.get_value().shape), B.fp8_block(p, cfg)
@@ -192,8 +203,8 @@ class ParamSource:
     def local_bytes(self, path, var) -> int:
         """Stored bytes this process reads for the parameter (its distinct local values blocks)."""
         sh, v = variable_sharding(path, var, self.mesh, self.heads), var.get_value()
-        if isinstance(v, BlockFP8):
-            sh, v = sh.values, v.values
+        if isinstance(v, (BlockFP8, MXFP4Blocks)):
+            sh, v = sh.primary, v.primary
         shape = tuple(v.shape)
         keys = {_index_key(i, shape): i for i in sh.addressable_devices_indices_map(shape).values()}
         return sum(_block_numel(i, shape) for i in keys.values()) * B.stored_itemsize(self.reader, path, self.cfg)
@@ -210,6 +221,12 @@ class ParamSource:
             scales = _from_blocks(want.scales.shape, jnp.float32, sh.scales,
                                   lambda i: B.read_fp8_scales(r, path, cfg, i), what + " scales")
             return BlockFP8(values, scales, want.block)
+        if isinstance(want, MXFP4Blocks):
+            packed = _from_blocks(want.packed.shape, jnp.uint8, sh.packed,
+                                  lambda i: B.read_mxfp4_codes(r, path, cfg, i), what, counted)
+            scales = _from_blocks(want.scales.shape, jnp.uint8, sh.scales,
+                                  lambda i: B.read_mxfp4_scales(r, path, cfg, i), what + " scales")
+            return MXFP4Blocks(packed, scales)
         # each tensor is cast to the target dtype as it is read (before stacking experts)
         npdt = B.np_dtype(want.dtype)
         return _from_blocks(want.shape, want.dtype, sh,
@@ -217,9 +234,12 @@ class ParamSource:
 
 
 def converted_entries(path, value) -> dict:
-    """{converted-checkpoint key: array or ShapeDtypeStruct} of one parameter value (a BlockFP8 is two)."""
+    """{converted-checkpoint key: array or ShapeDtypeStruct} of one parameter value (a BlockFP8 or an
+    MXFP4Blocks is two: values / packed codes under the key, scales under `scale_key`)."""
     if isinstance(value, BlockFP8):
         return {O.key_of(path): value.values, O.scale_key(path): value.scales}
+    if isinstance(value, MXFP4Blocks):
+        return {O.key_of(path): value.packed, O.scale_key(path): value.scales}
     return {O.key_of(path): value}
 
 
@@ -257,7 +277,8 @@ def load_from_reader(reader, cfg: LingConfig, *, mesh=None, dtype=jnp.float32, w
     CheckpointReader (it reads the stored dtypes)."""
     mesh = one_device_mesh() if mesh is None else mesh
     stored = B.reader_fp8(reader, cfg) if keep_quantized else None
-    graphdef, state = nnx.split(abstract_model(cfg, as_dtype(dtype), with_mtp and cfg.has_mtp, stored))
+    stored_mx = B.reader_mxfp4(reader, cfg) if keep_quantized else None
+    graphdef, state = nnx.split(abstract_model(cfg, as_dtype(dtype), with_mtp and cfg.has_mtp, stored, stored_mx))
     flat = list(nnx.to_flat_state(state))
     fill_params(flat, ParamSource(reader, cfg, mesh), progress)
     place_constants(flat, mesh, cfg)
@@ -327,9 +348,10 @@ def restore_converted(path: str, mesh, dtype, with_mtp: bool = True, keep_quanti
     with_mtp = with_mtp and cfg.has_mtp
     if with_mtp and not meta["with_mtp"]:
         raise ValueError(f"{path}: converted without the MTP layer (load with with_mtp=False)")
-    f8 = str(jnp.dtype(jnp.float8_e4m3fn))
+    f8, u8 = str(jnp.dtype(jnp.float8_e4m3fn)), str(jnp.dtype(jnp.uint8))
     stored = (lambda p: meta["params"].get(O.key_of(p), {}).get("dtype") == f8) if stored_q else None  # noqa: E731
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, with_mtp, stored))
+    stored_mx = (lambda p: meta["params"].get(O.key_of(p), {}).get("dtype") == u8) if stored_q else None  # noqa: E731
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, with_mtp, stored, stored_mx))
     flat = list(nnx.to_flat_state(state))
     check_param_shapes(path, meta, {k: tuple(a.shape) for p, v in flat if isinstance(v, nnx.Param)
                                     for k, a in converted_entries(p, v.get_value()).items()}, subset=True)
@@ -348,8 +370,8 @@ def restore_converted(path: str, mesh, dtype, with_mtp: bool = True, keep_quanti
         target = {}
         for p, v in items:
             want, sh = v.get_value(), variable_sharding(p, v, mesh, heads)
-            if isinstance(want, BlockFP8):
-                target[O.key_of(p)] = jax.ShapeDtypeStruct(want.values.shape, want.values.dtype, sharding=sh.values)
+            if isinstance(want, (BlockFP8, MXFP4Blocks)):
+                target[O.key_of(p)] = jax.ShapeDtypeStruct(want.primary.shape, want.primary.dtype, sharding=sh.primary)
                 target[O.scale_key(p)] = jax.ShapeDtypeStruct(want.scales.shape, want.scales.dtype, sharding=sh.scales)
             else:
                 target[O.key_of(p)] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sh)
@@ -357,8 +379,12 @@ def restore_converted(path: str, mesh, dtype, with_mtp: bool = True, keep_quanti
             got = ckptr.restore(os.path.join(path, "params", g), target)
         for p, v in items:
             want = v.get_value()
-            v.set_value(BlockFP8(got[O.key_of(p)], got[O.scale_key(p)], want.block) if isinstance(want, BlockFP8)
-                        else got[O.key_of(p)])
+            if isinstance(want, BlockFP8):
+                v.set_value(BlockFP8(got[O.key_of(p)], got[O.scale_key(p)], want.block))
+            elif isinstance(want, MXFP4Blocks):
+                v.set_value(MXFP4Blocks(got[O.key_of(p)], got[O.scale_key(p)]))
+            else:
+                v.set_value(got[O.key_of(p)])
         bar.update(1)
     bar.close()
     place_constants(flat, mesh, cfg)

@@ -9,7 +9,7 @@ Both are causal and mask keys beyond each sequence's length.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from flax import nnx
 
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
+from ling_jax.kv_quant import FP8, dequantize_per_token, quantize_per_token
 from ling_jax.linear import Linear
 from ling_jax.norms import RMSNorm
 from ling_jax.ops import einsum, linear
@@ -26,9 +27,13 @@ from pallas_kernels.mla.reference import attention_mask, latent_attention, maske
 
 
 class MLACache(NamedTuple):
-    """Per-layer latent cache. c: [B,S,kv_lora_rank]; k_pe: [B,S,rope_dim] (after RoPE)."""
+    """Per-layer latent cache. c: [B,S,kv_lora_rank]; k_pe: [B,S,rope_dim] (after RoPE). An FP8 cache
+    (`ling_jax.kv_quant`) stores both as float8_e4m3fn with float32 per-token scales c_scale,
+    k_pe_scale [B,S]; otherwise those are None."""
     c: jax.Array
     k_pe: jax.Array
+    c_scale: Optional[jax.Array] = None
+    k_pe_scale: Optional[jax.Array] = None
 
 
 class PagedMLACache(NamedTuple):
@@ -61,7 +66,12 @@ def paged_gather(pages: jax.Array, block_table: jax.Array) -> jax.Array:
     return pages[block_table].reshape(B, nb * pages.shape[1], pages.shape[2])
 
 
-def mla_zero_cache(cfg: LingConfig, batch: int, max_len: int, dtype) -> MLACache:
+def mla_zero_cache(cfg: LingConfig, batch: int, max_len: int, dtype, kv_cache_dtype: str = "auto") -> MLACache:
+    """Zero cache in `dtype`, or ("fp8") float8 values + float32 per-token scales."""
+    if kv_cache_dtype == "fp8":
+        return MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank), FP8),
+                        jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), FP8),
+                        jnp.ones((batch, max_len), jnp.float32), jnp.ones((batch, max_len), jnp.float32))
     return MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
                     jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype))
 
@@ -157,9 +167,16 @@ class MultiheadLatentAttention(nnx.Module):
                 form = "absorbed"
         else:
             write = jax.vmap(lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=0))
-            c_all = write(cache.c, c_new.astype(cache.c.dtype), lengths)
-            kpe_all = write(cache.k_pe, kpe_new.astype(cache.k_pe.dtype), lengths)
-            new_cache = MLACache(c_all, kpe_all)
+            if cache.c_scale is not None:  # FP8 cache: store per-token e4m3 + scale, attend to the decode
+                (cq, cs), (kq, ks) = quantize_per_token(c_new), quantize_per_token(kpe_new)
+                new_cache = MLACache(write(cache.c, cq, lengths), write(cache.k_pe, kq, lengths),
+                                     write(cache.c_scale, cs, lengths), write(cache.k_pe_scale, ks, lengths))
+                c_all = dequantize_per_token(new_cache.c, new_cache.c_scale, x.dtype)
+                kpe_all = dequantize_per_token(new_cache.k_pe, new_cache.k_pe_scale, x.dtype)
+            else:
+                c_all = write(cache.c, c_new.astype(cache.c.dtype), lengths)
+                kpe_all = write(cache.k_pe, kpe_new.astype(cache.k_pe.dtype), lengths)
+                new_cache = MLACache(c_all, kpe_all)
             if form == "auto":
                 form = "absorbed"
         kv_len = lengths + n_valid

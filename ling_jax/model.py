@@ -17,6 +17,7 @@ from ling_jax.kda import KimiDeltaAttention, kda_zero_state
 from ling_jax.exec_config import ExecConfig
 from ling_jax.layer_stack import layer_plan, per_layer, run_block, stack_forced, stack_params
 from ling_jax.linear import Linear
+from ling_jax.kv_quant import check_kv_cache_dtype
 from ling_jax.mla import MLACache, MultiheadLatentAttention, mla_zero_cache
 from ling_jax.moe import MoE
 from ling_jax.norms import RMSNorm
@@ -37,13 +38,19 @@ def _stacked(make, block, r):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (m, n) + x.shape).copy(), make())
 
 
-def init_cache(cfg: LingConfig, batch: int, max_len: int, dtype, with_mtp: bool = True) -> HybridCache:
+def init_cache(cfg: LingConfig, batch: int, max_len: int, dtype, with_mtp: bool = True,
+               kv_cache_dtype: str | None = None) -> HybridCache:
     """Zero cache: per KDA layer the f32 state [B,H,dk,dv] + 3 conv states [B,K-1,H*dk]; per MLA layer
-    the latent [B,max_len,kv_lora_rank] + rotated key [B,max_len,rope_dim]. Sizes: `ling_jax.accounting.cache_bytes`."""
+    the latent [B,max_len,kv_lora_rank] + rotated key [B,max_len,rope_dim]. Sizes: `ling_jax.accounting.cache_bytes`.
+
+    kv_cache_dtype: "auto"/None (the MLA cache in `dtype`) or "fp8" (float8_e4m3fn + per-token float32
+    scales, `ling_jax.kv_quant`). A property of the cache, not an ExecConfig field: it is the layout
+    of state the caller allocates and carries (jit sees it in the pytree), not a choice of kernel."""
+    kv = check_kv_cache_dtype(kv_cache_dtype)
     layers = tuple(tuple(_stacked((lambda: kda_zero_state(cfg, batch, dtype)) if run.attn == KDA
-                                  else (lambda: mla_zero_cache(cfg, batch, max_len, dtype)), b, r)
+                                  else (lambda: mla_zero_cache(cfg, batch, max_len, dtype, kv)), b, r)
                          for r, run in enumerate(b.runs)) for b in layer_plan(cfg))
-    mtp = mla_zero_cache(cfg, batch, max_len, dtype) if (with_mtp and cfg.has_mtp) else None
+    mtp = mla_zero_cache(cfg, batch, max_len, dtype, kv) if (with_mtp and cfg.has_mtp) else None
     return HybridCache(layers, mtp, jnp.zeros((batch,), jnp.int32))
 
 

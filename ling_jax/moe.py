@@ -11,7 +11,7 @@ Expert parallelism: when `ExecConfig.mesh` is set, the routed experts run inside
 (`experts_ep`): every device computes its own experts (and its slice of their intermediate width)
 for all tokens of its data shard and one `psum` over the `expert`/`model` axes combines them; no
 expert weight leaves its device (design note: sharding/README.md). Expert weights that are
-`BlockFP8` (kept quantised) are dequantised inside the expert matmuls, per device.
+`BlockFP8` or `MXFP4Blocks` (kept quantised) are dequantised inside the expert matmuls, per device.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import init_normal
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision
-from ling_jax.quantized import BlockFP8, dequantize
+from ling_jax.quantized import dequantize, is_quantized
 from ling_jax.swiglu import SwiGLU, SwiGLULimit, swiglu_act
 from ling_jax.placement import value_specs
 
@@ -128,7 +128,8 @@ class Experts(nnx.Module):
     """Routed experts, stacked in the checkpoint's per-expert `[out, in]` layout: gate/up [E,I,D],
     down [E,D,I] (the orientation XLA:CPU's batched matmuls read fastest, see `experts_capacity`).
     Each holds a float array or, kept quantised, a `BlockFP8` with block (1, bi) for gate/up and
-    (bo, 1) for down (built by `ling_jax.loader`)."""
+    (bo, 1) for down, or an `MXFP4Blocks` (groups of 32 along the last, input axis: D for gate/up,
+    I for down), built by `ling_jax.loader`."""
 
     def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs):
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -142,7 +143,8 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
     """Weighted sum over the assignments that fall on experts `e0 .. e0+E_l-1` (the ones in `weights`).
 
     x: [N,D]; idx: [N,k] global expert ids; wts: [N,k] f32; weights: (wg, wu, wd) stacked [E_l,I_l,D],
-    [E_l,I_l,D], [E_l,D,I_l], each a float array or a `BlockFP8` (dequantised here, in x's dtype).
+    [E_l,I_l,D], [E_l,D,I_l], each a float array, a `BlockFP8` or an `MXFP4Blocks` (dequantised /
+    unpacked here, in x's dtype).
     path: "gather" | "grouped". Assignments to other experts contribute 0. Returns [N,D] float32 (a
     partial sum when the experts or their intermediate width are split over devices).
     """
@@ -153,10 +155,10 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
     dt = x.dtype
     if path == "gather":
         li = jnp.where(mine, loc, 0)
-        if not any(isinstance(w, BlockFP8) for w in weights):  # each token gathers inside the per-token loop
+        if not any(is_quantized(w) for w in weights):  # each token gathers inside the per-token loop
             y = experts_gathered(x, li, *weights, limit)
         else:  # quantised: gather values + scales of the selected experts, dequantise, same loop
-            y = experts_gathered(x, li, *(dequantize(w.take(li), dt) if isinstance(w, BlockFP8)
+            y = experts_gathered(x, li, *(dequantize(w.take(li), dt) if is_quantized(w)
                                           else w[li].astype(dt) for w in weights), limit, gathered=True)
     else:
         ws = tuple(dequantize(w, dt) for w in weights)
@@ -170,14 +172,14 @@ def experts_ep(x, idx, wts, weights, specs, limit, mesh, path: str, grouped_matm
     """Expert-parallel routed experts: `experts_local` per device inside `jax.shard_map`, then psum.
 
     weights: (wg, wu, wd) as in `experts_local`, placed on `mesh` with `specs` (a PartitionSpec per
-    weight, or a BlockFP8 of PartitionSpecs for a quantised one). Tokens are split over `data` when
+    weight, or a BlockFP8 / MXFP4Blocks of PartitionSpecs for a quantised one). Tokens are split over `data` when
     N divides evenly (else every data row computes all tokens). Returns [N,D] float32, identical on
     every device of a data row.
     """
     N = x.shape[0]
     n_data = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("data", 1)
     tok = "data" if n_data > 1 and N % n_data == 0 else None
-    gate_spec = specs[0].values if isinstance(specs[0], BlockFP8) else specs[0]
+    gate_spec = specs[0].primary if is_quantized(specs[0]) else specs[0]
     e_ax = gate_spec[0]
     sum_axes = tuple(a for a in (e_ax, gate_spec[1]) if a is not None)  # gate [E, I, D]: expert, I axes
 

@@ -3,7 +3,9 @@
 Every `nnx.Variable` of the model carries `axes` metadata where it is created (one logical name
 per dimension, e.g. `Linear(..., axes=("heads", "embed"))`); `sharding.rules.spec` maps them to a
 PartitionSpec. A quantised value (`BlockFP8`) places its values like a float weight of the same
-axes and its scales by `block_fp8_specs`. A Variable without `axes` fails loudly with its path.
+axes and its scales by `block_fp8_specs`. An `MXFP4Blocks` (routed experts kept MXFP4) places its
+packed codes and its scales with ONE spec, `mxfp4_spec`. A Variable without `axes` fails loudly
+with its path.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ling_jax.quantized import BlockFP8
+from ling_jax.quantized import BlockFP8, MXFP4Blocks, mxfp4_scale_shape
 from sharding.rules import UnknownParameterError, path_str, spec
 
 
@@ -25,6 +27,18 @@ def block_fp8_specs(values_spec: P, block, ndim: int) -> P:
     return P(*lead, r if block[0] == 1 else None, c if block[1] == 1 else None)
 
 
+def mxfp4_spec(axes, shape, mesh, heads, where: str = "") -> P:
+    """Spec of both arrays of an MXFP4 weight of logical `shape` [..., R, C] and `axes`.
+
+    Decided on the scale grid [..., R, C/32]: a split of the input axis C is allowed only when the
+    number of 32-groups divides by the mesh axis, so no device holds part of a group (packed C/2 and
+    C then divide too). Gate/up `[E, I, D]`: C = D (embed, never split), I rows split freely; down
+    `[E, D, I]`: C = I, so `model` splits I only in whole groups (real config: 1280/32 = 40 groups,
+    model=2, 4, 8 split; model=16 replicates I, with a warning from `sharding.rules`).
+    """
+    return spec(axes, mxfp4_scale_shape(shape), mesh, heads, where=where)
+
+
 def variable_axes(path, var) -> tuple:
     """The logical axes declared on `var` (an nnx.Variable at `path`), or UnknownParameterError."""
     axes = var.get_metadata().get("axes") if isinstance(var, nnx.Variable) else None
@@ -36,18 +50,24 @@ def variable_axes(path, var) -> tuple:
 
 
 def value_specs(path, var, mesh, heads: int | None):
-    """PartitionSpec of the Variable's value, or BlockFP8(values spec, scales spec) for a quantised one."""
+    """PartitionSpec of the Variable's value, or BlockFP8(values spec, scales spec) / MXFP4Blocks(spec, spec)
+    for a quantised one."""
     axes, v = variable_axes(path, var), var.get_value()
     where = path_str(path)
     if isinstance(v, BlockFP8):
         vs = spec(axes, v.values.shape, mesh, heads, where=where)
         return BlockFP8(vs, block_fp8_specs(vs, v.block, v.ndim), v.block)
+    if isinstance(v, MXFP4Blocks):
+        s = mxfp4_spec(axes, v.shape, mesh, heads, where)
+        return MXFP4Blocks(s, s)
     return spec(axes, v.shape, mesh, heads, where=where)
 
 
 def _named(mesh, s):
     if isinstance(s, BlockFP8):
         return BlockFP8(NamedSharding(mesh, s.values), NamedSharding(mesh, s.scales), s.block)
+    if isinstance(s, MXFP4Blocks):
+        return MXFP4Blocks(NamedSharding(mesh, s.packed), NamedSharding(mesh, s.scales))
     return NamedSharding(mesh, s)
 
 

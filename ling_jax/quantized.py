@@ -12,6 +12,12 @@ checkpoint's `weight_scale_inv` is multiplied, despite its name; spec §13). A d
 along the hidden size D but are expanded per element along the intermediate width I (gate/up
 `[E, I, D]` with block (1, 128), down `[E, D, I]` with block (128, 1)), so a mesh axis may split I
 at any divisor (1280 / 4 = 320 is not a multiple of 128); that costs 1/128 of the fp8 bytes.
+
+`MXFP4Blocks` is the other kept-quantised value, for routed experts stored MXFP4
+(`ling_jax.checkpoint.mxfp4`): the checkpoint's packed E2M1 codes `[..., R, C/2]` and E8M0 scale
+bytes `[..., R, C/32]`, both uint8, the 32-element groups along the LAST (input) axis C. It has the
+same small interface (`shape`, `take`, `dequantize`), so the expert matmuls unpack it exactly where
+they dequantise a BlockFP8. `is_quantized(w)` is true for either.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ling_jax.checkpoint.mxfp4 import GROUP as MXFP4_GROUP, dequantize_mxfp4_jax
 from pallas_kernels.fp8.reference import block_dequant_fp8_jax
 
 
@@ -47,14 +54,72 @@ class BlockFP8:
         """values × expanded scales, formed in float32, then `dtype` (`block_dequant_fp8_jax`)."""
         return block_dequant_fp8_jax(self.values, self.scales, self.block, dtype)
 
+    @property
+    def primary(self):
+        """The array whose leading axes are the weight's (values; for specs: the values' spec)."""
+        return self.values
+
     def take(self, idx) -> "BlockFP8":
         """Rows of the leading (expert) axis: `values[idx]`, `scales[idx]` (the gathered decode path)."""
         return BlockFP8(self.values[idx], self.scales[idx], self.block)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXFP4Blocks:
+    """MXFP4 weight `[..., R, C]`: uint8 `packed` [..., R, C/2] (element 2j in the low nibble of byte j)
+    and uint8 E8M0 `scales` [..., R, C/32] (one per 32 consecutive inputs along C)."""
+    packed: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple:
+        """The logical (decoded) shape [..., R, C]."""
+        p = tuple(self.packed.shape)
+        return p[:-1] + (2 * p[-1],)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.packed.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.packed.size) + int(self.scales.size)
+
+    @property
+    def primary(self):
+        return self.packed
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """E2M1 code × 2^(scale − 127), exact in float32 (`dequantize_mxfp4_jax`), then `dtype`."""
+        return dequantize_mxfp4_jax(self.packed, self.scales, dtype)
+
+    def take(self, idx) -> "MXFP4Blocks":
+        """Rows of the leading (expert) axis (the gathered decode path)."""
+        return MXFP4Blocks(self.packed[idx], self.scales[idx])
+
+
+QUANTIZED = (BlockFP8, MXFP4Blocks)
+
+
+def is_quantized(w) -> bool:
+    """True for a kept-quantised weight value (BlockFP8 or MXFP4Blocks) or a spec tree of one."""
+    return isinstance(w, QUANTIZED)
+
+
 def dequantize(w, dtype) -> jax.Array:
-    """A float array as `dtype`, or a BlockFP8 dequantised to `dtype`."""
-    return w.dequantize(dtype) if isinstance(w, BlockFP8) else jnp.asarray(w).astype(dtype)
+    """A float array as `dtype`, or a BlockFP8 / MXFP4Blocks dequantised to `dtype`."""
+    return w.dequantize(dtype) if is_quantized(w) else jnp.asarray(w).astype(dtype)
+
+
+def mxfp4_scale_shape(shape) -> tuple:
+    """Scale shape [..., R, C/32] of an MXFP4 weight of logical `shape` [..., R, C]."""
+    return tuple(shape[:-1]) + (shape[-1] // MXFP4_GROUP,)
+
+
+def mxfp4_packed_shape(shape) -> tuple:
+    """Packed shape [..., R, C/2] of an MXFP4 weight of logical `shape` [..., R, C]."""
+    return tuple(shape[:-1]) + (shape[-1] // 2,)
 
 
 def scale_grid(shape, block) -> tuple:

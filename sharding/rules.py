@@ -135,6 +135,7 @@ CACHE_AXES: tuple[tuple[str, tuple], ...] = (
     (r"cache/layers/(?:\d+/)+recurrent", (..., "batch", "heads", None, None)),     # [B, H, dk, dv]
     (r"cache/layers/(?:\d+/)+conv_(?:q|k|v)", (..., "batch", None, "heads")),      # [B, K-1, H*dk]
     (r"cache/(?:layers/(?:\d+/)+|mtp/)(?:c|k_pe)", (..., "batch", None, None)),     # [B, S, 512] / [B, S, 64]
+    (r"cache/(?:layers/(?:\d+/)+|mtp/)(?:c|k_pe)_scale", (..., "batch", None)),    # [B, S] FP8 cache scales
     (r"cache/lengths", ("batch",)),                                                # [B]
 )
 _CACHE = tuple((re.compile(p), a) for p, a in CACHE_AXES)

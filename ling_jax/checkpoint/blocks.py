@@ -5,7 +5,9 @@ shape (what `Sharding.devices_indices_map` gives), and only the bytes of that bl
 stacked experts `[E, out, in]` read just the experts in index[0], each as the sub-block of its
 `[out, in]` matrix; conv taps read rows of `[P, 1, K]`. A float parameter is dequantised as read
 (`CheckpointReader.get`); a parameter kept FP8 reads its raw float8 values and its scales in the
-layout of `ling_jax.quantized.BlockFP8` (`fp8_block`).
+layout of `ling_jax.quantized.BlockFP8` (`fp8_block`). Routed experts stored MXFP4 and kept so
+(`ling_jax.quantized.MXFP4Blocks`) read their raw codes and scale bytes, blocks over the packed
+`[E, out, in/2]` and scale `[E, out, in/32]` shapes (the checkpoint's per-expert layout, stacked).
 
 `reader` is a CheckpointReader, or anything with its `get(name, dtype, index)` (tests read
 in-memory dicts); the FP8 functions also need `get_raw`, `get_scale`, `info` and `block`.
@@ -113,18 +115,51 @@ def reader_fp8(reader, cfg: LingConfig) -> Callable:
     return stored
 
 
-def release_fp8(cfg: LingConfig) -> Callable:
-    """`stored_fp8` of a release checkpoint of `cfg` (what its headers would say), for shape planning
-    without a checkpoint; loading always asks the checkpoint itself (`reader_fp8`)."""
-    f8 = {n for n, dt, _ in release_tensors(cfg, "fp8") if dt == FP8}
+def release_fp8(cfg: LingConfig, fp8_layout: str | None = None) -> Callable:
+    """`stored_fp8` of a release checkpoint of `cfg` (what its headers would say; `fp8_layout` None: the
+    writer's default), for shape planning without a checkpoint; loading always asks the checkpoint
+    itself (`reader_fp8`)."""
+    f8 = {n for n, dt, _ in (release_tensors(cfg, "fp8") if fp8_layout is None
+                             else release_tensors(cfg, "fp8", fp8_layout=fp8_layout)) if dt == FP8}
     return lambda path: all(n in f8 for n in tensor_names(path, cfg))
 
 
+def read_mxfp4_codes(reader, path, cfg: LingConfig, index=None) -> np.ndarray:
+    """Block `index` (over [E, out, in/2]) of the packed E2M1 codes of routed experts kept MXFP4."""
+    e_sl, a_sl, b_sl = index if index is not None else (slice(None),) * 3
+    names = tensor_names(path, cfg)
+    return np.ascontiguousarray(np.stack([reader.get_mxfp4_codes(names[e], (a_sl, b_sl))
+                                          for e in range(len(names))[e_sl]]))
+
+
+def read_mxfp4_scales(reader, path, cfg: LingConfig, index=None) -> np.ndarray:
+    """Block `index` (over [E, out, in/32]) of the E8M0 scale bytes of routed experts kept MXFP4."""
+    e_sl, a_sl, b_sl = index if index is not None else (slice(None),) * 3
+    names = tensor_names(path, cfg)
+    return np.ascontiguousarray(np.stack([reader.get_mxfp4_scales(names[e], (a_sl, b_sl))
+                                          for e in range(len(names))[e_sl]]))
+
+
+def reader_mxfp4(reader, cfg: LingConfig) -> Callable:
+    """`stored_mxfp4(path)`: the parameter is routed experts all stored MXFP4 (U8 codes; the reader's
+    validation has checked the config declares them and the shapes)."""
+    def stored(path) -> bool:
+        names = tensor_names(path, cfg)
+        return is_expert_path(path) and all(n in reader and reader.is_mxfp4(n) for n in names)
+    return stored
+
+
+def release_mxfp4(cfg: LingConfig) -> Callable:
+    """`stored_mxfp4` of a checkpoint with MXFP4 routed experts (`quantize --experts mxfp4`), for
+    shape planning without a checkpoint."""
+    return lambda path: is_expert_path(path)
+
+
 def check_keep_fp8(reader) -> None:
-    """Keeping FP8 needs a checkpoint that stores some F8_E4M3 tensor."""
-    if not any(reader.info(n).dtype == FP8 for n in reader.names()):
-        raise ValueError(f"--keep-fp8: {reader.dir} stores no {FP8} tensor (nothing to keep; "
-                         f"load without --keep-fp8)")
+    """Keeping quantised weights needs a checkpoint that stores some F8_E4M3 or MXFP4 tensor."""
+    if not any(reader.info(n).dtype == FP8 or reader.is_mxfp4(n) for n in reader.names()):
+        raise ValueError(f"--keep-quantized: {reader.dir} stores no {FP8} or MXFP4 tensor (nothing to keep; "
+                         f"load without --keep-quantized / --keep-fp8)")
 
 
 def stored_itemsize(reader, path, cfg: LingConfig) -> int:

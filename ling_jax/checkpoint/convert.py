@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.checkpoint import orbax as O
-from ling_jax.checkpoint.blocks import reader_fp8
+from ling_jax.checkpoint.blocks import reader_fp8, reader_mxfp4
 from ling_jax.checkpoint.orbax_validate import data_file_inventory
 from ling_jax.loader import ParamSource, converted_entries, abstract_model, fill_params, open_validated
 from ling_jax.ops import as_dtype, default_dtype
@@ -36,8 +36,9 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
     """Convert an HF checkpoint directory into a converted directory `out` (see module doc).
 
     dtype: storage dtype of the parameters that are not kept FP8 (bfloat16 default, or float32).
-    keep_fp8: store every F8_E4M3-stored matrix as float8_e4m3fn values + float32 scales (the
-    metadata records each entry's dtype). The parameters are built sharded on `mesh` (default:
+    keep_fp8 (--keep-quantized): store every F8_E4M3-stored matrix as float8_e4m3fn values + float32
+    scales, and MXFP4-stored routed experts as their uint8 codes + uint8 E8M0 scales (the metadata
+    records each entry's dtype, which is how the loader tells them apart). The parameters are built sharded on `mesh` (default:
     `parse_mesh(None)`, every device on `expert`) and every process writes its own blocks. Returns the metadata dict.
     `_after_group(name)` is a test hook.
     """
@@ -58,7 +59,8 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
                 shutil.rmtree(tmp)
             os.makedirs(os.path.join(tmp, "params"))
         barrier("ling_jax_convert_start")
-        model = abstract_model(cfg, dtype, with_mtp, reader_fp8(reader, cfg) if keep_fp8 else None)
+        model = abstract_model(cfg, dtype, with_mtp, reader_fp8(reader, cfg) if keep_fp8 else None,
+                               reader_mxfp4(reader, cfg) if keep_fp8 else None)
         source = ParamSource(reader, cfg, mesh)
         groups: dict[str, list] = {}
         for path, var in nnx.to_flat_state(nnx.state(model)):  # only parameters: constants come from config.json

@@ -32,7 +32,7 @@ from ling_jax.config import ConfigError, LingConfig, read_json_file
 
 COMMIT_MARKER = "commit_success.txt"
 ORBAX_METADATA = "_METADATA"
-STORED_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
+STORED_DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "uint8")  # uint8: MXFP4 codes / E8M0 scales
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_]+$")
 
 

@@ -16,6 +16,13 @@ index's `metadata.total_size` disagreement only when no per-tensor problem expla
 tensor (`get`, `get_raw`) checks its values as they stream: no NaN/Inf (FP8 NaN bytes included)
 and block scales positive and finite (`check_values=False` skips this).
 
+MXFP4 routed experts (`ling_jax.checkpoint.mxfp4`) are recognised by BOTH the config
+(`quantization_config.routed_experts_quant_method: mxfp4`, group size 32) and the stored dtypes
+(U8 packed codes `weight [out, in/2]` + U8/F8_E8M0 `weight_scale_inv [out, in/32]`); one without the
+other is a problem naming the tensor. `get` decodes them exactly (float32) and refuses a NaN scale
+byte (0xFF); `get_mxfp4_codes` / `get_mxfp4_scales` return the raw bytes for the loader's
+`--keep-quantized`.
+
 Stored dtypes must be the ones the release layout stores for that tensor (`layout.TensorSpec.dtype`:
 BF16, F32 for A_log/dt_bias/expert_bias, BF16 or F32 conv taps; F8_E4M3 for a linear matrix with its
 F32/BF16 scale); a BF16 tensor relabelled F16 has the right size and would load as garbage.
@@ -27,6 +34,7 @@ import os
 import numpy as np
 
 from ling_jax.checkpoint import layout as L
+from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.bounds import check_claims
 from ling_jax.checkpoint.values import first_nonfinite, first_nonpositive
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, scale_grid_shape
@@ -96,6 +104,48 @@ class CheckpointReader:
     def file_of(self, name: str) -> str:
         return self.info(name).file
 
+    def is_mxfp4(self, name: str) -> bool:
+        """A routed expert weight stored as MXFP4 codes (U8; the config must declare it, see problems())."""
+        return L.is_routed_expert_weight(name) and self.info(name).dtype == MX.PACKED_DTYPE
+
+    def _mxfp4_pair(self, name: str):
+        """(codes info, scale info) of an MXFP4 expert after the header checks (one-line error)."""
+        t = self.info(name)
+        sn = L.scale_name(name)
+        st = self._where.get(sn)
+        if not self.config.routed_experts_mxfp4:
+            raise CheckpointError(self._undeclared(name))
+        probs = self._pair_problems(name, None)
+        if probs:
+            raise CheckpointError(probs[0])
+        return t, st
+
+    def _pair_problems(self, name: str, logical) -> list[str]:
+        """`mxfp4.mxfp4_problems` of an expert's (codes, scale) pair, each prefixed by its file."""
+        t, sn = self.info(name), L.scale_name(name)
+        st = self._where.get(sn)
+        return [f"{st.file if st is not None and p.startswith(sn + ':') else t.file}: {p}"
+                for p in MX.mxfp4_problems(name, t.shape, t.dtype, sn, st and st.shape, st and st.dtype, logical)]
+
+    def _undeclared(self, name: str) -> str:
+        return (f"{self.info(name).file}: routed expert {name!r} is stored {MX.PACKED_DTYPE} (MXFP4 codes) but "
+                f"{os.path.join(self.dir, 'config.json')} does not declare "
+                f"quantization_config.routed_experts_quant_method: mxfp4")
+
+    def get_mxfp4_codes(self, name: str, index=None) -> np.ndarray:
+        """Raw packed codes (uint8 [out, in/2], block `index` of them) of an MXFP4 expert."""
+        self._mxfp4_pair(name)
+        return self.get_raw(name, index)
+
+    def get_mxfp4_scales(self, name: str, index=None) -> np.ndarray:
+        """Raw E8M0 scale bytes (uint8 [out, in/32], block `index`) of an MXFP4 expert. NaN bytes
+        (0xFF) are refused naming the scale tensor, always: a NaN scale is a format error."""
+        _, st = self._mxfp4_pair(name)
+        sn = L.scale_name(name)
+        scales = np.ascontiguousarray(self._files[os.path.basename(st.file)].read(sn, index)).view(np.uint8)
+        MX.check_scale_bytes(scales, f"{st.file}: {sn}")
+        return scales
+
     def is_quantized(self, name: str) -> bool:
         """True iff stored FP8 E4M3 (then `weight_scale_inv` is required)."""
         return self.info(name).dtype == FP8
@@ -139,6 +189,8 @@ class CheckpointReader:
         `index` selects a sub-block (ints / slices / Ellipsis); only the selected bytes are read.
         """
         t = self.info(name)
+        if t.dtype == MX.PACKED_DTYPE and L.is_routed_expert_weight(name):
+            return self._get_mxfp4(name, dtype, index)
         if t.dtype != FP8:
             return self.get_raw(name, index).astype(dtype, copy=False)
         if len(t.shape) != 2:
@@ -154,15 +206,58 @@ class CheckpointReader:
         s = scale[np.ix_(np.atleast_1d(rows) // self.block[0], np.atleast_1d(cols) // self.block[1])]
         return (wq.astype(np.float32) * s.reshape(wq.shape)).astype(dtype, copy=False)
 
+    def _get_mxfp4(self, name: str, dtype, index) -> np.ndarray:
+        """Decoded block `index` (over the logical [out, in] shape) of an MXFP4 expert: whole groups of
+        32 inputs are read and decoded, then the block is cut out."""
+        t, _ = self._mxfp4_pair(name)
+        logical = (t.shape[0], 2 * t.shape[1])
+        r_sl, c_sl = _normalize_index(index, logical)
+        cols = range(logical[1])[c_sl] if isinstance(c_sl, slice) else range(c_sl, c_sl + 1)
+        if len(cols) == 0 or cols.step < 0:
+            return self.get(name, np.float32)[r_sl, c_sl].astype(dtype, copy=False)
+        g0, g1 = cols.start // MX.GROUP, cols[-1] // MX.GROUP + 1
+        packed = self.get_mxfp4_codes(name, (r_sl, slice(g0 * MX.GROUP // 2, g1 * MX.GROUP // 2)))
+        scales = self.get_mxfp4_scales(name, (r_sl, slice(g0, g1)))
+        x = MX.dequantize_mxfp4(packed, scales, name)
+        sub = x[..., slice(cols.start - g0 * MX.GROUP, cols[-1] - g0 * MX.GROUP + 1, cols.step)]
+        if not isinstance(c_sl, slice):
+            sub = sub[..., 0]
+        return sub.astype(dtype, copy=False)
+
     # ---- validation ---------------------------------------------------------------------------
+    def _mxfp4_problems(self, expected: dict) -> tuple[list[str], set]:
+        """Problems of the MXFP4 experts (config vs stored dtypes, shapes against the config) and the
+        names they cover (skipped by the generic checks)."""
+        out: list[str] = []
+        covered: set = set()
+        declared = self.config.routed_experts_mxfp4
+        cfg_file = os.path.join(self.dir, "config.json")
+        for name, t in self._where.items():
+            if not L.is_routed_expert_weight(name) or name not in expected:
+                continue
+            if t.dtype == MX.PACKED_DTYPE:
+                sn = L.scale_name(name)
+                covered |= {name, sn}
+                if not declared:
+                    out.append(self._undeclared(name))
+                    continue
+                out += self._pair_problems(name, expected[name].shape)
+            elif declared:
+                covered.add(name)
+                out.append(f"{t.file}: routed expert {name!r} is stored {t.dtype}, but {cfg_file} declares "
+                           f"MXFP4 routed experts (expected {MX.PACKED_DTYPE} codes)")
+        return out, covered
+
     def problems(self, include_mtp: bool = True) -> list[str]:
         """Every disagreement between the stored tensors and `expected_tensors(config)`."""
         cfg = self.config
         expected = L.expected_tensors(cfg, include_mtp=True)
         mtp_prefix = f"model.layers.{cfg.num_hidden_layers}." if cfg.has_mtp else None
-        out: list[str] = []
+        out, mx_covered = self._mxfp4_problems(expected)
         cfg_file = os.path.join(self.dir, "config.json")
         for name, t in self._where.items():
+            if name in mx_covered:
+                continue
             w = L.weight_of_scale(name)
             if w is not None and w in expected:
                 spec = expected[w]

@@ -115,11 +115,14 @@ def check_context_length(n_positions: int, cfg: LingConfig, allow_long: bool, wh
           f"is unvalidated", file=sys.stderr)
 
 
-def generate_cache_bytes(cfg: LingConfig, batch: int, max_len: int, dtype_bytes: int, with_mtp: bool) -> int:
+def generate_cache_bytes(cfg: LingConfig, batch: int, max_len: int, dtype_bytes: int, with_mtp: bool,
+                         kv_cache_dtype: str = "auto") -> int:
     """Bytes `ling_jax.generate` allocates for its cache (`model.init_cache`): the MLA latent + rope key
-    per position per MLA layer (MTP layer's too when speculating) in the model dtype, and per KDA layer
-    the float32 recurrent state and the conv states, times the batch."""
-    c = A.cache_bytes(cfg, cache_dtype_bytes=dtype_bytes, state_dtype_bytes=4, conv_dtype_bytes=dtype_bytes)
+    per position per MLA layer (MTP layer's too when speculating) in the model dtype (kv_cache_dtype
+    "fp8": 1 byte each + two float32 per-token scales), and per KDA layer the float32 recurrent state
+    and the conv states, times the batch."""
+    c = A.cache_bytes(cfg, cache_dtype_bytes=dtype_bytes, state_dtype_bytes=4, conv_dtype_bytes=dtype_bytes,
+                      kv_cache_dtype=kv_cache_dtype)
     per_token = c["mla_bytes_per_token_with_mtp" if with_mtp else "mla_bytes_per_token"]
     per_seq = c["kda_state_bytes_per_sequence"] + c["kda_conv_state_bytes_per_sequence"]
     return batch * (max_len * per_token + per_seq)

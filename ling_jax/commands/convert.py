@@ -1,6 +1,6 @@
 """`ling-jax convert`: HF release checkpoint → ling-jax Orbax checkpoint of the sharded parameters.
 
-    ling-jax convert --checkpoint DIR --out DIR2 [--keep-fp8] [--mesh SPEC] [--dtype bfloat16|float32]
+    ling-jax convert --checkpoint DIR --out DIR2 [--keep-quantized] [--mesh SPEC] [--dtype bfloat16|float32]
                      [--no-mtp] [--force] [--quiet] [--coordinator H:P --num-processes N --process-id I]
 
 The output holds one Orbax checkpoint per layer group plus copies of config.json / tokenizer files
@@ -17,8 +17,9 @@ def add_parser(sub):
                        description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="HF checkpoint directory (release layout)")
     p.add_argument("--out", required=True, metavar="DIR2", help="output directory (must not exist unless --force)")
-    p.add_argument("--keep-fp8", action="store_true",
-                   help="store every FP8-stored matrix as float8_e4m3fn + scales (dequantised inside the matmul)")
+    p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_fp8", action="store_true",
+                   help="store every FP8-stored matrix as float8_e4m3fn + scales and MXFP4 routed experts as "
+                        "packed codes + E8M0 scales (dequantised inside the matmul; --keep-fp8: the old name)")
     p.add_argument("--mesh", default=None, metavar="SPEC",
                    help="mesh the parameters are built on while converting, e.g. expert=8 (default: all "
                         "devices on expert); the result can be restored onto any mesh")
@@ -51,6 +52,6 @@ def run(args) -> int:
                    with_mtp=not args.no_mtp, overwrite=args.force, progress=not args.quiet and sys.stderr.isatty())
     n = len(meta["params"])
     primary_print(f"converted {args.checkpoint} -> {args.out}: {n} parameters in {len(meta['groups'])} groups, "
-                  f"dtype {meta['dtype']}{', FP8 matrices kept FP8' if meta['keep_fp8'] else ''}, "
+                  f"dtype {meta['dtype']}{', quantised weights kept as stored' if meta['keep_fp8'] else ''}, "
                   f"mesh {meta['mesh']}, {meta['seconds']:.1f}s")
     return 0

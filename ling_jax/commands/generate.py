@@ -27,10 +27,14 @@ def add_parser(sub):
     p.add_argument("--stop-ids", default=None, help="comma-separated stop token ids (default: EOS ids)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
-    p.add_argument("--keep-fp8", action="store_true",
-                   help="keep FP8-stored matrices as float8 + block scales on device, dequantised inside the "
-                        "matmul (the Pallas FP8 kernel with --impl pallas)")
+    p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_fp8", action="store_true",
+                   help="keep quantised weights on device as stored: FP8 matrices as float8 + block scales (the Pallas FP8 "
+                        "kernel with --impl pallas), MXFP4 routed experts as packed codes + E8M0 scales; each is "
+                        "dequantised inside its matmul (--keep-fp8: the old name)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="MLA latent cache storage: auto (the model dtype) or fp8 (float8_e4m3fn + a float32 scale "
+                        "per token: half the bytes of bfloat16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_long_context_flag(p)
     add_value_check_flag(p)
@@ -82,8 +86,9 @@ def run(args) -> int:
     check_ids(ids, cfg, "--prompt" if args.prompt is not None else "--input-ids")
     total = len(ids) + args.max_new_tokens
     dtype_bytes = 4 if (args.dtype or _default_dtype()) == "float32" else 2
+    kv = args.kv_cache_dtype
     need = generate_cache_bytes(cfg, 1, cache_length(len(ids), args.max_new_tokens, args.speculative),
-                                dtype_bytes, args.speculative > 0)  # what generate() allocates
+                                dtype_bytes, args.speculative > 0, kv)  # what generate() allocates
     check_cache_fits(need, f"--max-new-tokens {args.max_new_tokens}")  # before anything is allocated
     check_context_length(total, cfg, args.allow_long_context, "--max-new-tokens")
     apply_value_check_flag(args)
@@ -100,7 +105,7 @@ def run(args) -> int:
     if not args.json and tok is not None:
         stream = _Printer(tok)
     res = generate(model, [ids], args.max_new_tokens, sampling=sampling, speculative=args.speculative,
-                   stop_ids=stop, stream=stream,
+                   stop_ids=stop, stream=stream, kv_cache_dtype=kv,
                    exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
     new = res.tokens[0]
     if args.json:

@@ -28,9 +28,10 @@ def add_parser(sub):
                    help="compute dtype (default float32 on CPU, bfloat16 on accelerators)")
     p.add_argument("--mtp", action="store_true", help="also write the MTP layer's logits")
     p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
-    p.add_argument("--keep-fp8", action="store_true",
-                   help="keep FP8-stored matrices as float8 + block scales on device, dequantised inside the "
-                        "matmul (the Pallas FP8 kernel with --impl pallas)")
+    p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_fp8", action="store_true",
+                   help="keep quantised weights on device as stored: FP8 matrices as float8 + block scales (the Pallas FP8 "
+                        "kernel with --impl pallas), MXFP4 routed experts as packed codes + E8M0 scales; each is "
+                        "dequantised inside its matmul (--keep-fp8: the old name)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2 (or a converted Orbax dir's mesh)")
     add_long_context_flag(p)
     add_value_check_flag(p)

@@ -25,9 +25,16 @@ Cache: the MLA latent cache (BF16, kv_lora_rank + qk_rope_head_dim = 576 values 
 layer, MTP layer included unless --no-mtp) has a single KV head, so each device of a model replica
 keeps all of it; the KDA recurrent state (FP32 [heads, 128, 128] per KDA layer) and the BF16 conv
 state (3 x width x (kernel-1) per KDA layer) split by head/channel over the `model` axis.
-With --device-memory, `tokens_fit` = floor((memory - weights - reserve - sequences x KDA state and
-conv state) / MLA bytes per token) per device (= per model replica; `tokens_fit_mesh` multiplies
-by the data axis).
+--kv-cache-dtype fp8: the MLA cache as float8 + two float32 scales per token (584 B per layer).
+
+Three per-device weight figures: "per device" (the stored bytes placed by the loader's rules: what
+`tokens_fit` uses), "even split" (total / devices, every tensor split evenly: the seed article's
+arithmetic, 291.64 / 4 = 72.91 GiB) and "resident" (the bytes of the device arrays the loaded model
+holds with --keep-quantized in bfloat16: routers float32, FP8 expert scales expanded per element;
+`accounting.resident_bytes_per_device`). With --device-memory, `tokens_fit` = floor((memory -
+weights - reserve - sequences x KDA state and conv state) / MLA bytes per token) per device (= per
+model replica; `tokens_fit_mesh` multiplies by the data axis); the even-split line repeats it with
+the seed's arithmetic (weights and KDA state divided by the device count).
 """
 from __future__ import annotations
 
@@ -59,6 +66,9 @@ def add_parser(subparsers):
     p.add_argument("--fp8-layout", metavar="A|B", default=A.RELEASE_FP8_LAYOUT,
                    help="which MLA matrix the release keeps BF16: A = kv_a_proj_with_mqa (reproduces the "
                         "published byte total; default), B = head-wise g_proj (make-checkpoint's default)")
+    p.add_argument("--kv-cache-dtype", metavar="bf16|fp8", default="bf16",
+                   help="MLA latent cache storage: bf16 (default) or fp8 (1 byte per value + a float32 scale per "
+                        "token for the latent and one for the rope key: 584 instead of 1,152 B per token per layer)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
@@ -90,9 +100,12 @@ def plan_from_args(args) -> dict:
             raise ValueError
     except ValueError:
         raise ValueError(f"--sequences must be a non-negative integer, got {args.sequences!r}") from None
+    kv = str(args.kv_cache_dtype).lower()
+    if kv not in ("bf16", "fp8"):
+        raise ValueError(f"unknown --kv-cache-dtype {args.kv_cache_dtype!r} (expected bf16 or fp8)")
     cfg = LingConfig.from_json(args.config)
     return A.plan(cfg, fmt, mesh, mem, include_mtp=not args.no_mtp, reserve_gib=reserve, sequences=seqs,
-                  fp8_layout=layout)
+                  fp8_layout=layout, kv_cache_dtype=kv)
 
 
 def format_text(r: dict) -> str:
@@ -105,8 +118,12 @@ def format_text(r: dict) -> str:
         f"weight bytes   {r['weight_bytes']:,} ({r['weight_gib']:.2f} GiB)",
         f"mesh           {mesh} ({r['devices']} devices)",
         f"per device     {r['weight_bytes_per_device']:,} ({r['weight_gib_per_device']:.2f} GiB; routed experts "
-        f"{b(r['routed_expert_bytes_per_device'])})",
-        f"MLA cache      {r['mla_cache_bytes_per_token']:,} B/token ({r['mla_cache_bytes_per_token_main']:,} main "
+        f"{b(r['routed_expert_bytes_per_device'])}; placed by the loader's rules)",
+        f"even split     {r['even_split_bytes_per_device']:,} ({r['even_split_gib_per_device']:.2f} GiB = total / "
+        f"{r['devices']} devices, every tensor split evenly: the seed article's arithmetic)",
+        f"resident       {r['resident_bytes_per_device']:,} ({r['resident_gib_per_device']:.2f} GiB: the device arrays "
+        f"of the loaded model, bfloat16, quantised weights kept; routers float32)",
+        f"MLA cache      {r['kv_cache_dtype']}, {r['mla_cache_bytes_per_token']:,} B/token ({r['mla_cache_bytes_per_token_main']:,} main "
         f"layers + {r['mla_cache_bytes_per_token_mtp']:,} MTP), full copy on every device of a replica",
         f"KDA state      {r['kda_state_bytes_per_sequence']:,} B/sequence ({b(r['kda_state_bytes_per_sequence'])}; "
         f"{b(r['kda_state_bytes_per_sequence_per_device'])} per device)",
@@ -119,6 +136,8 @@ def format_text(r: dict) -> str:
             f"free after weights {b(r['free_bytes_per_device'])}",
             f"tokens fit     {r['tokens_fit']:,} tokens of MLA cache per replica with {r['sequences']} sequence(s) "
             f"of KDA state" + ("" if r["fits"] else "  -- DOES NOT FIT"),
+            f"even split     free after weights {b(r['even_split_free_bytes_per_device'])}, "
+            f"{r['even_split_tokens_fit']:,} tokens of MLA cache (KDA state split evenly too)",
         ]
     return "\n".join(lines)
 
