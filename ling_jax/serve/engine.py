@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 from typing import Callable, Iterator, Optional, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -151,6 +152,10 @@ class Engine:
         self.exec = exec or model.exec
         self.graphdef, self.params = nnx.split(model)
         self.pools = init_pools(cfg, self.sizes, model.dtype)
+        # The step programs return pools placed like the parameters (a loaded model lives on a mesh,
+        # one device by default); placing the fresh pools the same way up front keeps the first call of
+        # each shape and every later call on one compiled program.
+        self.pools = jax.device_put(self.pools, _replicated_like(self.params))
         self.alloc = PageAllocator(self.sizes)
         self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows)
         self._prefill, self._decode = make_step_fns(self.graphdef, self.exec)
@@ -170,6 +175,13 @@ class Engine:
     def warmup(self) -> None:
         """Compile every step shape now, on padding rows that change no state."""
         S, R = self.sizes.max_slots, self.prefill_rows
+        # twice: the second round feeds each program pools that a step produced, so the dispatch cache
+        # also holds the steady-state argument placement (the first round compiles; the second only
+        # records that signature, no compilation)
+        for _ in range(2):
+            self._warmup_round(S, R)
+
+    def _warmup_round(self, S: int, R: int) -> None:
         for w in self.widths:
             self.pools, _ = self._decode(self.params, self.pools, self._inputs(
                 np.arange(S), np.zeros((S, 1), np.int32), np.zeros(S, np.int32), [None] * S, w))
@@ -319,3 +331,13 @@ class Engine:
             "preemptions": self.sched.preemptions,
             "steps": self.steps,
         }
+
+
+def _replicated_like(params):
+    """The sharding the pools get: replicated over the parameters' mesh when they are on one (a
+    NamedSharding), else the parameters' single device."""
+    leaf = jax.tree.leaves(params)[0]
+    sh = leaf.sharding
+    if isinstance(sh, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+    return sh
