@@ -48,3 +48,18 @@ def tiny_params(tiny_cfg):
 @pytest.fixture(scope="session")
 def tiny_model(tiny_cfg, tiny_params):
     return load_from_dict(tiny_cfg, tiny_params)
+
+
+def mla_layer_pages(pools, cfg):
+    """(layer index, c_pages, kpe_pages) of every main MLA layer of the engine's stacked pools (the
+    paged twin of `model.layer_cache`)."""
+    from ling_jax.config import KDA
+    from ling_jax.layer_stack import layer_plan
+    for b_i, block in enumerate(layer_plan(cfg)):
+        for r, run in enumerate(block.runs):
+            if run.attn == KDA:
+                continue
+            pc = pools.layers[b_i][r]
+            for g, row in enumerate(block.layer_grid(r)):
+                for i, layer in enumerate(row):
+                    yield layer, pc.c_pages[g, i], pc.kpe_pages[g, i]

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import rel_err
+from conftest import mla_layer_pages, rel_err
 from ling_jax.config import KDA
 from ling_jax.generate import generate, prefill
-from ling_jax.layer_stack import layer_plan
 from ling_jax.mla import paged_gather
 from ling_jax.model import init_cache, layer_cache
 from ling_jax.sampling import SamplingParams
@@ -201,18 +200,12 @@ def test_engine_pages_equal_contiguous_prefill(engine, tiny_model, tiny_cfg):
                              sampling=SamplingParams(), with_mtp=True, fresh=True)
     n = len(fed)
     checked = 0
-    for b_i, block in enumerate(layer_plan(cfg)):
-        for r, run in enumerate(block.runs):
-            if run.attn == KDA:
-                continue
-            for g, row in enumerate(block.layer_grid(r)):
-                for i, layer in enumerate(row):
-                    ref = layer_cache(cache, cfg, layer)
-                    pc = engine.pools.layers[b_i][r]
-                    # not bit-equal: the engine fed 32 + 13 chunked, then 5 recurrent decode steps
-                    assert rel_err(paged_gather(pc.c_pages[g, i], bt)[0, :n], ref.c[0, :n]) < 1e-5
-                    assert rel_err(paged_gather(pc.kpe_pages[g, i], bt)[0, :n], ref.k_pe[0, :n]) < 1e-5
-                    checked += 1
+    for layer, c_pages, kpe_pages in mla_layer_pages(engine.pools, cfg):
+        ref = layer_cache(cache, cfg, layer)
+        # not bit-equal: the engine fed 32 + 13 chunked, then 5 recurrent decode steps
+        assert rel_err(paged_gather(c_pages, bt)[0, :n], ref.c[0, :n]) < 1e-5
+        assert rel_err(paged_gather(kpe_pages, bt)[0, :n], ref.k_pe[0, :n]) < 1e-5
+        checked += 1
     assert checked == sum(t != KDA for t in cfg.layer_types)
     m = n - 1  # MTP slot t pairs token t+1 with hidden t: n fed tokens complete n-1 slots
     assert rel_err(paged_gather(engine.pools.mtp.c_pages, bt)[0, :m], cache.mtp.c[0, :m]) < 1e-5

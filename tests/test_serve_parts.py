@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ling_jax.config import KDA
-from ling_jax.layer_stack import layer_plan
+from conftest import mla_layer_pages
 from ling_jax.mla import paged_gather
 from ling_jax.model import init_cache, layer_cache
 from ling_jax.sampling import (SamplingParams, processed_logits, processed_logits_rows, request_keys, sample,
@@ -49,27 +48,19 @@ def test_paged_mla_equals_contiguous_cache(tiny_model, tiny_cfg):
     for b in range(2):  # padded logits of row 1 are not compared
         np.testing.assert_allclose(np.asarray(m2)[b, :n2[b]], np.asarray(l2)[b, :n2[b]], atol=1e-5, rtol=1e-5)
     lengths = 13 + n2
-    for b_i, block in enumerate(layer_plan(cfg)):
-        for r, run in enumerate(block.runs):
-            if run.attn == KDA:
-                continue
-            for g, row in enumerate(block.layer_grid(r)):
-                for i, layer in enumerate(row):
-                    ref = layer_cache(cache, cfg, layer)
-                    pc = pools.layers[b_i][r]
-                    got_c = np.asarray(paged_gather(pc.c_pages[g, i], jnp.asarray(pages)))
-                    got_k = np.asarray(paged_gather(pc.kpe_pages[g, i], jnp.asarray(pages)))
-                    for b in range(2):
-                        np.testing.assert_allclose(got_c[b, :lengths[b]], np.asarray(ref.c)[b, :lengths[b]],
-                                                   atol=1e-6)
-                        np.testing.assert_allclose(got_k[b, :lengths[b]], np.asarray(ref.k_pe)[b, :lengths[b]],
-                                                   atol=1e-6)
-                    c_pages = np.asarray(pc.c_pages[g, i])
-                    used = set(pages.ravel().tolist())
-                    assert not c_pages[[p for p in range(NP) if p not in used]].any()
-                    # row 1 holds 17 tokens: its block 4 (page 8) has one token, block 5 (page 4) none
-                    assert c_pages[8, 0].any() and not c_pages[8, 1:].any() and not c_pages[4].any()
-                    assert np.abs(c_pages[0]).sum() > 0 and not c_pages[0, 3:].any()  # row 0: 19 = 4·4 + 3
+    for layer, c_pg, kpe_pg in mla_layer_pages(pools, cfg):
+        ref = layer_cache(cache, cfg, layer)
+        got_c = np.asarray(paged_gather(c_pg, jnp.asarray(pages)))
+        got_k = np.asarray(paged_gather(kpe_pg, jnp.asarray(pages)))
+        for b in range(2):
+            np.testing.assert_allclose(got_c[b, :lengths[b]], np.asarray(ref.c)[b, :lengths[b]], atol=1e-6)
+            np.testing.assert_allclose(got_k[b, :lengths[b]], np.asarray(ref.k_pe)[b, :lengths[b]], atol=1e-6)
+        c_pages = np.asarray(c_pg)
+        used = set(pages.ravel().tolist())
+        assert not c_pages[[p for p in range(NP) if p not in used]].any()
+        # row 1 holds 17 tokens: its block 4 (page 8) has one token, block 5 (page 4) none
+        assert c_pages[8, 0].any() and not c_pages[8, 1:].any() and not c_pages[4].any()
+        assert np.abs(c_pages[0]).sum() > 0 and not c_pages[0, 3:].any()  # row 0: 19 = 4·4 + 3
 
 
 def test_sample_rows_equals_sample():

@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 import sys
 
-from ling_jax.commands.common import (add_long_context_flag, add_value_check_flag, apply_value_check_flag,
-                                      check_cache_fits, check_context_length, check_ids, checkpoint_config,
-                                      generate_cache_bytes, non_negative_float, non_negative_int, parse_ids,
-                                      positive_int)
+from ling_jax.commands.common import (add_kernel_flags, add_long_context_flag, add_value_check_flag,
+                                      apply_value_check_flag, check_cache_fits, check_context_length, check_ids,
+                                      checkpoint_config, generate_cache_bytes, non_negative_float, non_negative_int,
+                                      parse_ids, positive_int)
 
 
 def add_parser(sub):
@@ -26,11 +26,7 @@ def add_parser(sub):
     p.add_argument("--speculative", type=int, default=0, metavar="K", help="MTP drafts per step (1..3)")
     p.add_argument("--stop-ids", default=None, help="comma-separated stop token ids (default: EOS ids)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
-    p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_fp8", action="store_true",
-                   help="keep quantised weights on device as stored: FP8 matrices as float8 + block scales (the Pallas FP8 "
-                        "kernel with --impl pallas), MXFP4 routed experts as packed codes + E8M0 scales; each is "
-                        "dequantised inside its matmul (--keep-fp8: the old name)")
+    add_kernel_flags(p)
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                    help="MLA latent cache storage: auto (the model dtype) or fp8 (float8_e4m3fn + a float32 scale "

@@ -12,9 +12,9 @@ import os
 import numpy as np
 
 from ling_jax.checkpoint.atomic import clean_stale_temps, temp_path
-from ling_jax.commands.common import (add_long_context_flag, add_value_check_flag, apply_value_check_flag,
-                                      check_context_length, check_ids, check_output_path, checkpoint_config,
-                                      parse_ids)
+from ling_jax.commands.common import (add_kernel_flags, add_long_context_flag, add_value_check_flag,
+                                      apply_value_check_flag, check_context_length, check_ids, check_output_path,
+                                      checkpoint_config, parse_ids)
 
 __all__ = ["parse_ids", "write_npz_atomic", "add_parser", "run"]
 
@@ -27,11 +27,7 @@ def add_parser(sub):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute dtype (default float32 on CPU, bfloat16 on accelerators)")
     p.add_argument("--mtp", action="store_true", help="also write the MTP layer's logits")
-    p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
-    p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_fp8", action="store_true",
-                   help="keep quantised weights on device as stored: FP8 matrices as float8 + block scales (the Pallas FP8 "
-                        "kernel with --impl pallas), MXFP4 routed experts as packed codes + E8M0 scales; each is "
-                        "dequantised inside its matmul (--keep-fp8: the old name)")
+    add_kernel_flags(p)
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2 (or a converted Orbax dir's mesh)")
     add_long_context_flag(p)
     add_value_check_flag(p)
