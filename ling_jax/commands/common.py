@@ -235,5 +235,5 @@ def add_kernel_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
     p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_fp8", action="store_true",
                    help="keep quantised weights on device as stored: FP8 matrices as float8 + block scales "
-                        "(the Pallas FP8 kernel with --impl pallas), MXFP4 routed experts as packed codes + E8M0 scales; each is "
-                        "dequantised inside its matmul (--keep-fp8: the old name)")
+                        "(the Pallas FP8 kernel with --impl pallas), MXFP4 routed experts as packed codes + E8M0 "
+                        "scales; each is dequantised inside its matmul (--keep-fp8: the old name)")
