@@ -168,8 +168,10 @@ def plan_engine_memory(args, model, budget: Optional[tuple[int, str]] = None) ->
     return {"num_pages": int(pages), "max_seq_len": seq_default}, line
 
 
-def _optional_keywords(args) -> dict:
-    """The other helpers' Engine keywords, only where a flag sets a non-default value."""
+def optional_engine_keywords(args, engine_cls=Engine) -> dict:
+    """The Engine keywords of the prefix-cache / speculative flags, only where a flag sets a
+    non-default value (so an engine without them runs every default); a flag whose keyword
+    `engine_cls` does not take is refused by name."""
     asked = {}
     if args.no_prefix_cache:
         asked["prefix_cache"] = ("--no-prefix-cache", False)
@@ -177,7 +179,7 @@ def _optional_keywords(args) -> dict:
         asked["prefix_cache_memory_gib"] = ("--prefix-cache-memory", args.prefix_cache_memory)
     if args.speculative:
         asked["speculative"] = ("--speculative", args.speculative)
-    known = inspect.signature(Engine).parameters
+    known = inspect.signature(engine_cls).parameters
     for kw, (flag, _) in asked.items():
         if kw not in known:
             raise ArgumentValueError(f"{flag}: this build's serving engine has no {kw!r} option yet")
@@ -191,7 +193,7 @@ def engine_from_args(args, model, report=sys.stderr, budget: Optional[tuple[int,
     check_engine_args(args, model)
     memory, line = plan_engine_memory(args, model, budget)
     engine = Engine(model, max_slots=args.max_slots, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
-                    **memory, **_optional_keywords(args))
+                    **memory, **optional_engine_keywords(args))
     primary = jax.process_index() == 0
     if primary and report is not None:
         print(line, file=report)
