@@ -20,6 +20,8 @@ import sys
 import time
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 import sharding as S
 from ling_jax.commands.common import (ArgumentValueError, add_value_check_flag, apply_value_check_flag,
@@ -132,9 +134,17 @@ def run(args) -> int:
     cfg = checkpoint_config(args.checkpoint)
     S.init_from_args(args)  # multi-host: before anything touches the devices
     tok = requests = None
+    refused = None
     if S.is_primary():  # only process 0 needs (and may have) the requests file; checked before loading
         tok = Tokenizer.from_dir(args.checkpoint)
-        requests = parse_requests(_read_lines(args.requests), cfg, tok, args.max_new_tokens)
+        try:
+            requests = parse_requests(_read_lines(args.requests), cfg, tok, args.max_new_tokens)
+        except (ValueError, OSError) as e:
+            refused = e
+    if _agreed_failure(refused is not None):  # the other processes stop too instead of waiting for process 0
+        if refused is not None:
+            raise refused
+        raise ArgumentValueError("--requests: process 0 refused the request file (its error says why)")
     apply_value_check_flag(args)
     with _CompileCounter() as start:
         model, _ = load_for_args(args, with_mtp=args.speculative > 0)
@@ -143,7 +153,7 @@ def run(args) -> int:
         engine.follow()
         S.barrier("batch_done")
         return 0
-    try:
+    try:  # whatever happens here, the followers are released and everyone meets at the barrier
         handles = []
         for n, (ids, params) in enumerate(requests, 1):
             try:
@@ -156,6 +166,7 @@ def run(args) -> int:
         elapsed = time.perf_counter() - t
     finally:
         engine.shutdown()
+        S.barrier("batch_done")
     rows = []
     for i, h in enumerate(handles):
         row = {"index": i, "token_ids": h.generated, "finish_reason": h.finish_reason}
@@ -174,5 +185,11 @@ def run(args) -> int:
           f"{st['preemptions']} preemptions; processes={jax.process_count()} devices={jax.device_count()}; "
           f"start-up compiles: {start.built} (+{start.cache_hits} from the persistent compilation cache); "
           f"compiles while serving: {serving.built}", file=sys.stderr, flush=True)
-    S.barrier("batch_done")
     return 0
+
+
+def _agreed_failure(failed_here: bool) -> bool:
+    """Process 0's verdict, known to every process (multi-host; single-process: its own)."""
+    if jax.process_count() == 1:
+        return failed_here
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(failed_here)))

@@ -34,7 +34,9 @@ import time
 from typing import Optional
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from ling_jax.accounting import fmt_bytes
 from ling_jax.commands.common import ArgumentValueError, finite_float, positive_int
@@ -104,6 +106,22 @@ def _device_free_bytes() -> tuple[str, Optional[int]]:
     return devs[0].platform, min(free)
 
 
+def local_default_budget(model) -> tuple[int, str]:
+    """default_cache_budget for this process's devices and host."""
+    platform, free = _device_free_bytes()
+    return default_cache_budget(platform, free, _host_bytes(), _param_bytes(model))
+
+
+def agreed_default_budget(model) -> tuple[int, str]:
+    """The default budget every process of a multi-host run uses: the smallest of theirs (each
+    process must build the same pools, and the tightest device bounds them all)."""
+    budget, how = local_default_budget(model)
+    if jax.process_count() == 1:
+        return budget, how
+    kib = multihost_utils.process_allgather(np.int32(min(budget // 1024, 2 ** 31 - 1)))  # int32: x64 is off
+    return int(np.min(kib)) * 1024, f"{how}, the smallest of {jax.process_count()} processes"
+
+
 def _host_bytes() -> Optional[int]:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -144,10 +162,7 @@ def plan_engine_memory(args, model, budget: Optional[tuple[int, str]] = None) ->
     if args.cache_memory is not None:
         total, how = int(args.cache_memory * GIB), f"--cache-memory {args.cache_memory:g} GiB"
     else:
-        if budget is None:
-            platform, free = _device_free_bytes()
-            budget = default_cache_budget(platform, free, _host_bytes(), _param_bytes(model))
-        total, how = budget
+        total, how = agreed_default_budget(model) if budget is None else budget
         how = f"default: {how}"
     pages = (total - slots * slot) // page
     if pages < 1:

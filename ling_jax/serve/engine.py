@@ -16,6 +16,9 @@ width); the prefill program one per token bucket ([prefill_rows, T], T in `bucke
 two up to `prefill_chunk`). `warmup()`
 runs each once on padding rows (which change nothing), so afterwards no request of any length
 within `max_seq_len` compiles anything (`compiled_shapes()` counts them).
+
+Multi-host (`serve/multihost.py`): every process builds the same Engine; process 0 drives it as
+above and broadcasts each program call; processes > 0 call `follow()` until process 0's `shutdown()`.
 """
 from __future__ import annotations
 
