@@ -43,43 +43,51 @@ def _engine_tokens(model, requests):
     return [h.generated for h in hs]
 
 
+def _batch_on_two_processes(args, timeout, meanwhile=None):
+    """`ling-jax batch ARGS` as processes 0 and 1 of a 2 x 4-CPU-device run on a loopback
+    coordinator; returns ([(returncode, stdout, stderr)] per process, meanwhile()'s result)."""
+    port = free_port()
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                   JAX_PROCESS_ID=str(pid), XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+        procs.append(subprocess.Popen([sys.executable, "-m", "ling_jax.cli", "batch", *args], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        extra = meanwhile() if meanwhile is not None else None
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, o, e) for p, (o, e) in zip(procs, outs)], extra
+
+
 @pytest.mark.slow
 def test_two_processes_serve_the_same_tokens_as_one(tmp_path):
     ckpt = tmp_path / "ckpt"
     write_small(ckpt, seed=21)
     requests = _requests()
     (tmp_path / "reqs.jsonl").write_text("\n".join(json.dumps(r) for r in requests) + "\n")
-    port = free_port()
-    cmd = [sys.executable, "-m", "ling_jax.cli", "batch", "--checkpoint", str(ckpt), "--requests",
-           str(tmp_path / "reqs.jsonl"), "--out", str(tmp_path / "out.jsonl"), "--dtype", "float32",
-           "--mesh", "expert=4,model=2", "--max-slots", "4", "--page-size", "8", "--prefill-chunk", "8",
-           "--max-seq-len", "64"]
-    procs = []
-    for pid in range(2):
-        env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                   JAX_PROCESS_ID=str(pid), XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                   JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outs = []
-    try:
-        # the references, computed while the two processes run: one device, and 8 devices in one process
+
+    def references():  # computed while the two processes run: one device, and 8 devices in one process
         model = load_model(str(ckpt), "float32", with_mtp=False, progress=False)
-        one_device = _engine_tokens(model, requests)
         meshed = load_model(str(ckpt), "float32", mesh=S.parse_mesh("expert=4,model=2"), with_mtp=False,
                             progress=False)
-        eight_devices = _engine_tokens(meshed, requests)
-        for p in procs:
-            outs.append(p.communicate(timeout=400))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (o, e) in zip(procs, outs):
-        assert p.returncode == 0, e[-4000:]
+        return _engine_tokens(model, requests), _engine_tokens(meshed, requests)
+
+    results, (one_device, eight_devices) = _batch_on_two_processes(
+        ["--checkpoint", str(ckpt), "--requests", str(tmp_path / "reqs.jsonl"), "--out", str(tmp_path / "out.jsonl"),
+         "--dtype", "float32", "--mesh", "expert=4,model=2", "--max-slots", "4", "--page-size", "8",
+         "--prefill-chunk", "8", "--max-seq-len", "64"], timeout=400, meanwhile=references)
+    for rc, _, e in results:
+        assert rc == 0, e[-4000:]
+    outs = [(o, e) for _, o, e in results]
     lead_err = outs[0][1]
     assert "processes=2 devices=8" in lead_err and "compiles while serving: 0" in lead_err, lead_err[-2000:]
+    assert "the smallest of 2 processes" in lead_err  # the default pool size, agreed by both
     assert "cache pools" in lead_err  # the start-up report, from process 0 only
     # process 1 prints nothing of ours (the Gloo transport's connection messages, which may arrive
     # split across lines, are not ours)
@@ -91,6 +99,20 @@ def test_two_processes_serve_the_same_tokens_as_one(tmp_path):
     assert all(1 <= len(t) <= r["max_tokens"] for t, r in zip(multi, requests))
     assert multi == one_device
     assert eight_devices == one_device
+
+
+def test_a_refused_request_file_stops_both_processes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    write_small(ckpt, seed=21)
+    (tmp_path / "reqs.jsonl").write_text('{"input_ids": [1, 2]}\n{"input_ids": [1], "temp": 0.5}\n')
+    results, _ = _batch_on_two_processes(["--checkpoint", str(ckpt), "--requests", str(tmp_path / "reqs.jsonl")],
+                                         timeout=120)
+    (rc0, _, e0), (rc1, _, e1) = results
+    assert rc0 == 2 and e0.strip().splitlines()[-1] == ("error: --requests line 2: unknown field 'temp' (fields: "
+                                                        "input_ids, prompt, max_tokens, temperature, top_k, top_p, "
+                                                        "seed, stop_ids)"), e0[-2000:]
+    assert rc1 == 2 and e1.strip().splitlines()[-1] == ("error: --requests: process 0 refused the request file "
+                                                        "(its error says why)"), e1[-2000:]
 
 
 # ---- the message and the single-process API ------------------------------------------------------
