@@ -39,6 +39,8 @@ def test_defaults():
     (["--prefix-cache-memory", "-1"], "argument --prefix-cache-memory: expected a size in GiB > 0"),
     (["--max-seq-len", "1.5"], "argument --max-seq-len: expected a positive integer"),
     (["--speculative", "two"], "argument --speculative: invalid int value"),
+    (["--speculative", "5"], "error: --speculative: expected 0..3 MTP draft tokens, got 5"),
+    (["--no-prefix-cache", "--prefix-cache-memory", "1"], "error: --prefix-cache-memory and --no-prefix-cache"),
 ])
 def test_bad_values_refused_by_name(argv, message, capsys, tmp_path):
     rc = main(["batch", "--checkpoint", str(tmp_path), "--requests", "-", *argv])
@@ -152,5 +154,9 @@ def test_request_file_checks(tiny_cfg):
             ('{"input_ids": [1], "stop_ids": 3}', "line 1: stop_ids must be a list of integers")):
         with pytest.raises(ArgumentValueError, match=f"--requests {message}"):
             parse_requests([line], tiny_cfg, None, 5)
+    tok = types.SimpleNamespace(encode=lambda text, add_special_tokens: [len(text), 1] if add_special_tokens else [])
+    assert parse_requests(['{"prompt": "abc"}'], tiny_cfg, tok, 5)[0][0] == [3, 1]
+    with pytest.raises(ArgumentValueError, match="line 1: prompt must be a string"):
+        parse_requests(['{"prompt": 3}'], tiny_cfg, tok, 5)
     with pytest.raises(ArgumentValueError, match="--requests: no requests"):
         parse_requests(["", " "], tiny_cfg, None, 5)

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 import sharding as S
 from ling_jax.commands.common import (ArgumentValueError, add_value_check_flag, apply_value_check_flag,
                                       check_ids, checkpoint_config, load_for_args, positive_int)
-from ling_jax.commands.engine_args import add_engine_flags, engine_from_args
+from ling_jax.commands.engine_args import add_engine_flags, check_engine_flags, engine_from_args
 from ling_jax.serve import RequestParams
 from ling_jax.tokenizer import Tokenizer
 
@@ -131,6 +131,7 @@ def _read_lines(path: str) -> list:
 
 
 def run(args) -> int:
+    check_engine_flags(args)
     cfg = checkpoint_config(args.checkpoint)
     S.init_from_args(args)  # multi-host: before anything touches the devices
     tok = requests = None

@@ -134,15 +134,22 @@ def _param_bytes(model) -> int:
 
 
 # ---- the engine -------------------------------------------------------------------------------
-def check_engine_args(args, model) -> None:
-    """Refusals of flag values and combinations that argparse types cannot see (naming the flag)."""
+def check_engine_flags(args) -> None:
+    """Refusals that need no model (call it before loading one): --speculative's range, flags that
+    contradict each other, flags this build's Engine cannot take."""
     k = args.speculative
     if not 0 <= k <= MAX_SPECULATIVE:
         raise ArgumentValueError(f"--speculative: expected 0..{MAX_SPECULATIVE} MTP draft tokens, got {k}")
-    if k and model.mtp is None:
-        raise ArgumentValueError("--speculative: the model has no MTP layer (load it with its MTP weights)")
     if args.no_prefix_cache and args.prefix_cache_memory is not None:
         raise ArgumentValueError("--prefix-cache-memory and --no-prefix-cache contradict each other")
+    optional_engine_keywords(args)
+
+
+def check_engine_args(args, model) -> None:
+    """check_engine_flags, and the refusals that depend on the model (naming the flag)."""
+    check_engine_flags(args)
+    if args.speculative and model.mtp is None:
+        raise ArgumentValueError("--speculative: the model has no MTP layer (load it with its MTP weights)")
     limit = model.cfg.max_position_embeddings
     if args.max_seq_len is not None:
         if args.max_seq_len < 2:
