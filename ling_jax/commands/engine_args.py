@@ -147,9 +147,9 @@ def check_engine_flags(args) -> None:
 
 def check_engine_args(args, model) -> None:
     """check_engine_flags, and the refusals that depend on the model (naming the flag)."""
-    check_engine_flags(args)
-    if args.speculative and model.mtp is None:
+    if 0 < args.speculative <= MAX_SPECULATIVE and model.mtp is None:
         raise ArgumentValueError("--speculative: the model has no MTP layer (load it with its MTP weights)")
+    check_engine_flags(args)
     limit = model.cfg.max_position_embeddings
     if args.max_seq_len is not None:
         if args.max_seq_len < 2:
