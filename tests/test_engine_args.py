@@ -15,6 +15,7 @@ from ling_jax.commands.engine_args import (CPU_CACHE_CAP_GIB, add_engine_flags, 
                                            default_cache_budget, engine_from_args, optional_engine_keywords,
                                            plan_engine_memory)
 from ling_jax.serve.pools import GIB, plan_pools
+from test_sharding import write_small
 
 
 def flags(*argv):
@@ -130,6 +131,17 @@ def test_engine_from_args_reports_on_stderr(tiny_model):
     assert eng.prefill_chunk == 16 and eng.compiled_shapes() == 0  # --no-warmup: nothing compiled
     assert text.startswith("engine memory: 10 pages x 8 tokens") and "from default: test budget" in text
     assert eng.describe() in text and "warm-up" not in text
+
+
+def test_output_may_not_overwrite_the_requests(tmp_path, capsys):
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text('{"input_ids": [1]}\n')
+    ckpt = tmp_path / "ckpt"
+    write_small(ckpt)
+    rc = main(["batch", "--checkpoint", str(ckpt), "--requests", str(reqs), "--out", str(reqs)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and err.startswith("error: --out:") and "is the input" in err, err
+    assert reqs.read_text() == '{"input_ids": [1]}\n'
 
 
 def test_request_file_checks(tiny_cfg):

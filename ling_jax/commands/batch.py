@@ -25,7 +25,8 @@ from jax.experimental import multihost_utils
 
 import sharding as S
 from ling_jax.commands.common import (ArgumentValueError, add_value_check_flag, apply_value_check_flag,
-                                      check_ids, checkpoint_config, load_for_args, positive_int)
+                                      check_ids, check_output_path, checkpoint_config, load_for_args,
+                                      positive_int)
 from ling_jax.commands.engine_args import add_engine_flags, check_engine_flags, engine_from_args
 from ling_jax.serve import RequestParams
 from ling_jax.tokenizer import Tokenizer
@@ -139,6 +140,8 @@ def run(args) -> int:
     if S.is_primary():  # only process 0 needs (and may have) the requests file; checked before loading
         tok = Tokenizer.from_dir(args.checkpoint)
         try:
+            if args.out:
+                check_output_path(args.out, [args.checkpoint, None if args.requests == "-" else args.requests])
             requests = parse_requests(_read_lines(args.requests), cfg, tok, args.max_new_tokens)
         except (ValueError, OSError) as e:
             refused = e
