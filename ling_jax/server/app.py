@@ -20,6 +20,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from fastapi.sse import format_sse_event
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ling_jax.server.driver import EngineDriver
 from ling_jax.server.errors import APIError, error_response, install_error_handlers
@@ -53,6 +54,35 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """ASGI middleware: a request body over the limit gets a 413 in OpenAI's error JSON: at once when
+    its Content-Length says so, else (a chunked body) as soon as the bytes read pass the limit: the
+    receive wrapper raises an HTTPException, which the app's handlers turn into the JSON."""
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app, self.limit = app, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            response = error_response(413, f"request body of {int(length)} bytes exceeds the limit of "
+                                           f"{self.limit} bytes", code="request_too_large")
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise StarletteHTTPException(413)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class _Formatter:
@@ -123,11 +153,11 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
         if owns_driver:
             driver.stop()
 
-    app = FastAPI(title="ling-jax", lifespan=lifespan, max_body_size=max_body_bytes, docs_url=None,
-                  redoc_url=None)
+    app = FastAPI(title="ling-jax", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.driver, app.state.info, app.state.metrics = driver, info, metrics
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    if api_key:  # added last = runs first: no key, no reading of the body
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     def usage(prompt_tokens: int, run: ChoiceRun) -> Usage:

@@ -164,7 +164,7 @@ class EngineDriver:
                     pass
                 if running and self.engine.has_work():
                     self.engine.step()
-                    self.stats = self.engine.stats()
+                self.stats = self.engine.stats()  # after cancels too, which free slots without a step
         except Exception as e:  # an engine failure: fail every request, report unhealthy, stop
             log.exception("engine step failed")
             self.failed = f"{type(e).__name__}: {e}"

@@ -53,6 +53,10 @@ def _loc_text(loc) -> str:
     return out
 
 
+_UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+                 "stop": "a string or a list of strings"}
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     """(message, param) for the first validation error: param is the top-level field."""
     errors = exc.errors()
@@ -69,6 +73,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]
         return f"unrecognized request argument supplied: {_loc_text(loc)}", field
     if e.get("type") == "missing":
         return f"missing required field: {_loc_text(loc)}", field
+    if field in _UNION_FIELDS and len(loc) > 1 and not isinstance(loc[1], int):
+        return f"{field}: expected {_UNION_FIELDS[field]}", field
     got = e.get("input")
     got_text = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     if len(got_text) > 60:
@@ -94,6 +100,9 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(404, f"no route {request.method} {request.url.path}", code="not_found")
         if exc.status_code == 413:
             return error_response(413, "request body too large", code="request_too_large")
+        if exc.status_code == 405:
+            return error_response(405, f"method {request.method} is not allowed on {request.url.path}",
+                                  headers=getattr(exc, "headers", None))
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
