@@ -6,6 +6,9 @@ Argument-syntax errors (argparse) print the usage and then that line, exit statu
 (ValueError and its subclasses: ConfigError, CheckpointError, ArgumentValueError) and file-system
 errors exit 2; anything unexpected exits 1 with `error: internal error: ...` (set
 LING_JAX_TRACEBACK=1 to see the traceback instead).
+
+Every command reads and writes JAX's persistent compilation cache (`commands/compilation_cache.py`:
+`--compilation-cache DIR`, `--no-compilation-cache`, env LING_JAX_COMPILATION_CACHE).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import os
 import sys
 
 from ling_jax.commands import COMMANDS
+from ling_jax.commands.compilation_cache import add_compilation_cache_flags, apply_compilation_cache_args
 
 
 class Parser(argparse.ArgumentParser):
@@ -32,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         mod = importlib.import_module(f"ling_jax.commands.{name}")
         sp = mod.add_parser(sub)
+        add_compilation_cache_flags(sp)  # every command: JAX's persistent compilation cache (on by default)
         sp.set_defaults(_run=mod.run)
     return p
 
@@ -47,6 +52,7 @@ def main(argv=None) -> int:
     except SystemExit as e:  # --help (0) or an argument error (2, message already printed)
         return e.code if isinstance(e.code, int) else 2
     try:
+        apply_compilation_cache_args(args)  # before the command compiles anything
         rc = args._run(args)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

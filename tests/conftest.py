@@ -4,6 +4,9 @@ import sys
 # Tests run on CPU; 8 host devices let the sharding tests build meshes in-process.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `ling-jax` commands (in-process and in subprocesses, which inherit this) never touch the user's
+# persistent compilation cache; tests of the cache point it at their own tmp_path.
+os.environ["LING_JAX_COMPILATION_CACHE"] = "off"
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402

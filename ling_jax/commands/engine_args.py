@@ -1,65 +1,208 @@
-"""Engine flags shared by the commands that build a serving `Engine` (`ling-jax serve`).
+"""The serving engine's command-line flags (`ling-jax batch`, `ling-jax serve`) and the Engine they build.
 
-Stand-in written on the `server` branch with the names agreed in the fifth session's plan
-(`add_engine_flags(parser)`, `engine_from_args(args, model)`); the `multihost` branch owns the
-full version (defaults from device memory, the persistent compilation cache). Keywords the
-engine of this build does not take yet (prefix cache, speculation) are refused when asked for,
-never silently dropped.
+    add_engine_flags(parser)              # --max-slots --page-size --cache-memory --prefill-chunk
+                                          # --max-seq-len --warmup/--no-warmup --prefix-cache-memory
+                                          # --no-prefix-cache --speculative
+    engine = engine_from_args(args, model)  # checks, defaults, start-up report on stderr, warm-up
+
+Default cache memory (no `--cache-memory`), per device (the pools are replicated on every device
+of the mesh):
+  * GPU / TPU: ACCEL_FREE_FRACTION (half) of what the fullest local device has free once the
+    parameters are loaded (`memory_stats()`: bytes_limit - bytes_in_use); the other half is left
+    for the step programs' activations and workspace.
+  * CPU (no memory_stats): min(CPU_CACHE_CAP_GIB = 4 GiB, CPU_HOST_FRACTION (a quarter) of the
+    host's physical memory minus the parameters), so a default run never takes a large share of a
+    shared machine.
+  Either way no more pages than `--max-slots` sequences of `--max-seq-len` tokens can hold (the
+  default max_seq_len: the model's context, cut to what the budget holds), since more could never
+  be used. An explicit `--cache-memory` is taken as given.
+
+Every refusal is an ArgumentValueError naming the flag and what was expected, raised before the
+pools are allocated.
+
+The keywords the prefix-cache and speculative helpers add to `Engine` (`prefix_cache`,
+`prefix_cache_memory_gib`, `speculative`) are passed only when a flag asks for a non-default
+value; an Engine without the keyword refuses that flag by name.
 """
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
+import sys
+import time
+from typing import Optional
 
-from ling_jax.commands.common import ArgumentValueError, non_negative_int, positive_int
+import jax
+from flax import nnx
+
+from ling_jax.accounting import fmt_bytes
+from ling_jax.commands.common import ArgumentValueError, finite_float, positive_int
+from ling_jax.serve import Engine
+from ling_jax.serve.pools import GIB, plan_pools
+
+ACCEL_FREE_FRACTION = 0.5
+CPU_CACHE_CAP_GIB = 4.0
+CPU_HOST_FRACTION = 0.25
+MAX_SPECULATIVE = 3  # MTP drafts per step (generate's bound)
 
 
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+def gib(text: str) -> float:
+    """argparse type: a finite size in GiB > 0."""
+    v = finite_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size in GiB > 0, got {text!r}")
     return v
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (continuous batching, ling_jax/serve/README.md)")
-    g.add_argument("--max-slots", type=positive_int, default=8, help="sequences in flight at once")
-    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per latent-cache page")
-    g.add_argument("--cache-memory", type=positive_float, default=1.0, metavar="GIB",
-                   help="GiB for KDA state slots plus latent pages")
-    g.add_argument("--prefill-chunk", type=positive_int, default=64, help="prompt tokens fed per step at most")
-    g.add_argument("--max-seq-len", type=positive_int, default=None,
-                   help="prompt + new tokens of one request (default: the model's context or the pool)")
+    g = p.add_argument_group("serving engine")
+    g.add_argument("--max-slots", type=positive_int, default=8, metavar="N", help="sequences in flight at once")
+    g.add_argument("--page-size", type=positive_int, default=16, metavar="N", help="tokens per latent-cache page")
+    g.add_argument("--cache-memory", type=gib, default=None, metavar="GIB",
+                   help="bytes for the KV pages and KDA state slots, per device (default: from the device's free "
+                        "memory, on CPU at most 4 GiB; see `describe` in the start-up report)")
+    g.add_argument("--prefill-chunk", type=positive_int, default=64, metavar="N",
+                   help="prompt tokens fed per engine step at most (a running decode waits at most one chunk)")
+    g.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N",
+                   help="prompt + new tokens of one request (default: the model's context, cut to the pool)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile every step shape before serving")
-    g.add_argument("--prefix-cache-memory", type=positive_float, default=None, metavar="GIB")
-    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false")
-    g.add_argument("--speculative", type=non_negative_int, default=0, metavar="K",
-                   help="MTP draft tokens per step (0 = off)")
+                   help="compile every step shape at start-up (default on)")
+    g.add_argument("--prefix-cache-memory", type=gib, default=None, metavar="GIB",
+                   help="byte budget of the prefix cache (default: the engine's)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="switch the prefix cache off")
+    g.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE} (0 = off)")
 
 
-def engine_from_args(args, model):
-    """The `Engine` the flags describe, warmed up unless --no-warmup."""
-    from ling_jax.serve import Engine
+# ---- default cache memory ---------------------------------------------------------------------
+def default_cache_budget(platform: str, free_bytes: Optional[int], host_bytes: Optional[int],
+                         param_bytes: int) -> tuple[int, str]:
+    """(bytes, how they were derived) for the pools without --cache-memory (module docstring).
+    free_bytes: the fullest local accelerator's bytes_limit - bytes_in_use (None on CPU)."""
+    if platform != "cpu" and free_bytes is not None:
+        budget = int(ACCEL_FREE_FRACTION * max(free_bytes, 0))
+        return budget, (f"{ACCEL_FREE_FRACTION:.0%} of the {fmt_bytes(free_bytes)} free per {platform} device "
+                        "after loading the parameters")
+    if host_bytes is None:
+        return int(CPU_CACHE_CAP_GIB * GIB), f"the CPU cap of {CPU_CACHE_CAP_GIB:g} GiB (host memory unknown)"
+    share = int(CPU_HOST_FRACTION * host_bytes) - param_bytes
+    budget = max(0, min(int(CPU_CACHE_CAP_GIB * GIB), share))
+    return budget, (f"min({CPU_CACHE_CAP_GIB:g} GiB, {CPU_HOST_FRACTION:.0%} of {fmt_bytes(host_bytes)} host "
+                    f"memory - {fmt_bytes(param_bytes)} parameters)")
 
-    kw = dict(max_slots=args.max_slots, page_size=args.page_size, cache_memory_gib=args.cache_memory,
-              prefill_chunk=args.prefill_chunk, max_seq_len=args.max_seq_len)
-    accepted = inspect.signature(Engine).parameters
-    wanted = {"speculative": (args.speculative, 0, "--speculative"),
-              "prefix_cache": (args.prefix_cache, True, "--no-prefix-cache"),
-              "prefix_cache_memory_gib": (args.prefix_cache_memory, None, "--prefix-cache-memory")}
-    for name, (value, default, flag) in wanted.items():
-        if name in accepted:
-            kw[name] = value
-        elif value != default:
-            raise ArgumentValueError(f"{flag}: this engine build has no {name.replace('_', ' ')}")
-    if args.max_seq_len is not None and args.max_seq_len > model.cfg.max_position_embeddings:
-        raise ArgumentValueError(f"--max-seq-len {args.max_seq_len} exceeds the config's max_position_embeddings="
-                                 f"{model.cfg.max_position_embeddings}")
-    engine = Engine(model, **kw)
+
+def _device_free_bytes() -> tuple[str, Optional[int]]:
+    """(platform, min over local devices of bytes_limit - bytes_in_use), None where not reported."""
+    devs = jax.local_devices()
+    free = []
+    for d in devs:
+        stats = d.memory_stats() if d.platform != "cpu" else None
+        if not stats or not stats.get("bytes_limit"):
+            return devs[0].platform, None
+        free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    return devs[0].platform, min(free)
+
+
+def _host_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _param_bytes(model) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes"))
+
+
+# ---- the engine -------------------------------------------------------------------------------
+def check_engine_args(args, model) -> None:
+    """Refusals of flag values and combinations that argparse types cannot see (naming the flag)."""
+    k = args.speculative
+    if not 0 <= k <= MAX_SPECULATIVE:
+        raise ArgumentValueError(f"--speculative: expected 0..{MAX_SPECULATIVE} MTP draft tokens, got {k}")
+    if k and model.mtp is None:
+        raise ArgumentValueError("--speculative: the model has no MTP layer (load it with its MTP weights)")
+    if args.no_prefix_cache and args.prefix_cache_memory is not None:
+        raise ArgumentValueError("--prefix-cache-memory and --no-prefix-cache contradict each other")
+    limit = model.cfg.max_position_embeddings
+    if args.max_seq_len is not None:
+        if args.max_seq_len < 2:
+            raise ArgumentValueError(f"--max-seq-len: expected >= 2 tokens, got {args.max_seq_len}")
+        if args.max_seq_len > limit:
+            raise ArgumentValueError(f"--max-seq-len: {args.max_seq_len} exceeds the model's "
+                                     f"max_position_embeddings={limit}")
+
+
+def plan_engine_memory(args, model, budget: Optional[tuple[int, str]] = None) -> tuple[dict, str]:
+    """(Engine keywords num_pages / max_seq_len, a line saying how the memory was sized).
+    budget: (bytes, how) instead of reading the devices (tests)."""
+    cfg, slots, P = model.cfg, args.max_slots, args.page_size
+    unit = plan_pools(cfg, model.dtype, max_slots=slots, page_size=P, num_pages=1, max_seq_len=2,
+                      with_mtp=model.mtp is not None)
+    page, slot = unit.page_bytes, unit.slot_bytes
+    if args.cache_memory is not None:
+        total, how = int(args.cache_memory * GIB), f"--cache-memory {args.cache_memory:g} GiB"
+    else:
+        if budget is None:
+            platform, free = _device_free_bytes()
+            budget = default_cache_budget(platform, free, _host_bytes(), _param_bytes(model))
+        total, how = budget
+        how = f"default: {how}"
+    pages = (total - slots * slot) // page
+    if pages < 1:
+        raise ArgumentValueError(
+            f"--cache-memory: {fmt_bytes(total)} ({how}) does not cover {slots} slots x {fmt_bytes(slot)} + one "
+            f"page of {fmt_bytes(page)}; pass a larger --cache-memory or fewer --max-slots")
+    seq = args.max_seq_len
+    if seq is not None and pages * P < seq:
+        raise ArgumentValueError(f"--max-seq-len: {seq} tokens do not fit the page pool ({pages} pages x {P} tokens "
+                                 f"from {how}); pass a larger --cache-memory or a smaller --max-seq-len")
+    seq_default = min(cfg.max_position_embeddings, pages * P) if seq is None else seq
+    useful = slots * -(-seq_default // P)  # every slot at its longest: more pages could never be used
+    note = ""
+    if args.cache_memory is None and pages > useful:
+        pages, note = useful, f", capped at {slots} slots x {-(-seq_default // P)} pages of {seq_default} tokens"
+    line = (f"engine memory: {pages} pages x {P} tokens ({fmt_bytes(pages * page)}) + {slots} slots "
+            f"({fmt_bytes(slots * slot)}) from {how}{note}")
+    return {"num_pages": int(pages), "max_seq_len": seq_default}, line
+
+
+def optional_engine_keywords(args, engine_cls=Engine) -> dict:
+    """The Engine keywords of the prefix-cache / speculative flags, only where a flag sets a
+    non-default value (so an engine without them runs every default); a flag whose keyword
+    `engine_cls` does not take is refused by name."""
+    asked = {}
+    if args.no_prefix_cache:
+        asked["prefix_cache"] = ("--no-prefix-cache", False)
+    if args.prefix_cache_memory is not None:
+        asked["prefix_cache_memory_gib"] = ("--prefix-cache-memory", args.prefix_cache_memory)
+    if args.speculative:
+        asked["speculative"] = ("--speculative", args.speculative)
+    known = inspect.signature(engine_cls).parameters
+    for kw, (flag, _) in asked.items():
+        if kw not in known:
+            raise ArgumentValueError(f"{flag}: this build's serving engine has no {kw!r} option yet")
+    return {kw: v for kw, (_, v) in asked.items()}
+
+
+def engine_from_args(args, model, report=sys.stderr, budget: Optional[tuple[int, str]] = None) -> Engine:
+    """The Engine the flags describe, warmed up unless --no-warmup. Prints the start-up report
+    (memory sizing, `Engine.describe()`, warm-up time) to `report` on process 0. Every process of
+    a multi-host run calls it; processes > 0 then call `engine.follow()` (their warm-up runs there)."""
+    check_engine_args(args, model)
+    memory, line = plan_engine_memory(args, model, budget)
+    engine = Engine(model, max_slots=args.max_slots, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
+                    **memory, **optional_engine_keywords(args))
+    primary = jax.process_index() == 0
+    if primary and report is not None:
+        print(line, file=report)
+        print(engine.describe(), file=report, flush=True)
     if args.warmup:
+        t = time.perf_counter()
         engine.warmup()
+        if primary and report is not None:
+            print(f"warm-up: {time.perf_counter() - t:.1f} s (step-program cache entries: {engine.compiled_shapes()})",
+                  file=report, flush=True)
     return engine
+

@@ -7,13 +7,21 @@ SIGTERM or Ctrl-C: stop accepting connections, let running requests finish for u
 """
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 
-from ling_jax.commands.common import add_kernel_flags, add_value_check_flag, apply_value_check_flag, \
-    checkpoint_config, non_negative_int
-from ling_jax.commands.engine_args import add_engine_flags, engine_from_args, positive_float
+from ling_jax.commands.common import (add_kernel_flags, add_value_check_flag, apply_value_check_flag,
+                                      checkpoint_config, finite_float, non_negative_int)
+from ling_jax.commands.engine_args import add_engine_flags, engine_from_args
+
+
+def positive_seconds(text: str) -> float:
+    v = finite_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return v
 
 
 def add_parser(sub):
@@ -28,7 +36,7 @@ def add_parser(sub):
     p.add_argument("--max-queue", type=non_negative_int, default=256,
                    help="requests that may wait for a slot; beyond that the server answers 429")
     p.add_argument("--max-body-bytes", type=non_negative_int, default=4 * 2 ** 20)
-    p.add_argument("--graceful-timeout", type=positive_float, default=30.0, metavar="S",
+    p.add_argument("--graceful-timeout", type=positive_seconds, default=30.0, metavar="S",
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2")
@@ -72,7 +80,6 @@ def run(args) -> int:
                      max_body_bytes=args.max_body_bytes)
     server = uvicorn_server(app, args.graceful_timeout, args.log_level)
     host, port = sock.getsockname()[:2]
-    print(engine.describe(), file=sys.stderr)
     print(f"serving {name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has shut down; a handler that only notes
     # it makes that an ordinary return (exit 0) instead of death by the default action

@@ -29,6 +29,7 @@ from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
 from ling_jax.sampling import SamplingParams, TokenLogprob, check_logprobs, check_penalties
+from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, ProgramShape, make_link
 from ling_jax.serve.pools import PageAllocator, describe, init_pools, plan_pools
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
 from ling_jax.serve.step import RowSampling, StepInputs, make_step_fns
@@ -176,6 +177,10 @@ class Engine:
         self.alloc = PageAllocator(self.sizes)
         self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows)
         self._prefill, self._decode = make_step_fns(self.graphdef, self.exec)
+        self._link = make_link(self._padding_inputs, self._program_shapes())
+        if self._link is not None:  # multi-process: process 0 broadcasts each program call (serve/multihost.py)
+            self._prefill = self._link.wrap(OP_PREFILL, self._prefill)
+            self._decode = self._link.wrap(OP_DECODE, self._decode)
         self._ids = itertools.count()
         self._handles: dict[int, RequestHandle] = {}
         self.steps = 0
@@ -190,7 +195,10 @@ class Engine:
                 f"{list(self.widths)}; prefill [{self.prefill_rows}, T] for T in {list(self.buckets)}")
 
     def warmup(self) -> None:
-        """Compile every step shape now, on padding rows that change no state."""
+        """Compile every step shape now, on padding rows that change no state. On processes > 0 of
+        a multi-host run it does nothing: they run process 0's warm-up calls inside `follow()`."""
+        if self.is_follower:
+            return
         S, R = self.sizes.max_slots, self.prefill_rows
         # twice: the second round feeds each program pools that a step produced, so the dispatch cache
         # also holds the steady-state argument placement (the first round compiles; the second only
@@ -206,6 +214,40 @@ class Engine:
             self.pools = self._prefill(self.params, self.pools,
                                        self._inputs(np.full(R, S), np.zeros((R, T), np.int32),
                                                     np.zeros(R, np.int32), [None] * R))[0]
+
+    # -- multi-host (serve/multihost.py) ----------------------------------------------------
+    @property
+    def is_follower(self) -> bool:
+        """True on processes > 0 of a multi-process run: they call `follow()`, not submit / step."""
+        return self._link is not None and not self._link.is_leader
+
+    def follow(self) -> None:
+        """Processes > 0: run every program call process 0 broadcasts (its warm-up and steps), on
+        the same global params and pools, until process 0 calls `shutdown()`; then return."""
+        if not self.is_follower:
+            raise RuntimeError("Engine.follow() is for processes > 0 of a multi-process run (jax.distributed); "
+                               "process 0 drives submit() / step()")
+        programs = {OP_DECODE: self._decode.program, OP_PREFILL: self._prefill.program}
+        for op, inputs in self._link.messages():
+            self.pools = programs[op](self.params, self.pools, inputs)[0]
+
+    def shutdown(self) -> None:
+        """Process 0: release the followers (their `follow()` returns); the engine runs no more
+        steps afterwards. Idempotent; does nothing single-process or on a follower."""
+        if self._link is not None:
+            self._link.shutdown()
+
+    def _program_shapes(self) -> list:
+        """Every (op, T, W) the engine runs: decode [S, 1] per width, prefill [R, T] per bucket."""
+        mb = self.sizes.max_blocks
+        return ([ProgramShape(OP_DECODE, 1, w) for w in self.widths]
+                + [ProgramShape(OP_PREFILL, t, mb) for t in self.buckets])
+
+    def _padding_inputs(self, op: int, tokens: int, width: int) -> StepInputs:
+        """A StepInputs of program `op`'s shapes on padding rows (the followers' unpacking template)."""
+        S = self.sizes.max_slots
+        n, rows = (S, np.arange(S)) if op == OP_DECODE else (self.prefill_rows, np.full(self.prefill_rows, S))
+        return self._inputs(rows, np.zeros((n, tokens), np.int32), np.zeros(n, np.int32), [None] * n, width)
 
     def compiled_shapes(self) -> int:
         """How many programs the step functions hold (len(widths) + len(buckets) after warmup)."""

@@ -1,0 +1,166 @@
+"""Multi-host serving: process 0 schedules, every process runs the same step programs.
+
+Under `jax.distributed` the parameters and the pools are global arrays on a mesh spanning every
+process, so each compiled step is one SPMD program that every process must launch, in the same
+order, with the same inputs. Only process 0 (the leader) holds the queue and the scheduler; before
+each program call it broadcasts what to run; the other processes (followers) sit in
+`Engine.follow()`, receive and run it, until the leader's `Engine.shutdown()`.
+
+The message: one int32 buffer of a fixed size (`StepLink.size`), so the broadcast compiles exactly
+one program however the steps vary:
+
+    [op, tokens T, block-table width W, call number, flattened StepInputs..., zero padding]
+
+op names the program (`OP_DECODE`, `OP_PREFILL`; `OP_SHUTDOWN` ends `follow()`); from (op, T, W)
+the follower builds a template StepInputs of the right shapes (`Engine._padding_inputs`) and
+reads the leaves back from the buffer in pytree order (4-byte dtypes bit-exact via a view, bools
+and small ints through int32). The call number catches a follower out of step with the leader
+(it would otherwise run a different program than the leader and hang in a collective).
+
+Transport: `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over the global devices).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from ling_jax.serve.step import StepInputs
+
+OP_SHUTDOWN, OP_DECODE, OP_PREFILL = 0, 1, 2
+HEADER = 4  # op, T, W, call number
+
+
+class ProgramShape(NamedTuple):
+    """One compiled step shape: op, token width T of `ids`, block-table width W."""
+    op: int
+    tokens: int
+    width: int
+
+
+def _leaf_size(x: np.ndarray) -> int:
+    return int(np.prod(x.shape, dtype=np.int64))
+
+
+def packed_size(inputs) -> int:
+    """int32 words `pack` needs for this StepInputs (one per element)."""
+    return sum(_leaf_size(np.asarray(x)) for x in jax.tree.leaves(inputs))
+
+
+def _as_words(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    if x.dtype.itemsize == 4:
+        return x.reshape(-1).view(np.int32)
+    if x.dtype == np.bool_ or (np.issubdtype(x.dtype, np.integer) and x.dtype.itemsize < 4):
+        return x.reshape(-1).astype(np.int32)
+    raise TypeError(f"multihost: cannot broadcast a {x.dtype} step input (4-byte dtypes, bools and small ints only)")
+
+
+def _from_words(words: np.ndarray, like: np.ndarray) -> np.ndarray:
+    if like.dtype.itemsize == 4:
+        return words.view(like.dtype).reshape(like.shape).copy()
+    return words.astype(like.dtype).reshape(like.shape)
+
+
+def pack(header: Sequence[int], inputs, size: int) -> np.ndarray:
+    """[size] int32: the header words, then every leaf of `inputs` flattened in pytree order."""
+    parts = [np.asarray(header, np.int32)] + [_as_words(np.asarray(x)) for x in jax.tree.leaves(inputs)]
+    n = sum(p.size for p in parts)
+    if n > size:
+        raise ValueError(f"multihost: step inputs of {n} words exceed the message size {size}")
+    buf = np.zeros(size, np.int32)
+    buf[:n] = np.concatenate(parts)
+    return buf
+
+
+def unpack(buf: np.ndarray, template):
+    """The StepInputs `pack` wrote after the header, shaped and typed like `template`."""
+    leaves, treedef = jax.tree.flatten(template)
+    out, i = [], HEADER
+    for like in leaves:
+        like = np.asarray(like)
+        n = _leaf_size(like)
+        out.append(_from_words(buf[i:i + n], like))
+        i += n
+    return jax.tree.unflatten(treedef, out)
+
+
+class StepLink:
+    """The leader's program calls, broadcast to the followers (module docstring).
+
+    template(op, T, W) -> a numpy StepInputs of that program's shapes (values unused);
+    shapes: every ProgramShape the engine compiles (they size the message)."""
+
+    def __init__(self, template: Callable[[int, int, int], StepInputs], shapes: Sequence[ProgramShape]):
+        self.template = template
+        self.size = HEADER + max(packed_size(template(*s)) for s in shapes)
+        self.is_leader = jax.process_index() == 0
+        self.calls = 0  # messages sent (leader) or received (follower)
+        self.closed = False
+
+    def _broadcast(self, buf: np.ndarray) -> np.ndarray:
+        return np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=self.is_leader))
+
+    def send(self, op: int, inputs) -> None:
+        """Leader: tell every follower to run program `op` on `inputs` (blocks until they take it)."""
+        if self.closed:
+            raise RuntimeError("the engine was shut down (Engine.shutdown): it runs no more steps")
+        T, W = (0, 0) if inputs is None else (inputs.ids.shape[1], inputs.block_table.shape[1])
+        self._broadcast(pack((op, T, W, self.calls), () if inputs is None else inputs, self.size))
+        self.calls += 1
+
+    def receive(self) -> tuple[int, StepInputs | None]:
+        """Follower: the next (op, inputs) the leader sends (inputs None for OP_SHUTDOWN)."""
+        buf = self._broadcast(np.zeros(self.size, np.int32))
+        op, T, W, n = (int(v) for v in buf[:HEADER])
+        if n != self.calls:
+            raise RuntimeError(f"multihost: process {jax.process_index()} received call {n}, expected {self.calls} "
+                               "(out of step with process 0)")
+        self.calls += 1
+        if op == OP_SHUTDOWN:
+            self.closed = True
+            return op, None
+        return op, unpack(buf, self.template(op, T, W))
+
+    def shutdown(self) -> None:
+        """Leader: end the followers' `follow()` (idempotent)."""
+        if self.is_leader and not self.closed:
+            self.send(OP_SHUTDOWN, None)
+            self.closed = True
+
+    def messages(self) -> Iterator[tuple[int, StepInputs]]:
+        """Follower: every (op, inputs) until the leader shuts down."""
+        while True:
+            op, inputs = self.receive()
+            if op == OP_SHUTDOWN:
+                return
+            yield op, inputs
+
+    def wrap(self, op: int, program):
+        """`program(params, pools, inputs)` that the leader broadcasts before running, and that a
+        follower may run only inside `follow()` (called directly it raises)."""
+        return _LinkedProgram(self, op, program)
+
+
+class _LinkedProgram:
+    """A step program seen through the link: same call signature, `_cache_size()` forwarded."""
+
+    def __init__(self, link: StepLink, op: int, program):
+        self.link, self.op, self.program = link, op, program
+
+    def __call__(self, params, pools, inputs):
+        if not self.link.is_leader:
+            raise RuntimeError(f"process {jax.process_index()} follows process 0's steps: call engine.follow() "
+                               "there (submit / step / warmup run on process 0 only)")
+        self.link.send(self.op, inputs)
+        return self.program(params, pools, inputs)
+
+    def _cache_size(self) -> int:
+        return self.program._cache_size()
+
+
+def make_link(template: Callable[[int, int, int], StepInputs], shapes: Sequence[ProgramShape]) -> StepLink | None:
+    """A StepLink when running multi-process, else None (single-process: nothing to broadcast)."""
+    return StepLink(template, shapes) if jax.process_count() > 1 else None

@@ -1,0 +1,140 @@
+"""Multi-host serving: 2 processes x 4 CPU devices run `ling-jax batch` on a written checkpoint
+(KDA + MLA + MoE), process 0 scheduling and broadcasting each step's program and inputs, process 1
+following; every request's tokens (mixed prompt lengths, greedy and a seeded sampled one, more
+requests than slots) equal one process on one device and one process on 8 devices. Plus the
+message format (pack/unpack bit-exact) and the single-process behaviour of follow/shutdown."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import sharding as S
+from ling_jax.loader import load_model
+from ling_jax.serve import Engine, RequestParams
+from ling_jax.serve.multihost import HEADER, OP_DECODE, OP_PREFILL, pack, packed_size, unpack
+from test_multihost import free_port
+from test_sharding import write_small
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE = dict(max_slots=4, page_size=8, prefill_chunk=8, max_seq_len=64)
+
+
+def _requests(vocab=295):
+    rng = np.random.default_rng(3)
+    out = []
+    for i, n in enumerate([1, 5, 9, 17, 30, 12]):  # one token .. several pages, one prompt in 4 chunks
+        r = {"input_ids": rng.integers(0, vocab, n).tolist(), "max_tokens": int(rng.integers(3, 12))}
+        if i == 4:
+            r.update(temperature=0.8, top_k=20, seed=7)
+        out.append(r)
+    return out
+
+
+def _engine_tokens(model, requests):
+    eng = Engine(model, num_pages=32, **ENGINE)
+    hs = [eng.submit(r["input_ids"], RequestParams(**{k: v for k, v in r.items() if k != "input_ids"}))
+          for r in requests]
+    eng.run_until_done()
+    eng.shutdown()  # single process: nothing to release
+    return [h.generated for h in hs]
+
+
+@pytest.mark.slow
+def test_two_processes_serve_the_same_tokens_as_one(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    write_small(ckpt, seed=21)
+    requests = _requests()
+    (tmp_path / "reqs.jsonl").write_text("\n".join(json.dumps(r) for r in requests) + "\n")
+    port = free_port()
+    cmd = [sys.executable, "-m", "ling_jax.cli", "batch", "--checkpoint", str(ckpt), "--requests",
+           str(tmp_path / "reqs.jsonl"), "--out", str(tmp_path / "out.jsonl"), "--dtype", "float32",
+           "--mesh", "expert=4,model=2", "--max-slots", "4", "--page-size", "8", "--prefill-chunk", "8",
+           "--max-seq-len", "64"]
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                   JAX_PROCESS_ID=str(pid), XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = []
+    try:
+        # the references, computed while the two processes run: one device, and 8 devices in one process
+        model = load_model(str(ckpt), "float32", with_mtp=False, progress=False)
+        one_device = _engine_tokens(model, requests)
+        meshed = load_model(str(ckpt), "float32", mesh=S.parse_mesh("expert=4,model=2"), with_mtp=False,
+                            progress=False)
+        eight_devices = _engine_tokens(meshed, requests)
+        for p in procs:
+            outs.append(p.communicate(timeout=400))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, e[-4000:]
+    lead_err = outs[0][1]
+    assert "processes=2 devices=8" in lead_err and "compiles while serving: 0" in lead_err, lead_err[-2000:]
+    assert "cache pools" in lead_err  # the start-up report, from process 0 only
+    # process 1 prints nothing of ours (the Gloo transport's connection messages, which may arrive
+    # split across lines, are not ours)
+    ours = [l for l in outs[1][0].splitlines() if l.strip() and "[Gloo]" not in l and "peer ranks" not in l]
+    assert "cache pools" not in outs[1][1] and not ours, ours
+    got = [json.loads(l) for l in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [g["index"] for g in got] == list(range(len(requests)))
+    multi = [g["token_ids"] for g in got]
+    assert all(1 <= len(t) <= r["max_tokens"] for t, r in zip(multi, requests))
+    assert multi == one_device
+    assert eight_devices == one_device
+
+
+# ---- the message and the single-process API ------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_engine(tiny_model):
+    return Engine(tiny_model, num_pages=32, **ENGINE)
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_message_round_trip_is_bit_exact(small_engine):
+    eng = small_engine
+    rng = np.random.default_rng(0)
+    for op, T, W in ((OP_DECODE, 1, eng.widths[0]), (OP_PREFILL, eng.buckets[-1], eng.sizes.max_blocks)):
+        tmpl = eng._padding_inputs(op, T, W)
+        leaves = []
+        for x in _leaves(tmpl):
+            if x.dtype == np.float32:
+                leaves.append(rng.standard_normal(x.shape).astype(np.float32))
+            elif x.dtype == np.uint32:
+                leaves.append(rng.integers(0, 2 ** 32, x.shape, dtype=np.uint64).astype(np.uint32))
+            else:
+                leaves.append(rng.integers(-2 ** 31, 2 ** 31, x.shape).astype(x.dtype))
+        real = jax.tree.unflatten(jax.tree.structure(tmpl), leaves)
+        size = HEADER + packed_size(real) + 5
+        buf = pack((op, T, W, 7), real, size)
+        assert buf.shape == (size,) and buf.dtype == np.int32 and list(buf[:HEADER]) == [op, T, W, 7]
+        back = unpack(buf, tmpl)
+        for a, b in zip(_leaves(back), leaves):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        with pytest.raises(ValueError, match="exceed the message size"):
+            pack((op, T, W, 0), real, size - 6)
+    small = (np.array([True, False, True]), np.array([-3, 0, 100], np.int8))  # carried through int32
+    back = unpack(pack((0, 0, 0, 0), small, HEADER + 6), small)
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(back, small))
+    with pytest.raises(TypeError, match="cannot broadcast a float64"):
+        pack((0, 0, 0, 0), (np.zeros(2),), HEADER + 2)
+
+
+def test_single_process_follow_refused_shutdown_harmless(small_engine):
+    assert not small_engine.is_follower
+    with pytest.raises(RuntimeError, match="processes > 0"):
+        small_engine.follow()
+    small_engine.shutdown()
+    small_engine.shutdown()
