@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -214,6 +215,7 @@ def _bad_requests(long_ids):
         (C, {**ok, "top_p": 0}, 400, "top_p"),
         (C, {**ok, "top_p": 1.5}, 400, "top_p"),
         (C, {**ok, "n": 0}, 400, "n"),
+        (C, {**ok, "n": 100}, 400, "n"),  # more choices than the queue holds
         (C, {**ok, "seed": -1}, 400, "seed"),
         (C, {**ok, "logprobs": 21}, 400, "logprobs"),
         (C, {**ok, "stop": [""]}, 400, "stop"),
@@ -255,7 +257,6 @@ def test_bad_requests_get_4xx_while_64_streams_run(served):
     """64 concurrent streaming clients (random prompts, lengths, greedy and seeded) all complete, each
     equals its non-streamed result; meanwhile every bad request gets its 4xx; afterwards nothing is held."""
     rng = random.Random(0)
-    tok = served.tok
     words = "the river mill water wheel children bank boats market bread apples honey numbers".split()
     jobs = []
     for i in range(64):
@@ -325,13 +326,17 @@ def test_queue_full_429_auth_models_tokenize_health(served):
     c, url = served.client, served.srv.url
     d = served.driver
     cap = d.capacity
-    d.capacity = d.in_flight  # the bounded queue is full
+    d.capacity = 1  # a queue of one, held by a long stream: the next request finds it full
     try:
-        with pytest.raises(openai.RateLimitError) as e:
-            c.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 50, "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=60) as hc, hc.stream("POST", url + "/v1/completions", json=body) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+            with pytest.raises(openai.RateLimitError) as e:
+                c.completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
     finally:
         d.capacity = cap
+    _idle(served)
     assert c.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
     # a second app over the same driver, with an API key
     info = model_info(served.engine, served.tok, "tiny")
@@ -358,6 +363,26 @@ def test_queue_full_429_auth_models_tokenize_health(served):
     assert r.status_code == 405 and r.json()["error"]["message"]
 
 
+def _start_serve(cmd, env, timeout=400):
+    """Popen `ling-jax serve ...`; returns (proc, url) once it prints its address (bounded wait)."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "ling-jax serve exited before serving"
+            assert time.monotonic() < deadline, "ling-jax serve did not start in time"
+            if line.startswith("serving "):
+                # keep draining stderr so the server never blocks on a full pipe
+                threading.Thread(target=lambda: (proc.stderr.read(), proc.stderr.close()), daemon=True).start()
+                return proc, line.split(" on ")[1].strip().removesuffix("/v1")
+    except BaseException:
+        proc.kill()
+        proc.wait(30)
+        proc.stderr.close()
+        raise
+
+
 @pytest.mark.slow
 def test_cli_serve_subprocess_answers_like_in_process_and_exits_0_on_sigterm(served):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd()] + sys.path), "JAX_PLATFORMS": "cpu"}
@@ -365,15 +390,8 @@ def test_cli_serve_subprocess_answers_like_in_process_and_exits_0_on_sigterm(ser
            "--served-model-name", "tiny", "--dtype", "float32", "--max-slots", "4", "--page-size", "8",
            "--cache-memory", "0.001", "--prefill-chunk", "8", "--max-seq-len", str(MAX_SEQ),
            "--graceful-timeout", "20"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    proc, url = _start_serve(cmd, env)
     try:
-        url, deadline = None, time.monotonic() + 400
-        while url is None:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "ling-jax serve exited before serving"
-            assert time.monotonic() < deadline, "ling-jax serve did not start in time"
-            if line.startswith("serving "):
-                url = line.split(" on ")[1].strip().removesuffix("/v1")
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         kw = dict(model="tiny", prompt="The river ran quietly", max_tokens=10, temperature=0)
         assert c.completions.create(**kw).choices[0].text == served.client.completions.create(**kw).choices[0].text
@@ -390,4 +408,37 @@ def test_cli_serve_subprocess_answers_like_in_process_and_exits_0_on_sigterm(ser
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-        proc.stderr.close()
+
+
+@pytest.mark.slow
+def test_multihost_server_answers_like_one_process(served):
+    """2 processes x 4 CPU devices (`--mesh expert=4,model=2`): process 0 serves HTTP, process 1
+    follows; greedy and seeded completions equal the one-process, one-device server's; SIGTERM to
+    process 0 releases the follower and both exit 0."""
+    from test_multihost import free_port
+    port = free_port()
+    cmd = [sys.executable, "-m", "ling_jax.cli", "serve", "--checkpoint", served.dir, "--port", "0",
+           "--served-model-name", "tiny", "--dtype", "float32", "--mesh", "expert=4,model=2",
+           "--max-slots", "4", "--page-size", "8", "--cache-memory", "0.001", "--prefill-chunk", "8",
+           "--max-seq-len", str(MAX_SEQ)]
+    env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([os.getcwd()] + sys.path)}
+    procs = [subprocess.Popen(cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              env={**env, "JAX_PROCESS_ID": "1"})]
+    try:
+        lead, url = _start_serve(cmd, {**env, "JAX_PROCESS_ID": "0"})
+        procs.insert(0, lead)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        for kw in (dict(prompt="The river ran quietly", max_tokens=8, temperature=0),
+                   dict(prompt=[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], max_tokens=6, temperature=0.9, seed=4, n=2)):
+            got = c.completions.create(model="tiny", **kw)
+            want = served.client.completions.create(model="tiny", **kw)
+            assert [x.text for x in got.choices] == [x.text for x in want.choices]
+        lead.send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)

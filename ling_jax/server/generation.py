@@ -75,6 +75,9 @@ class ChoiceRun:
         """Submit every choice, or raise APIError(429) with nothing submitted when the queue is full."""
         if not self.driver.alive:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
+        if len(self.plans) > self.driver.capacity:
+            raise APIError(400, f"n: {len(self.plans)} choices in all is more than this server holds at once "
+                                f"({self.driver.capacity})", param="n")
         if not self.driver.try_reserve(len(self.plans)):
             raise APIError(429, f"the request queue is full ({self.driver.capacity} requests in flight); "
                                 f"retry later", code="queue_full")
