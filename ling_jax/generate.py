@@ -27,7 +27,16 @@ from ling_jax.exec_config import ExecConfig
 from ling_jax.layer_stack import layer_plan
 from ling_jax.kda import kda_rollback
 from ling_jax.model import HybridCache, init_cache
-from ling_jax.sampling import SamplingParams, probs, sample, speculative_accept, speculative_accept_greedy
+from ling_jax.sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, apply_penalties, check_logprobs, probs,
+                               sample, speculative_accept, speculative_accept_greedy, token_logprobs, token_stats)
+
+
+class LogprobBuffers(NamedTuple):
+    """Per emitted token (aligned with `DecodeState.out`): the sampled token's logprob [B,W] and
+    the top-N ids / logprobs [B,W,N] of the model's raw distribution (`token_logprobs`)."""
+    token: jax.Array
+    top_ids: jax.Array
+    top: jax.Array
 
 
 class DecodeState(NamedTuple):
@@ -40,6 +49,9 @@ class DecodeState(NamedTuple):
     key: jax.Array
     rounds: jax.Array     # [B] verify rounds (speculative) or steps
     accepted: jax.Array   # [B] tokens emitted by those rounds
+    gen_counts: Optional[jax.Array] = None   # [B,V] int32 emitted-token counts (penalties on), else None
+    prompt_seen: Optional[jax.Array] = None  # [B,V] bool prompt tokens (penalties on), else None
+    logprobs: Optional[LogprobBuffers] = None  # when logprobs were asked for, else None
 
 
 @dataclasses.dataclass
@@ -47,6 +59,7 @@ class GenerationResult:
     tokens: list            # per prompt, the new tokens (stop token included when hit)
     acceptance_length: Optional[float] = None  # mean tokens emitted per verify round (speculative)
     finished: Optional[list] = None            # per prompt: hit a stop token
+    logprobs: Optional[list] = None            # per prompt, per new token: TokenLogprob (when asked for)
 
 
 def _take(x, idx):
@@ -98,9 +111,10 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, key
 # ---------------------------------------------------------------------------------------------
 # decode loops
 
-def _emit(state: DecodeState, toks, count, stop_ids, max_new):
+def _emit(state: DecodeState, toks, count, stop_ids, max_new, logprobs: LogprobBuffers | None = None):
     """Append toks[:, :count[b]] (truncated at the first stop id and at max_new) to the output.
-    max_new may be traced (≤ the output buffer's width)."""
+    max_new may be traced (≤ the output buffer's width). logprobs: the same tokens' values
+    ([B,n], [B,n,N], [B,n,N]) for `state.logprobs`; emitted tokens are counted in `gen_counts`."""
     B, n = toks.shape
     j = jnp.arange(n)[None, :]
     stop = _is_stop(toks, stop_ids) & (j < count[:, None])
@@ -108,15 +122,40 @@ def _emit(state: DecodeState, toks, count, stop_ids, max_new):
     room = max_new - state.n_out
     take = jnp.minimum(jnp.minimum(count, first_stop + 1), room)
     take = jnp.where(state.done, 0, take)
-    out = state.out
+    out, lp = state.out, state.logprobs
+    rows = jnp.arange(B)
     for i in range(n):
         pos = jnp.clip(state.n_out + i, 0, out.shape[1] - 1)  # the buffer may be longer than max_new
         upd = i < take
         cur = jnp.take_along_axis(out, pos[:, None], axis=1)[:, 0]
-        out = out.at[jnp.arange(B), pos].set(jnp.where(upd, toks[:, i], cur))
+        out = out.at[rows, pos].set(jnp.where(upd, toks[:, i], cur))
+        if lp is not None:
+            lp = LogprobBuffers(*(buf.at[rows, pos].set(jnp.where(upd.reshape((B,) + (1,) * (v.ndim - 2)), v[:, i],
+                                                                  buf[rows, pos]))
+                                  for buf, v in zip(lp, logprobs)))
     n_out = state.n_out + take
     done = state.done | (first_stop < jnp.minimum(count, room)) | (n_out >= max_new)
-    return state._replace(out=out, n_out=n_out, done=done), take
+    counts = state.gen_counts
+    if counts is not None:
+        counts = counts.at[rows[:, None], toks].add((j < take[:, None]).astype(jnp.int32))
+    return state._replace(out=out, n_out=n_out, done=done, gen_counts=counts, logprobs=lp), take
+
+
+def _logprob_values(logits, toks, state: DecodeState):
+    """token_logprobs of toks [B,n] under logits [B,n,V], shaped for `_emit` (None when off)."""
+    if state.logprobs is None:
+        return None
+    B, n = toks.shape
+    N = state.logprobs.top.shape[-1]
+    a, b, c = token_logprobs(logits.reshape(B * n, -1), toks.reshape(-1), N)
+    return a.reshape(B, n), b.reshape(B, n, N), c.reshape(B, n, N)
+
+
+def _penalized(logits, state: DecodeState, sampling: SamplingParams):
+    """The logits the next token is drawn from: penalised by the history when penalties are on."""
+    if state.gen_counts is None:
+        return logits
+    return apply_penalties(logits, state.gen_counts, state.prompt_seen, sampling)
 
 
 def _stream(stream_fn, toks, take):
@@ -130,10 +169,12 @@ def _plain_step(model, stacked, state: DecodeState, sampling, stop_ids, max_new,
     active = ~state.done
     out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex.replace(kda_mode="recurrent"),
                 stacked=stacked)
-    nxt = sample(out["logits"][:, 0], sub, sampling)
+    logits = out["logits"][:, 0]
+    nxt = sample(_penalized(logits, state, sampling), sub, sampling)
     cache = out["cache"]
     hidden = jnp.where(active[:, None], out["hidden"][:, 0], state.hidden)
-    new, take = _emit(state._replace(key=key), nxt[:, None], jnp.ones_like(state.n_out), stop_ids, max_new)
+    new, take = _emit(state._replace(key=key), nxt[:, None], jnp.ones_like(state.n_out), stop_ids, max_new,
+                      _logprob_values(logits[:, None], nxt[:, None], state))
     _stream(stream_fn, nxt[:, None], take)
     return new._replace(cache=cache, hidden=hidden, token=jnp.where(active, nxt, state.token),
                         rounds=state.rounds + active, accepted=state.accepted + take)
@@ -181,7 +222,9 @@ def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_ne
     emitted = jnp.concatenate([drafts, nxt[:, None]], axis=1)
     emitted = jnp.where(jnp.arange(k + 1)[None, :] < a[:, None], emitted,
                         jnp.where(jnp.arange(k + 1)[None, :] == a[:, None], nxt[:, None], 0))
-    new, take = _emit(state._replace(key=key), emitted, adv, stop_ids, max_new)
+    # emitted token j was drawn from the verify logits at position j: its logprobs are those
+    new, take = _emit(state._replace(key=key), emitted, adv, stop_ids, max_new,
+                      _logprob_values(out["logits"], emitted, state))
     _stream(stream_fn, emitted, take)
     return new._replace(cache=new_cache, hidden=hidden, token=jnp.where(active, nxt, state.token),
                         rounds=state.rounds + active, accepted=state.accepted + take)
@@ -249,10 +292,16 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              sampling: SamplingParams = SamplingParams(), speculative: int = 0,
              stop_ids: Sequence[int] | None = None, max_len: int | None = None,
              stream: Callable[[np.ndarray, np.ndarray], None] | None = None,
-             exec: ExecConfig | None = None, kv_cache_dtype: str | None = None) -> GenerationResult:
+             exec: ExecConfig | None = None, kv_cache_dtype: str | None = None,
+             logprobs: int | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids of any lengths).
 
-    sampling: greedy by default; `SamplingParams(temperature, top_k, top_p, seed)` otherwise.
+    sampling: greedy by default; `SamplingParams(temperature, top_k, top_p, seed)` otherwise, with
+    presence / frequency penalties over each sequence's generated tokens and a repetition penalty
+    over its prompt and generated tokens (see `ling_jax.sampling`; not with `speculative`).
+    logprobs: None (off), 0 (each new token's logprob) or N <= 20 (plus the top N alternatives),
+    under the model's raw distribution log_softmax(logits) (before penalties, temperature, top-k,
+    top-p): `result.logprobs[b]` is a list of `TokenLogprob` aligned with `result.tokens[b]`.
     speculative: number of MTP drafts per round (0 = plain decoding). stop_ids: default the
     config's EOS ids. Compiles once per batch size and bucket (`length_bucket`) of the prompt
     width, the cache length and `max_new_tokens`. stream(tokens [B,n], counts [B]) is called from inside the compiled loop
@@ -267,6 +316,10 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         raise ValueError(f"speculative must be 0..3 MTP drafts, got {speculative}")
     if speculative and model.mtp is None:
         raise ValueError("speculative decoding needs the MTP layer, and this checkpoint/model has none")
+    if speculative and sampling.penalized:
+        raise ValueError("sampling: presence_penalty / frequency_penalty / repetition_penalty are not supported "
+                         "with speculative decoding (speculative=0 applies them)")
+    check_logprobs(logprobs)
     ids, lens = pad_prompts(prompts, cfg.vocab_size)
     B = len(prompts)
     width = length_bucket(ids.shape[1])  # bucketed prompt width: right padding is exact
@@ -285,13 +338,27 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     key = jax.random.key(sampling.seed)
     key, k0 = jax.random.split(key)
     hidden0 = jnp.zeros((B, cfg.hidden_size), model.dtype)
-    cache, _, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0, k0,
-                                 sampling=sampling, with_mtp=with_mtp, fresh=True, exec=exec)
+    penalized = sampling.penalized
+    # with penalties the first token is drawn below (prefill's own draw, then a cheap argmax, is unused)
+    cache, logits, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0, k0,
+                                      sampling=SamplingParams() if penalized else sampling, with_mtp=with_mtp,
+                                      fresh=True, exec=exec)
     zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the loop state is donated
     out_width = length_bucket(max_new_tokens)  # the output buffer is bucketed; max_new is traced
+    V = cfg.vocab_size
+    n_top = 0 if logprobs is None else min(MAX_LOGPROBS, V)  # always the top 20: one program for any N
+    lp_bufs = None if logprobs is None else LogprobBuffers(
+        jnp.zeros((B, out_width), jnp.float32), jnp.zeros((B, out_width, n_top), jnp.int32),
+        jnp.zeros((B, out_width, n_top), jnp.float32))
     state = DecodeState(cache, tok, hid, jnp.zeros((B,), bool), jnp.zeros((B, out_width), jnp.int32),
-                        zeros(), key, zeros(), zeros())
-    state, take = _emit(state, tok[:, None], jnp.ones((B,), jnp.int32), stop, max_new_tokens)
+                        zeros(), key, zeros(), zeros(),
+                        gen_counts=jnp.zeros((B, V), jnp.int32) if penalized else None,
+                        prompt_seen=token_stats(ids, lens, V) > 0 if penalized else None, logprobs=lp_bufs)
+    if penalized:
+        tok = sample(_penalized(logits, state, sampling), k0, sampling)
+        state = state._replace(token=tok)
+    state, take = _emit(state, tok[:, None], jnp.ones((B,), jnp.int32), stop, max_new_tokens,
+                        _logprob_values(logits[:, None], tok[:, None], state))
     if stream is not None:
         stream(np.asarray(tok[:, None]), np.asarray(take))
     state = decode_loop(graphdef, params, state, sampling=sampling, stop_ids=stop, max_new=np.int32(max_new_tokens),
@@ -303,4 +370,10 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     if speculative:
         rounds = np.asarray(state.rounds).sum()
         acc = float(np.asarray(state.accepted).sum() / max(rounds, 1))
-    return GenerationResult(toks, acc, finished)
+    lps = None
+    if logprobs is not None:
+        lp, ids_, vals = (np.asarray(a) for a in state.logprobs)
+        lps = [[TokenLogprob(float(lp[b, i]), tuple((int(ids_[b, i, j]), float(vals[b, i, j]))
+                                                    for j in range(logprobs)))
+                for i in range(n_out[b])] for b in range(B)]
+    return GenerationResult(toks, acc, finished, lps)

@@ -11,18 +11,42 @@ Conventions
 * Ties are broken by token id: among equal logits the lower id ranks first (the order of
   `lax.top_k`, of a stable descending sort, and of `jnp.argmax`). So top-k keeps *exactly* k
   entries and top-p keeps exactly the prefix of that order, even when values tie.
-* The processing order is temperature -> top-k -> top-p (top-p renormalises over what top-k kept).
+* The processing order is penalties -> temperature -> top-k -> top-p (top-p renormalises over
+  what top-k kept). Penalties need the token history, so the caller applies them
+  (`apply_penalties` / `apply_penalties_rows`) before `sample` / `sample_rows`; `sample` itself
+  never reads the penalty fields.
+
+Penalties (the OpenAI API's and Hugging Face's, as vLLM implements them):
+* repetition_penalty r (HF / CTRL): over the prompt AND the generated tokens, a seen token's
+  positive logit is divided by r, a negative one multiplied by r (1.0 = off; r > 1 discourages).
+* frequency_penalty f and presence_penalty p (OpenAI): over the generated tokens only,
+  logit -= f * count + p * (count > 0).
+Repetition is applied first, then frequency and presence (vLLM's order).
+
+Log-probabilities (`token_logprobs`) are those of the model's raw distribution,
+log_softmax(logits), before penalties, temperature, top-k and top-p (vLLM's default): they say
+what the model thinks of each token, whatever the sampling settings drew it with.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+import math
+from typing import NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "MAX_LOGPROBS",
     "SamplingParams",
+    "TokenLogprob",
+    "apply_penalties",
+    "apply_penalties_rows",
+    "check_logprobs",
+    "check_penalties",
+    "to_token_logprobs",
+    "token_logprobs",
+    "token_stats",
     "mask_top_k",
     "mask_top_p",
     "processed_logits",
@@ -36,6 +60,7 @@ __all__ = [
 ]
 
 _NEG_INF = float("-inf")
+MAX_LOGPROBS = 20  # the most top alternatives a caller may ask for per token (the OpenAI API's limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +71,18 @@ class SamplingParams:
     top_k: keep the k highest logits (0 = off).
     top_p: nucleus threshold in (0, 1]; 1.0 = off.
     seed: seed for the caller's PRNG key (not read by the functions here, which take a key).
+    presence_penalty, frequency_penalty: in [-2, 2], 0 = off (OpenAI semantics, generated tokens).
+    repetition_penalty: > 0, 1.0 = off (HF semantics, prompt + generated tokens).
+    Penalties are applied by the caller that holds the token history (`apply_penalties`).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if not self.temperature >= 0.0:
@@ -60,10 +91,37 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative int, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (then the caller must keep token statistics)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def check_penalties(presence_penalty, frequency_penalty, repetition_penalty, owner: str = "") -> None:
+    """ValueError naming the field unless presence/frequency are finite numbers in [-2, 2] (the
+    OpenAI API's range) and repetition is a finite number > 0."""
+    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+            raise ValueError(f"{owner}{name} must be a number in [-2, 2], got {v!r}")
+    v = repetition_penalty
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0.0 and math.isfinite(v)):
+        raise ValueError(f"{owner}repetition_penalty must be a finite number > 0 (1.0 = off), got {v!r}")
+
+
+class TokenLogprob(NamedTuple):
+    """One generated token's log-probability under the model's raw distribution
+    (log_softmax of the logits, before penalties / temperature / top-k / top-p), and the top
+    alternatives `top` = ((token id, logprob), ...) best first (ties: lower id first); `top` is
+    empty when only the sampled token's logprob was asked for."""
+    logprob: float
+    top: Tuple[Tuple[int, float], ...]
 
 
 def _nucleus_keep_sorted(sorted_logits: jax.Array, p: float) -> jax.Array:
@@ -155,6 +213,74 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
         return jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1).astype(jnp.int32)
     x = processed_logits(logits, params)
     return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# penalties and log-probabilities
+
+def token_stats(ids: jax.Array, n_valid: jax.Array, vocab: int) -> jax.Array:
+    """Per-row token counts [B, V] int32 of ids[b, :n_valid[b]] (ids [B, T], n_valid [B]):
+    the histories `apply_penalties` reads (count > 0 is the seen-mask)."""
+    ids = jnp.asarray(ids, jnp.int32)
+    B, T = ids.shape
+    valid = jnp.arange(T)[None, :] < jnp.asarray(n_valid)[:, None]
+    return jnp.zeros((B, vocab), jnp.int32).at[jnp.arange(B)[:, None], ids].add(valid.astype(jnp.int32))
+
+
+def apply_penalties_rows(logits: jax.Array, gen_counts: jax.Array, prompt_seen: jax.Array,
+                         presence: jax.Array, frequency: jax.Array, repetition: jax.Array) -> jax.Array:
+    """Penalised float32 logits [B, V] with per-row parameters ([B] arrays, or scalars).
+
+    gen_counts [B, V] int: how often each token was generated so far (frequency, presence, and
+    the repetition mask); prompt_seen [B, V] bool: tokens of the prompt (repetition mask only).
+    Rows with neutral parameters (0, 0, 1) come out exactly unchanged.
+    """
+    x = jnp.asarray(logits, jnp.float32)
+    col = lambda v: jnp.reshape(jnp.asarray(v, jnp.float32), (-1, 1))
+    rep = col(repetition)
+    seen = jnp.asarray(prompt_seen, bool) | (gen_counts > 0)
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    counts = jnp.asarray(gen_counts, jnp.float32)
+    return x - col(frequency) * counts - col(presence) * (counts > 0).astype(jnp.float32)
+
+
+def apply_penalties(logits: jax.Array, gen_counts: jax.Array, prompt_seen: jax.Array,
+                    params: SamplingParams) -> jax.Array:
+    """`apply_penalties_rows` with one `SamplingParams` for every row (a no-op when none is on)."""
+    if not params.penalized:
+        return jnp.asarray(logits, jnp.float32)
+    return apply_penalties_rows(logits, gen_counts, prompt_seen, params.presence_penalty,
+                                params.frequency_penalty, params.repetition_penalty)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, n_top: int) -> Tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities under the model's raw distribution log_softmax(logits) (why raw: the
+    numbers then describe the model, not the sampling settings; vLLM's default too).
+
+    logits [B, V], tokens [B] -> (logprob of tokens [B] f32, top ids [B, n] int32, top logprobs
+    [B, n] f32), n = min(n_top, V), best first, ties lower id first (`lax.top_k`'s order).
+    """
+    lp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    tok_lp = jnp.take_along_axis(lp, jnp.asarray(tokens, jnp.int32)[:, None], axis=-1)[:, 0]
+    n = min(int(n_top), lp.shape[-1])
+    top_lp, top_ids = jax.lax.top_k(lp, n)
+    return tok_lp, top_ids.astype(jnp.int32), top_lp
+
+
+def check_logprobs(n, owner: str = "") -> None:
+    """ValueError naming the field unless n is None (off) or an int in [0, MAX_LOGPROBS]."""
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS:
+        raise ValueError(f"{owner}logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}] "
+                         f"(0: the sampled token only; N: plus the top N), got {n!r}")
+
+
+def to_token_logprobs(tok_lp, top_ids, top_lp, n: int) -> list:
+    """Host side: numpy rows of `token_logprobs` -> [TokenLogprob] keeping the top n."""
+    tok_lp, top_ids, top_lp = (jax.device_get(a) for a in (tok_lp, top_ids, top_lp))
+    return [TokenLogprob(float(tok_lp[i]), tuple((int(top_ids[i, j]), float(top_lp[i, j])) for j in range(n)))
+            for i in range(len(tok_lp))]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -329,3 +329,157 @@ def test_speculative_accept_greedy_hand_made():
     np.testing.assert_array_equal(np.asarray(n), [2, 1, 0])
     np.testing.assert_array_equal(np.asarray(nxt), [4, 5, 0])
     assert n.dtype == jnp.int32 and nxt.dtype == jnp.int32
+
+
+# --------------------------------------------------------------------------- penalties / logprobs
+
+
+def _penalties_np(logits, counts, seen, presence, frequency, repetition):
+    """Independent float64 reference, entry by entry: HF repetition over prompt + generated tokens,
+    then OpenAI frequency / presence over the generated ones."""
+    x = np.asarray(logits, np.float64).copy()
+    B, V = x.shape
+    for b in range(B):
+        for v in range(V):
+            if seen[b, v] or counts[b, v] > 0:
+                x[b, v] = x[b, v] / repetition[b] if x[b, v] > 0 else x[b, v] * repetition[b]
+            x[b, v] -= frequency[b] * counts[b, v] + presence[b] * (1.0 if counts[b, v] > 0 else 0.0)
+    return x
+
+
+def _histories(rng, B, V):
+    """Random prompt / generated token histories (with repeats) as ids, lengths, counts, seen."""
+    gen = rng.integers(0, V, (B, 30))
+    n_gen = rng.integers(0, 31, B)
+    prompt = rng.integers(0, V, (B, 12))
+    n_prompt = rng.integers(1, 13, B)
+    counts = np.stack([np.bincount(gen[b, :n_gen[b]], minlength=V) for b in range(B)])
+    seen = np.stack([np.bincount(prompt[b, :n_prompt[b]], minlength=V) > 0 for b in range(B)])
+    return gen, n_gen, prompt, n_prompt, counts, seen
+
+
+def test_penalties_match_numpy_reference():
+    from ling_jax.sampling import apply_penalties, apply_penalties_rows, token_stats
+    rng = np.random.default_rng(21)
+    B, V = 16, 50
+    gen, n_gen, prompt, n_prompt, counts, seen = _histories(rng, B, V)
+    got_counts = np.asarray(token_stats(gen, n_gen, V))
+    np.testing.assert_array_equal(got_counts, counts)
+    np.testing.assert_array_equal(np.asarray(token_stats(prompt, n_prompt, V)) > 0, seen)
+    presence, frequency = rng.uniform(-2, 2, B), rng.uniform(-2, 2, B)
+    repetition = rng.uniform(0.5, 2.0, B)
+    presence[:3], frequency[:3], repetition[:3] = 0.0, 0.0, 1.0  # neutral rows
+    x = _LOGITS
+    got = np.asarray(jax.jit(apply_penalties_rows)(x, counts, seen, presence.astype(np.float32),
+                                                   frequency.astype(np.float32), repetition.astype(np.float32)))
+    ref = _penalties_np(x, counts, seen, presence.astype(np.float32), frequency.astype(np.float32),
+                        repetition.astype(np.float32))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[:3], x[:3])  # neutral rows are untouched, bit for bit
+    assert (np.abs(got[3:] - x[3:]) > 1e-3).any(1).all()  # every other row was penalised
+    # one SamplingParams for all rows = the rows form with that row everywhere
+    sp = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3)
+    ones = np.ones(B)
+    np.testing.assert_allclose(np.asarray(apply_penalties(x, counts, seen, sp)),
+                               _penalties_np(x, counts, seen, 0.5 * ones, -0.25 * ones, 1.3 * ones),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(apply_penalties(x, counts, seen, SamplingParams())), x)
+
+
+def test_token_logprobs_are_the_raw_log_softmax_and_its_top_n():
+    from ling_jax.sampling import token_logprobs
+    x = _LOGITS
+    toks = np.random.default_rng(2).integers(0, x.shape[1], x.shape[0])
+    lp, top_ids, top_lp = jax.jit(token_logprobs, static_argnums=2)(x, toks, 20)
+    x64 = x.astype(np.float64)
+    ref = x64 - x64.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(lp), ref[np.arange(len(toks)), toks], rtol=1e-5, atol=1e-5)
+    order = np.argsort(-x64, axis=-1, kind="stable")[:, :20]
+    np.testing.assert_array_equal(np.asarray(top_ids), order)
+    np.testing.assert_allclose(np.asarray(top_lp), np.take_along_axis(ref, order, -1), rtol=1e-5, atol=1e-5)
+    assert token_logprobs(x[:, :7], toks % 7, 20)[1].shape == (x.shape[0], 7)  # N capped at the vocabulary
+
+
+def test_penalty_and_logprobs_validation_names_the_field():
+    from ling_jax.sampling import check_logprobs
+    for bad, field in ((dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3.0), "frequency_penalty"),
+                       (dict(presence_penalty=float("nan")), "presence_penalty"),
+                       (dict(repetition_penalty=0.0), "repetition_penalty"),
+                       (dict(repetition_penalty=float("inf")), "repetition_penalty")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
+    assert SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.5).penalized
+    assert not SamplingParams(temperature=1.0).penalized
+    for bad in (-1, 21, 1.5, True):
+        with pytest.raises(ValueError, match="logprobs must be None"):
+            check_logprobs(bad)
+    check_logprobs(None), check_logprobs(0), check_logprobs(20)
+
+
+# --------------------------------------------------------------------------- generate() with them
+
+_PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.6, repetition_penalty=1.4)
+
+
+def _full_logits(model, prompts, tokens):
+    """Logits of the full-sequence forward over prompt + generated tokens (no cache): [B, L, V]."""
+    from ling_jax.forward import forward
+    seqs = [list(p) + list(t) for p, t in zip(prompts, tokens)]
+    lens = np.array([len(s) for s in seqs])
+    ids = np.zeros((len(seqs), lens.max()), np.int32)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = s
+    return np.asarray(forward(model, ids, n_valid=lens)["logits"], np.float64)
+
+
+def test_generate_penalised_greedy_and_logprobs_against_reference(tiny_model, tiny_cfg):
+    """Every token of greedy decoding with penalties is the argmax of the NumPy-penalised
+    full-forward logits over its own history; logprobs are log_softmax of those raw logits. A
+    top_k=1 sampled run (the sampled path through the penalties) gives the same tokens."""
+    from ling_jax.generate import generate
+    V = tiny_cfg.vocab_size
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, V, n).tolist() for n in (3, 19)]
+    prompts[0] = [5, 5, 9]  # repeated prompt tokens
+    sp = SamplingParams(**_PENALTIES)
+    res = generate(tiny_model, prompts, 16, sampling=sp, stop_ids=(), logprobs=4)
+    logits = _full_logits(tiny_model, prompts, res.tokens)
+    raw_argmax = [logits[b, len(p) - 1:len(p) - 1 + 16].argmax(-1).tolist() for b, p in enumerate(prompts)]
+    assert sum(r != t for b in range(2) for r, t in zip(raw_argmax[b], res.tokens[b])) >= 4  # penalties acted
+    one = lambda v: np.array([v])
+    for b, (p, toks) in enumerate(zip(prompts, res.tokens)):
+        assert len(toks) == len(res.logprobs[b]) == 16
+        seen = np.bincount(p, minlength=V)[None] > 0
+        for i, t in enumerate(toks):
+            row = logits[b, len(p) - 1 + i][None]
+            counts = np.bincount(toks[:i], minlength=V)[None]
+            pen = _penalties_np(row, counts, seen, one(_PENALTIES["presence_penalty"]),
+                                one(_PENALTIES["frequency_penalty"]), one(_PENALTIES["repetition_penalty"]))
+            assert np.sort(pen[0])[-1] - np.sort(pen[0])[-2] > 1e-4  # no near-tie hides a mismatch
+            assert int(pen[0].argmax()) == t, (b, i)
+            lsm = row[0] - row[0].max() - np.log(np.exp(row[0] - row[0].max()).sum())
+            entry = res.logprobs[b][i]
+            assert abs(entry.logprob - lsm[t]) < 1e-4
+            assert [j for j, _ in entry.top] == np.argsort(-lsm, kind="stable")[:4].tolist()
+            np.testing.assert_allclose([v for _, v in entry.top], lsm[[j for j, _ in entry.top]], atol=1e-4)
+    top1 = generate(tiny_model, prompts, 16, sampling=SamplingParams(temperature=0.9, top_k=1, seed=3, **_PENALTIES),
+                    stop_ids=())
+    assert top1.tokens == res.tokens
+    with pytest.raises(ValueError, match="not supported with speculative"):
+        generate(tiny_model, prompts, 4, sampling=sp, speculative=1)
+    with pytest.raises(ValueError, match="logprobs must be None"):
+        generate(tiny_model, prompts, 4, logprobs=21)
+
+
+def test_generate_logprobs_speculative_equal_plain(tiny_model):
+    """Speculative greedy emits the plain tokens; their logprobs (from the verify logits) agree."""
+    from ling_jax.generate import generate
+    prompts = [[1, 2, 3, 4, 5], [17, 3]]
+    plain = generate(tiny_model, prompts, 10, stop_ids=(), logprobs=2)
+    spec = generate(tiny_model, prompts, 10, stop_ids=(), logprobs=2, speculative=2)
+    assert spec.tokens == plain.tokens
+    for a, b in zip(plain.logprobs, spec.logprobs):
+        assert len(a) == len(b) == 10
+        np.testing.assert_allclose([e.logprob for e in a], [e.logprob for e in b], atol=1e-4)
+        assert [[j for j, _ in e.top] for e in a] == [[j for j, _ in e.top] for e in b]

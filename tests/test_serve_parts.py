@@ -146,7 +146,7 @@ def test_engine_policy_stress_with_a_stub_model(tiny_model):
     with everything free; preemptions happen and every request ends."""
     eng = Engine(tiny_model, max_slots=3, page_size=4, num_pages=9, prefill_chunk=8, prefill_rows=2,
                  max_seq_len=36)
-    fake = lambda params, pools, inp: (pools, np.ones(len(inp.rows), np.int32))
+    fake = lambda params, pools, inp: (pools, np.ones(len(inp.rows), np.int32), None)  # no logprobs asked
     eng._prefill = eng._decode = fake
     rng = np.random.default_rng(0)
     handles = []

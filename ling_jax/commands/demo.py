@@ -7,11 +7,23 @@ blocks + scales, index, tokenizer). Its held-out perplexity and MTP acceptance l
 `ling_jax/demo_model/demo_results.json` and the README. If the directory is missing (a stripped
 install), a small random-weight checkpoint with the same features is written once into the cache
 directory instead, so every code path still runs.
+
+Sampling defaults (`DEMO_SAMPLING`): greedy decoding of a 4M-parameter model falls into loops
+(`import os` continued by `import sys` 26 times), so the demo samples at temperature 0.7 with
+top-p 0.9 and a frequency penalty of 0.3, seed 0 (reproducible). On five prompts × 100 tokens
+this lifts the distinct-line ratio from 0.38 (greedy) to 0.97 (`tests/test_demo_model.py`
+checks it). A repetition penalty helps less for code, where `self`, brackets and indentation
+repeat by nature. `--greedy` gives plain greedy decoding (no penalties) back.
 """
 from __future__ import annotations
 
 import os
 import sys
+
+from ling_jax.commands.common import finite_float, non_negative_float, non_negative_int
+
+# temperature, top_p, frequency_penalty, seed: why these, see the module docstring
+DEMO_SAMPLING = dict(temperature=0.7, top_p=0.9, frequency_penalty=0.3, seed=0)
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")
 
@@ -38,9 +50,35 @@ def add_parser(sub):
     p = sub.add_parser("demo", help="generate text with the small demo model")
     p.add_argument("--prompt", default="def ")
     p.add_argument("--max-new-tokens", type=int, default=40)
-    p.add_argument("--speculative", type=int, default=0, metavar="K")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="MTP drafts per step (1..3; implies no penalties unless given)")
+    p.add_argument("--greedy", action="store_true", help="plain greedy decoding, no penalties (loops on this model)")
+    d = DEMO_SAMPLING
+    p.add_argument("--temperature", type=non_negative_float, default=None, help=f"default {d['temperature']}")
+    p.add_argument("--top-p", type=non_negative_float, default=None, help=f"default {d['top_p']}")
+    p.add_argument("--top-k", type=non_negative_int, default=0)
+    p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--presence-penalty", type=finite_float, default=0.0)
+    p.add_argument("--frequency-penalty", type=finite_float, default=None,
+                   help=f"default {d['frequency_penalty']} ({0.0} with --greedy or --speculative)")
+    p.add_argument("--repetition-penalty", type=finite_float, default=1.0)
     p.add_argument("--json", action="store_true")
     return p
+
+
+def sampling_args(args) -> list:
+    """The `ling-jax generate` flags for the demo's sampling: DEMO_SAMPLING where not given;
+    --greedy: temperature 0 and (unless given) no frequency penalty; --speculative: no penalty
+    unless given (penalties do not combine with speculation)."""
+    d = DEMO_SAMPLING
+    plain = args.greedy or args.speculative > 0
+    temp = 0.0 if args.greedy and args.temperature is None else args.temperature
+    temp = d["temperature"] if temp is None else temp
+    freq = args.frequency_penalty if args.frequency_penalty is not None else (0.0 if plain else d["frequency_penalty"])
+    out = ["--temperature", str(temp), "--top-p", str(d["top_p"] if args.top_p is None else args.top_p),
+           "--top-k", str(args.top_k), "--seed", str(args.seed), "--presence-penalty", str(args.presence_penalty),
+           "--frequency-penalty", str(freq), "--repetition-penalty", str(args.repetition_penalty)]
+    return out + (["--greedy"] if args.greedy else [])
 
 
 def run(args) -> int:
@@ -53,7 +91,7 @@ def run(args) -> int:
     ns = gen.add_parser(_Sub()).parse_args(["--checkpoint", ckpt, "--prompt", args.prompt,
                                              "--max-new-tokens", str(args.max_new_tokens),
                                              "--speculative", str(args.speculative)]
-                                            + (["--json"] if args.json else []))
+                                            + sampling_args(args) + (["--json"] if args.json else []))
     if not args.json:
         print(args.prompt, end="", flush=True)
     return gen.run(ns)

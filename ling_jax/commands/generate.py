@@ -6,8 +6,8 @@ import sys
 
 from ling_jax.commands.common import (add_kernel_flags, add_long_context_flag, add_value_check_flag,
                                       apply_value_check_flag, check_cache_fits, check_context_length, check_ids,
-                                      checkpoint_config, generate_cache_bytes, non_negative_float, non_negative_int,
-                                      parse_ids, positive_int)
+                                      checkpoint_config, finite_float, generate_cache_bytes, non_negative_float,
+                                      non_negative_int, parse_ids, positive_int)
 
 
 def add_parser(sub):
@@ -23,6 +23,10 @@ def add_parser(sub):
     p.add_argument("--top-p", type=non_negative_float, default=1.0, help="nucleus threshold in (0, 1]")
     p.add_argument("--top-k", type=non_negative_int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    add_penalty_flags(p)
+    p.add_argument("--logprobs", type=non_negative_int, default=None, metavar="N",
+                   help="with --json: each new token's logprob and the top N (<= 20) alternatives, of the "
+                        "model's raw distribution (before penalties, temperature, top-k, top-p)")
     p.add_argument("--speculative", type=int, default=0, metavar="K", help="MTP drafts per step (1..3)")
     p.add_argument("--stop-ids", default=None, help="comma-separated stop token ids (default: EOS ids)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
@@ -37,6 +41,19 @@ def add_parser(sub):
     from sharding import add_distributed_args
     add_distributed_args(p)
     return p
+
+
+def add_penalty_flags(p, presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0) -> None:
+    """--presence-penalty / --frequency-penalty (OpenAI semantics, [-2, 2]) and --repetition-penalty
+    (HF semantics, > 0, 1 = off); the defaults are the caller's (the demo's differ)."""
+    p.add_argument("--presence-penalty", type=finite_float, default=presence,
+                   help=f"in [-2, 2]: subtracted from the logit of every token generated so far (default {presence})")
+    p.add_argument("--frequency-penalty", type=finite_float, default=frequency,
+                   help=f"in [-2, 2]: times each token's count among the generated tokens, subtracted "
+                        f"(default {frequency})")
+    p.add_argument("--repetition-penalty", type=finite_float, default=repetition,
+                   help=f"> 0 (1 = off): logits of prompt and generated tokens divided (positive) or "
+                        f"multiplied (negative) by it (default {repetition})")
 
 
 def _default_dtype() -> str:
@@ -88,8 +105,19 @@ def run(args) -> int:
     check_cache_fits(need, f"--max-new-tokens {args.max_new_tokens}")  # before anything is allocated
     check_context_length(total, cfg, args.allow_long_context, "--max-new-tokens")
     apply_value_check_flag(args)
-    sampling = SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed)
+    try:
+        sampling = SamplingParams(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p,
+                                  seed=args.seed, presence_penalty=args.presence_penalty,
+                                  frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+    except ValueError as e:
+        raise ValueError(f"--{str(e).split(' ')[0].replace('_', '-')}: {e}") from None
+    if args.logprobs is not None and not args.json:
+        raise ValueError("--logprobs needs --json (the values are printed in the JSON object)")
+    if args.logprobs is not None and args.logprobs > 20:
+        raise ValueError(f"--logprobs must be <= 20, got {args.logprobs}")
+    if args.speculative and sampling.penalized:
+        raise ValueError("--presence-penalty / --frequency-penalty / --repetition-penalty do not combine with "
+                         "--speculative")
     model, mesh = load_for_args(args, with_mtp=args.speculative > 0)
     if mesh is not None and jax_process_count() > 1:
         raise ValueError("--mesh: generate runs sharded within one process (use `logits` for multi-process runs)")
@@ -101,7 +129,7 @@ def run(args) -> int:
     if not args.json and tok is not None:
         stream = _Printer(tok)
     res = generate(model, [ids], args.max_new_tokens, sampling=sampling, speculative=args.speculative,
-                   stop_ids=stop, stream=stream, kv_cache_dtype=kv,
+                   stop_ids=stop, stream=stream, kv_cache_dtype=kv, logprobs=args.logprobs,
                    exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
     new = res.tokens[0]
     if args.json:
@@ -110,6 +138,8 @@ def run(args) -> int:
             out["text"] = tok.decode(new)
         if args.speculative:
             out["acceptance_length"] = res.acceptance_length
+        if args.logprobs is not None:
+            out["logprobs"] = [{"logprob": t.logprob, "top": [[i, v] for i, v in t.top]} for t in res.logprobs[0]]
         print(json.dumps(out))
     elif tok is None:
         print(",".join(map(str, new)))

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
-from ling_jax.sampling import SamplingParams
+from ling_jax.sampling import SamplingParams, TokenLogprob, check_logprobs, check_penalties
 from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, ProgramShape, make_link
 from ling_jax.serve.pools import PageAllocator, describe, init_pools, plan_pools
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
@@ -42,16 +42,27 @@ from ling_jax.serve.step import RowSampling, StepInputs, make_step_fns
 class RequestParams:
     """Per-request settings. temperature 0 = greedy; top_k 0 = off; top_p 1 = off; seed: the
     request's own random stream (token n draws with fold_in(key(seed), n)); stop_ids: None = the
-    config's EOS ids, () = none; max_tokens: new tokens at most (the stop token counts)."""
+    config's EOS ids, () = none; max_tokens: new tokens at most (the stop token counts).
+    presence_penalty / frequency_penalty in [-2, 2] (OpenAI semantics, over the generated tokens),
+    repetition_penalty > 0 (HF semantics, over prompt + generated tokens; 1 = off): see
+    `ling_jax.sampling`. logprobs: None = off, 0 = each token's logprob, N <= 20 = plus the top N,
+    under the model's raw distribution (before penalties / temperature / top-k / top-p); the
+    handle's `logprobs` list is aligned with `generated`."""
     max_tokens: int = 16
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
     stop_ids: Optional[tuple] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None
 
     def __post_init__(self):
         SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)  # same checks, same messages
+        check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, "RequestParams.")
+        check_logprobs(self.logprobs, "RequestParams.")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"RequestParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not 0 <= int(self.seed) < 2 ** 32:
@@ -77,6 +88,12 @@ class RequestHandle:
     @property
     def generated(self) -> list:
         return list(self._req.generated)
+
+    @property
+    def logprobs(self) -> list:
+        """Per generated token (aligned with `generated`): a `TokenLogprob`, or None when the
+        request did not ask for logprobs."""
+        return list(self._req.logprobs)
 
     @property
     def finished(self) -> bool:
@@ -194,12 +211,12 @@ class Engine:
 
     def _warmup_round(self, S: int, R: int) -> None:
         for w in self.widths:
-            self.pools, _ = self._decode(self.params, self.pools, self._inputs(
-                np.arange(S), np.zeros((S, 1), np.int32), np.zeros(S, np.int32), [None] * S, w))
+            self.pools = self._decode(self.params, self.pools, self._inputs(
+                np.arange(S), np.zeros((S, 1), np.int32), np.zeros(S, np.int32), [None] * S, w))[0]
         for T in self.buckets:
-            self.pools, _ = self._prefill(self.params, self.pools,
-                                          self._inputs(np.full(R, S), np.zeros((R, T), np.int32),
-                                                       np.zeros(R, np.int32), [None] * R))
+            self.pools = self._prefill(self.params, self.pools,
+                                       self._inputs(np.full(R, S), np.zeros((R, T), np.int32),
+                                                    np.zeros(R, np.int32), [None] * R))[0]
 
     # -- multi-host (serve/multihost.py) ----------------------------------------------------
     @property
@@ -215,7 +232,7 @@ class Engine:
                                "process 0 drives submit() / step()")
         programs = {OP_DECODE: self._decode.program, OP_PREFILL: self._prefill.program}
         for op, inputs in self._link.messages():
-            self.pools, _ = programs[op](self.params, self.pools, inputs)
+            self.pools = programs[op](self.params, self.pools, inputs)[0]
 
     def shutdown(self) -> None:
         """Process 0: release the followers (their `follow()` returns); the engine runs no more
@@ -276,17 +293,27 @@ class Engine:
         n = len(reqs)
         temp, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
         seed, n_gen, lengths = np.zeros(n, np.uint32), np.zeros(n, np.int32), np.zeros(n, np.int32)
+        presence, frequency, repetition = np.zeros(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32)
+        prompt_len, logprobs = np.zeros(n, np.int32), np.zeros(n, bool)
         for i, r in enumerate(reqs):
             if r is not None:
                 p = r.params
                 temp[i], top_k[i], top_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.seed
                 n_gen[i], lengths[i] = len(r.generated), r.n_fed
+                presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+                prompt_len[i], logprobs[i] = len(r.prompt), p.logprobs is not None
         bt = self.alloc.block_rows([None if r is None else r.slot for r in reqs])[:, :width]
         return StepInputs(np.asarray(rows, np.int32), ids, n_valid, lengths, bt,
-                          RowSampling(temp, top_k, top_p, seed, n_gen))
+                          RowSampling(temp, top_k, top_p, seed, n_gen, presence, frequency, repetition,
+                                      prompt_len, logprobs))
 
-    def _emit(self, req: Request, tok: int, out: dict) -> None:
+    def _emit(self, req: Request, tok: int, out: dict, lp=None, i: int = 0) -> None:
+        """Record req's new token; lp: the step's logprob arrays (numpy), row i is req's."""
         req.generated.append(tok)
+        n = req.params.logprobs
+        req.logprobs.append(None if n is None else
+                            TokenLogprob(float(lp[0][i]), tuple((int(lp[1][i, j]), float(lp[2][i, j]))
+                                                                for j in range(n))))
         self.tokens_generated += 1
         out.setdefault(self._handles[req.id], []).append(tok)
         if tok in req.stop:
@@ -310,12 +337,12 @@ class Engine:
                 ids[r.slot, 0], n_valid[r.slot] = r.generated[-1], 1
             held = max(len(self.alloc.pages[r.slot]) for r in plan.decode)
             width = next(w for w in self.widths if w >= held)
-            self.pools, tok = self._decode(self.params, self.pools,
-                                           self._inputs(np.arange(S), ids, n_valid, reqs, width))
-            tok = np.asarray(tok)
+            self.pools, tok, lp = self._decode(self.params, self.pools,
+                                               self._inputs(np.arange(S), ids, n_valid, reqs, width))
+            tok, lp = np.asarray(tok), _host_logprobs(lp, plan.decode)
             for r in plan.decode:
                 r.n_fed += 1
-                self._emit(r, int(tok[r.slot]), out)
+                self._emit(r, int(tok[r.slot]), out, lp, r.slot)
         if plan.prefill:
             R = self.prefill_rows
             need = max(n for _, n in plan.prefill)
@@ -325,13 +352,13 @@ class Engine:
             for i, (r, n) in enumerate(plan.prefill):
                 reqs[i], rows[i] = r, r.slot
                 ids[i, :n], n_valid[i] = r.feed[r.n_fed:r.n_fed + n], n
-            self.pools, tok = self._prefill(self.params, self.pools, self._inputs(rows, ids, n_valid, reqs))
-            tok = np.asarray(tok)
+            self.pools, tok, lp = self._prefill(self.params, self.pools, self._inputs(rows, ids, n_valid, reqs))
+            tok, lp = np.asarray(tok), _host_logprobs(lp, [r for r, _ in plan.prefill])
             for i, (r, n) in enumerate(plan.prefill):
                 r.n_fed += n
                 self.prompt_tokens_fed += n
                 if r.n_fed == len(r.feed):
-                    self._emit(r, int(tok[i]), out)
+                    self._emit(r, int(tok[i]), out, lp, i)
         self.steps += 1
         for h, toks in out.items():
             if h._on_tokens is not None:
@@ -376,6 +403,11 @@ class Engine:
             "preemptions": self.sched.preemptions,
             "steps": self.steps,
         }
+
+
+def _host_logprobs(lp, reqs):
+    """The step's logprob arrays on the host, fetched only when one of its requests asked."""
+    return tuple(np.asarray(a) for a in lp) if any(r.params.logprobs is not None for r in reqs) else None
 
 
 def _replicated_like(params):

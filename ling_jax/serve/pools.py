@@ -31,6 +31,7 @@ from ling_jax.kda import kda_zero_state
 from ling_jax.layer_stack import layer_plan
 from ling_jax.mla import PagedMLACache
 from ling_jax.model import HybridCache
+from ling_jax.serve.token_stats import TokenStats, init_token_stats, stats_bytes_per_slot
 
 GIB = 1024 ** 3
 
@@ -39,10 +40,12 @@ class Pools(NamedTuple):
     """layers: per block, per run: KDAState with arrays [repeats, n, max_slots, ...] or
     PagedMLACache (block_table None) with pages [repeats, n, num_pages, page_size, ...];
     mtp: the MTP layer's PagedMLACache [num_pages, page_size, ...] or None;
-    hidden: [max_slots, D] final-normed hidden of each slot's last processed token."""
+    hidden: [max_slots, D] final-normed hidden of each slot's last processed token;
+    stats: per-slot token statistics for the penalties (`token_stats.TokenStats`)."""
     layers: tuple
     mtp: Optional[PagedMLACache]
     hidden: jax.Array
+    stats: Optional[TokenStats] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +75,7 @@ def _byte_costs(cfg: LingConfig, dtype, with_mtp: bool) -> tuple[int, int, dict]
     cb = cache_bytes(cfg, cache_dtype_bytes=item, state_dtype_bytes=4, conv_dtype_bytes=item)
     per_token = cb["mla_bytes_per_token_with_mtp"] if with_mtp else cb["mla_bytes_per_token"]
     slot = (cb["kda_state_bytes_per_sequence"] + cb["kda_conv_state_bytes_per_sequence"]
-            + cfg.hidden_size * item)
+            + cfg.hidden_size * item + stats_bytes_per_slot(cfg.vocab_size))
     return per_token, slot, cb
 
 
@@ -119,8 +122,9 @@ def describe(cfg: LingConfig, sizes: PoolSizes, dtype) -> str:
         f" = {pages / GIB:.4f} GiB ({sizes.num_pages * sizes.page_size} tokens in all)",
         f"  slots: {sizes.max_slots} x ({cb['num_kda_layers']} KDA layers x "
         f"({cb['kda_state_bytes_per_sequence_per_layer']} B state + "
-        f"{cb['kda_conv_state_bytes_per_sequence_per_layer']} B conv) + {cfg.hidden_size * jnp.dtype(dtype).itemsize} B hidden)"
-        f" = {slots / GIB:.4f} GiB",
+        f"{cb['kda_conv_state_bytes_per_sequence_per_layer']} B conv) + {cfg.hidden_size * jnp.dtype(dtype).itemsize} B hidden"
+        f" + {stats_bytes_per_slot(cfg.vocab_size)} B token stats (int32 counts + bool prompt mask x {cfg.vocab_size}"
+        f" vocab, for the penalties)) = {slots / GIB:.4f} GiB",
         f"  total {sizes.total_bytes / GIB:.4f} GiB; one request holds at most {sizes.max_seq_len} tokens "
         f"({sizes.max_blocks} pages)",
     ])
@@ -140,7 +144,8 @@ def init_pools(cfg: LingConfig, sizes: PoolSizes, dtype) -> Pools:
 
     layers = tuple(tuple(stacked((lambda: kda_zero_state(cfg, S, dtype)) if run.attn == KDA else paged, b, r)
                          for r, run in enumerate(b.runs)) for b in layer_plan(cfg))
-    return Pools(layers, paged() if sizes.with_mtp else None, jnp.zeros((S, cfg.hidden_size), dtype))
+    return Pools(layers, paged() if sizes.with_mtp else None, jnp.zeros((S, cfg.hidden_size), dtype),
+                 init_token_stats(S, cfg.vocab_size))
 
 
 def as_cache(cfg: LingConfig, pools: Pools, block_table: jax.Array, lengths: jax.Array,
@@ -188,7 +193,7 @@ def with_cache(cfg: LingConfig, pools: Pools, cache: HybridCache, rows: jax.Arra
                 runs.append(new._replace(block_table=None))
         layers.append(tuple(runs))
     mtp = None if cache.mtp is None else cache.mtp._replace(block_table=None)
-    return Pools(tuple(layers), mtp, pools.hidden)
+    return pools._replace(layers=tuple(layers), mtp=mtp)
 
 
 class PageAllocator:

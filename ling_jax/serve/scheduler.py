@@ -48,6 +48,7 @@ class Request:
     age: int = -1
     finish_reason: Optional[str] = None
     preemptions: int = 0
+    logprobs: list = dataclasses.field(default_factory=list)  # per generated token: TokenLogprob or None
 
 
 @dataclasses.dataclass

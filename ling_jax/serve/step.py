@@ -21,19 +21,27 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
-from ling_jax.sampling import request_keys, sample_rows
+from ling_jax.sampling import MAX_LOGPROBS, request_keys, sample_rows, token_logprobs
+from ling_jax.serve.token_stats import gather_stats, penalize_rows, scatter_stats, update_rows
 from ling_jax.serve.pools import Pools, as_cache, with_cache
 
 
 class RowSampling(NamedTuple):
     """Per-row sampling parameters ([R] arrays): temperature f32 (0 = greedy), top_k int32 (0 =
     off), top_p f32, seed uint32, n_gen int32 (index of the token being drawn: its random stream
-    is fold_in(key(seed), n_gen))."""
+    is fold_in(key(seed), n_gen)); presence / frequency / repetition f32 penalties (0, 0, 1 = off),
+    prompt_len int32 (fed positions below it are prompt tokens, see `token_stats`), logprobs bool
+    (the row wants log-probabilities). The last five None = no penalties, no logprobs."""
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     seed: jax.Array
     n_gen: jax.Array
+    presence: jax.Array | None = None
+    frequency: jax.Array | None = None
+    repetition: jax.Array | None = None
+    prompt_len: jax.Array | None = None
+    logprobs: jax.Array | None = None
 
 
 class StepInputs(NamedTuple):
@@ -87,16 +95,35 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, gather
     hid = _take_last(out["hidden"], inp.n_valid)
     logits = model.logits(hid, ex)
     s = inp.sampling
-    tok = sample_rows(logits, request_keys(s.seed, s.n_gen), s.temperature, s.top_k, s.top_p)
+    stats, x = pools.stats, logits
+    if stats is not None and s.prompt_len is not None:
+        rs = gather_stats(stats, inp.rows) if gather_rows else stats
+        rs = update_rows(rs, inp.ids, inp.n_valid, inp.lengths, s.prompt_len, fresh)
+        x = penalize_rows(logits, rs, s.presence, s.frequency, s.repetition)
+        stats = scatter_stats(stats, inp.rows, rs) if gather_rows else rs
+    tok = sample_rows(x, request_keys(s.seed, s.n_gen), s.temperature, s.top_k, s.top_p)
     hid = jnp.where((inp.n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
     new_pools = with_cache(cfg, pools, new_cache, rows)
     hidden = (pools.hidden.at[inp.rows].set(hid.astype(pools.hidden.dtype), mode="drop") if gather_rows
               else hid.astype(pools.hidden.dtype))
-    return new_pools._replace(hidden=hidden), tok
+    return new_pools._replace(hidden=hidden, stats=stats), tok, _row_logprobs(logits, tok, s.logprobs)
+
+
+def _row_logprobs(logits, tok, wanted):
+    """(sampled token's logprob [R], top ids [R, N], top logprobs [R, N]), N = min(MAX_LOGPROBS, V),
+    of the model's raw distribution (`sampling.token_logprobs`): fixed shapes whatever each row
+    asked for (the host keeps its N); zeros, without the softmax and top-k, when no row asked."""
+    R, V = logits.shape
+    n = min(MAX_LOGPROBS, V)
+    zeros = lambda: (jnp.zeros((R,), jnp.float32), jnp.zeros((R, n), jnp.int32), jnp.zeros((R, n), jnp.float32))
+    if wanted is None:
+        return zeros()
+    return jax.lax.cond(jnp.any(wanted), lambda: token_logprobs(logits, tok, n), zeros)
 
 
 def make_step_fns(graphdef, ex: ExecConfig):
-    """(prefill, decode): jitted `(params, pools, StepInputs) -> (pools, tokens [R])`, pools donated.
+    """(prefill, decode): jitted `(params, pools, StepInputs) -> (pools, tokens [R], logprobs)`,
+    pools donated; logprobs = `_row_logprobs`' triple.
 
     prefill runs the chunked KDA scan over the gathered rows; decode the recurrent KDA step over
     every slot (rows = arange(max_slots), nothing gathered). Each call of one function object with

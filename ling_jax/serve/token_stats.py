@@ -1,0 +1,87 @@
+"""Per-slot token statistics on the device, for presence / frequency / repetition penalties.
+
+Why on the device, inside the compiled step: a penalty changes every logit of a token the
+sequence has seen, so the step needs, per slot, how often each token was generated and which
+tokens the prompt holds; sending that from the host each step would cost [slots, V] transfers.
+
+`TokenStats` (part of the `Pools` pytree, rows = slots):
+* gen_counts [max_slots, V] int32: how often each token was generated (frequency, presence);
+* prompt_seen [max_slots, V] bool: the tokens of the prompt (repetition, with gen_counts > 0).
+Memory: 5·V bytes per slot (`stats_bytes_per_slot`), e.g. 0.75 MiB at V = 157,184.
+
+Maintenance is exact and needs no host bookkeeping: the statistics are rebuilt from the tokens
+each step *feeds*. A fed token at sequence position p (p = lengths + t) is a prompt token when
+p < prompt_len, else a generated one (the engine feeds generated tokens back one by one while
+decoding, and prompt + generated tokens when it recomputes a preempted request). A row starting
+a new sequence (lengths == 0, `fresh`) is cleared first, so nothing of a slot's previous owner
+survives and a recompute rebuilds the statistics exactly. So before the step samples token n,
+the row holds the counts of tokens 0..n-1 and its prompt's seen-mask, as `generate` does.
+(A prefix-cache hit that starts a new sequence at lengths > 0 without feeding the cached
+prompt tokens would have to clear and seed the rows itself.)
+
+An all-neutral batch costs one scatter of the fed ids and nothing else: clearing and the
+penalty arithmetic run under `lax.cond`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ling_jax.sampling import apply_penalties_rows
+
+
+class TokenStats(NamedTuple):
+    """gen_counts [S, V] int32 generated-token counts; prompt_seen [S, V] bool prompt tokens."""
+    gen_counts: jax.Array
+    prompt_seen: jax.Array
+
+
+def stats_bytes_per_slot(vocab_size: int) -> int:
+    """int32 counts + bool seen-mask per vocabulary entry."""
+    return vocab_size * (4 + 1)
+
+
+def init_token_stats(max_slots: int, vocab_size: int) -> TokenStats:
+    return TokenStats(jnp.zeros((max_slots, vocab_size), jnp.int32), jnp.zeros((max_slots, vocab_size), bool))
+
+
+def update_rows(stats: TokenStats, ids: jax.Array, n_valid: jax.Array, lengths: jax.Array,
+                prompt_len: jax.Array, fresh: jax.Array) -> TokenStats:
+    """Rows' statistics [R, V] after feeding ids [R, T] (n_valid [R] real, starting at sequence
+    position lengths [R]); rows with fresh [R] are cleared first."""
+    counts, seen = stats
+    R, T = ids.shape
+    V = counts.shape[-1]
+    counts, seen = jax.lax.cond(
+        jnp.any(fresh), lambda: (jnp.where(fresh[:, None], 0, counts), jnp.where(fresh[:, None], False, seen)),
+        lambda: (counts, seen))
+    t = jnp.arange(T)[None, :]
+    valid = t < n_valid[:, None]
+    in_prompt = (lengths[:, None] + t) < prompt_len[:, None]
+    r = jnp.arange(R)[:, None]
+    counts = counts.at[r, ids].add((valid & ~in_prompt).astype(jnp.int32))
+    seen = seen.at[r, jnp.where(valid & in_prompt, ids, V)].set(True, mode="drop")
+    return TokenStats(counts, seen)
+
+
+def penalize_rows(logits: jax.Array, stats: TokenStats, presence: jax.Array, frequency: jax.Array,
+                  repetition: jax.Array) -> jax.Array:
+    """float32 logits [R, V] with each row's penalties (`sampling.apply_penalties_rows`); a batch
+    whose rows are all neutral (0, 0, 1) skips the arithmetic."""
+    x = jnp.asarray(logits, jnp.float32)
+    neutral = (presence == 0.0) & (frequency == 0.0) & (repetition == 1.0)
+    return jax.lax.cond(jnp.all(neutral), lambda: x,
+                        lambda: apply_penalties_rows(x, stats.gen_counts, stats.prompt_seen, presence,
+                                                     frequency, repetition))
+
+
+def gather_stats(stats: TokenStats, rows: jax.Array) -> TokenStats:
+    """Rows of the slots `rows` [R] (index max_slots = padding: clipped on read)."""
+    return TokenStats(*(jnp.take(x, rows, axis=0, mode="clip") for x in stats))
+
+
+def scatter_stats(stats: TokenStats, rows: jax.Array, new: TokenStats) -> TokenStats:
+    """Inverse of `gather_stats` (padding rows dropped)."""
+    return TokenStats(*(x.at[rows].set(n, mode="drop") for x, n in zip(stats, new)))

@@ -1,0 +1,278 @@
+"""The FastAPI application: OpenAI's routes over an `EngineDriver`.
+
+    app = create_app(driver, info, api_key=None)   # then serve it with uvicorn (`runner`)
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics, POST /tokenize, POST /detokenize. Streaming responses are server-sent events in
+OpenAI's chunk format (framed by `fastapi.sse.format_sse_event`), ending with `data: [DONE]`.
+With an api key, everything but /health and /metrics needs `Authorization: Bearer KEY` (checked
+before the body is read, so a bad body without the key is a 401, not a 400).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import time
+import uuid
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from fastapi.sse import format_sse_event
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ling_jax.server.driver import EngineDriver
+from ling_jax.server.errors import APIError, error_response, install_error_handlers
+from ling_jax.server.generation import ChoiceRun, Delta
+from ling_jax.server.metrics import ServerMetrics
+from ling_jax.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                      ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+                                      ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs,
+                                      CompletionRequest, CompletionResponse, DetokenizeRequest, ModelCard,
+                                      ModelList, TokenizeRequest, TopLogprob, Usage)
+from ling_jax.server.requests import (ModelInfo, chat_plans, check_ids, check_model, completion_plans,
+                                      tokenize_ids)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2 ** 20
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+class APIKeyMiddleware:
+    """ASGI middleware: 401 (OpenAI error JSON) unless `Authorization: Bearer <key>` matches."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.key.encode()):
+                response = error_response(401, "missing or wrong API key (send Authorization: Bearer <key>)",
+                                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """ASGI middleware: a request body over the limit gets a 413 in OpenAI's error JSON: at once when
+    its Content-Length says so, else (a chunked body) as soon as the bytes read pass the limit: the
+    receive wrapper raises an HTTPException, which the app's handlers turn into the JSON."""
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app, self.limit = app, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            response = error_response(413, f"request body of {int(length)} bytes exceeds the limit of "
+                                           f"{self.limit} bytes", code="request_too_large")
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise StarletteHTTPException(413)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class _Formatter:
+    """Token strings and logprob objects in the two endpoints' formats."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def token(self, tid: int) -> str:
+        return self.tok.decode([int(tid)], skip_special_tokens=False)
+
+    def completion_logprobs(self, ids, lps, top: int, offset: int) -> Optional[CompletionLogprobs]:
+        out = CompletionLogprobs(top_logprobs=[] if top else None)
+        for tid, lp in zip(ids, lps):
+            s = self.token(tid)
+            out.tokens.append(s)
+            out.token_logprobs.append(None if lp is None else float(lp.logprob))
+            out.text_offset.append(offset)
+            offset += len(s)
+            if top:
+                out.top_logprobs.append(None if lp is None else {self.token(t): float(v) for t, v in lp.top})
+        return out
+
+    def chat_logprobs(self, ids, lps) -> ChatLogprobs:
+        content = []
+        for tid, lp in zip(ids, lps):
+            if lp is None:
+                continue
+            s = self.token(tid)
+            tops = [TopLogprob(token=self.token(t), logprob=float(v), bytes=list(self.token(t).encode()))
+                    for t, v in lp.top]
+            content.append(ChatTokenLogprob(token=s, logprob=float(lp.logprob), bytes=list(s.encode()),
+                                            top_logprobs=tops))
+        return ChatLogprobs(content=content)
+
+
+def _sse(payload) -> bytes:
+    return format_sse_event(data_str=payload if isinstance(payload, str) else payload.model_dump_json())
+
+
+async def _collect(run: ChoiceRun, n: int, request: Request) -> list[Delta]:
+    """Every choice's deltas joined (the non-streamed response is built from the same pieces)."""
+    merged = [Delta(i) for i in range(n)]
+    try:
+        async for d in run.deltas(request.is_disconnected):
+            m = merged[d.index]
+            m.text += d.text
+            m.token_ids += d.token_ids
+            m.logprobs += d.logprobs
+            m.finish_reason = d.finish_reason or m.finish_reason
+    finally:
+        run.close()
+    return merged
+
+
+def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, owns_driver: bool = True) -> FastAPI:
+    """The server's ASGI app. The driver is started (if not yet) at start-up and, when the app owns
+    it, stopped at shutdown (requests still running then finish with "abort")."""
+    metrics = ServerMetrics(lambda: driver.stats, lambda: driver.in_flight)
+    fmt = _Formatter(info.tokenizer)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        driver.start()
+        yield
+        if owns_driver:
+            driver.stop()
+
+    app = FastAPI(title="ling-jax", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.driver, app.state.info, app.state.metrics = driver, info, metrics
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    if api_key:  # added last = runs first: no key, no reading of the body
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    def usage(prompt_tokens: int, run: ChoiceRun) -> Usage:
+        c = run.completion_tokens
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=c, total_tokens=prompt_tokens + c)
+
+    @app.get("/health")
+    async def health():
+        if not driver.alive:
+            return error_response(503, f"engine not running: {driver.failed or 'stopped'}", code="engine_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=info.name, created=created, max_model_len=info.max_seq_len)])
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_model(info, req.model)
+        ids = tokenize_ids(info, req.prompt, req.messages, req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": info.max_seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(info, req.model)
+        check_ids(info, req.tokens, "tokens")
+        return {"prompt": info.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(info, req.model)
+        plans, n_prompt = completion_plans(info, req)
+        run = ChoiceRun(driver, info.tokenizer, metrics, plans)
+        rid, top = f"cmpl-{uuid.uuid4().hex}", req.logprobs or 0
+        offsets = [0] * len(plans)
+
+        def choice(d: Delta, final: bool = False) -> CompletionChoice:
+            lp = None
+            if req.logprobs is not None:
+                lp = fmt.completion_logprobs(d.token_ids, d.logprobs, top, offsets[d.index])
+                offsets[d.index] += sum(len(t) for t in lp.tokens)
+            return CompletionChoice(index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason,
+                                    token_ids=d.token_ids if req.return_token_ids else None)
+
+        run.start()
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def events():
+                try:
+                    async for d in run.deltas(request.is_disconnected):
+                        if d.text or d.finish_reason or (d.token_ids and (req.logprobs is not None or
+                                                                          req.return_token_ids)):
+                            yield _sse(CompletionChunk(id=rid, created=created, model=info.name, choices=[choice(d)]))
+                    if include_usage:
+                        yield _sse(CompletionChunk(id=rid, created=created, model=info.name, choices=[],
+                                                   usage=usage(n_prompt, run)))
+                except APIError as e:  # after the stream has begun: an error event, as OpenAI sends
+                    yield _sse(json.dumps(e.body()))
+                finally:
+                    run.close()
+                yield _sse("[DONE]")
+            return StreamingResponse(events(), media_type="text/event-stream")
+        merged = await _collect(run, len(plans), request)
+        return CompletionResponse(id=rid, created=created, model=info.name, choices=[choice(m) for m in merged],
+                                  usage=usage(n_prompt, run))
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        check_model(info, req.model)
+        plans, n_prompt = chat_plans(info, req)
+        run = ChoiceRun(driver, info.tokenizer, metrics, plans)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        want_lp = req.logprobs
+
+        def lps(d: Delta) -> Optional[ChatLogprobs]:
+            return fmt.chat_logprobs(d.token_ids, d.logprobs) if want_lp else None
+
+        def ids(d: Delta):
+            return d.token_ids if req.return_token_ids else None
+
+        run.start()
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            def chunk(choices, use=None):
+                return _sse(ChatCompletionChunk(id=rid, created=created, model=info.name, choices=choices,
+                                                usage=use))
+
+            async def events():
+                try:
+                    for i in range(len(plans)):
+                        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                    async for d in run.deltas(request.is_disconnected):
+                        if d.text or d.finish_reason or (d.token_ids and (want_lp or req.return_token_ids)):
+                            yield chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text or None),
+                                                         logprobs=lps(d), finish_reason=d.finish_reason,
+                                                         token_ids=ids(d))])
+                    if include_usage:
+                        yield chunk([], usage(n_prompt, run))
+                except APIError as e:  # after the stream has begun: an error event, as OpenAI sends
+                    yield _sse(json.dumps(e.body()))
+                finally:
+                    run.close()
+                yield _sse("[DONE]")
+            return StreamingResponse(events(), media_type="text/event-stream")
+        merged = await _collect(run, len(plans), request)
+        return ChatCompletionResponse(
+            id=rid, created=created, model=info.name, usage=usage(n_prompt, run),
+            choices=[ChatChoice(index=m.index, message=AssistantMessage(content=m.text), logprobs=lps(m),
+                                finish_reason=m.finish_reason, token_ids=ids(m)) for m in merged])
+
+    return app

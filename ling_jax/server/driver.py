@@ -1,0 +1,190 @@
+"""The engine driver: one thread owns the `Engine` and is the only caller of submit/cancel/step.
+
+Why a thread: the engine is single-threaded and `step()` blocks for a whole device step, while
+the HTTP side is an asyncio event loop that must keep answering (health checks, bad requests,
+other streams) meanwhile. Handlers hand `Submission`s to the driver through a thread-safe command
+queue; the driver delivers `TokenEvent`s back through each submission's `sink`, a callable that
+must be safe to call from the driver thread (the server's sink is `loop.call_soon_threadsafe` into
+an `asyncio.Queue`). Between steps the driver applies every queued command, so a cancel frees its
+slot and pages before the next step.
+
+The queue is bounded: `try_reserve(n)` admits n more requests only while the requests in flight
+(queued in the engine or running) stay within `capacity` (slots + `max_queue`); the server
+answers 429 otherwise, so an overload never grows memory without bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from typing import Callable, Optional
+
+from ling_jax.serve import Engine, RequestHandle, RequestParams
+
+log = logging.getLogger("ling_jax.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """What the driver tells a submission: new tokens (with their logprobs when asked for), then
+    once `finish_reason` ("stop" / "length" / "abort"); or an `error` (then nothing else)."""
+    tokens: tuple = ()
+    logprobs: Optional[tuple] = None
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    status: int = 400  # the HTTP status an error maps to (400: the engine refused the request)
+
+
+@dataclasses.dataclass(eq=False)
+class Submission:
+    """One engine request: prompt ids, its parameters, and where its events go."""
+    prompt_ids: list
+    params: RequestParams
+    sink: Callable[[TokenEvent], None]
+    handle: Optional[RequestHandle] = None
+    done: bool = False
+
+
+class EngineDriver:
+    """Runs the engine loop on its own thread (see the module docstring).
+
+    max_queue: requests allowed to wait for a slot beyond the engine's max_slots.
+    on_exit: called on the driver thread after the loop ends (multi-host: `engine.shutdown`).
+    """
+
+    def __init__(self, engine: Engine, max_queue: int = 64, on_exit: Callable[[], None] | None = None,
+                 idle_wait_s: float = 0.05):
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
+        self.engine = engine
+        self.capacity = engine.sizes.max_slots + max_queue
+        self.stats = engine.stats()  # refreshed after every step; read by /metrics and /health
+        self.failed: Optional[str] = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._live: set[Submission] = set()
+        self._on_exit = on_exit
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._loop, name="ling-jax-engine-driver", daemon=True)
+        self._stopping = False
+
+    # -- called from any thread -----------------------------------------------------------------
+    def start(self) -> "EngineDriver":
+        """Start the loop (idempotent)."""
+        with self._lock:
+            if self._thread.ident is None:
+                self._thread.start()
+        return self
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failed is None
+
+    def try_reserve(self, n: int) -> bool:
+        """Take n places of the bounded queue; False (nothing taken) when they do not fit."""
+        with self._lock:
+            if self._stopping or self.failed is not None or self._in_flight + n > self.capacity:
+                return False
+            self._in_flight += n
+            return True
+
+    def submit(self, sub: Submission) -> None:
+        """Queue a submission (its place must have been reserved with `try_reserve`)."""
+        self._commands.put(("submit", sub))
+
+    def cancel(self, sub: Submission) -> None:
+        self._commands.put(("cancel", sub))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop: requests still in flight get finish_reason "abort"; then on_exit runs."""
+        with self._lock:
+            self._stopping = True
+        self._commands.put(("stop", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the driver thread ----------------------------------------------------------------------
+    def _release(self, sub: Submission) -> None:
+        if not sub.done:
+            sub.done = True
+            self._live.discard(sub)
+            with self._lock:
+                self._in_flight -= 1
+
+    def _deliver(self, sub: Submission, event: TokenEvent) -> None:
+        try:
+            sub.sink(event)
+        except Exception:  # a sink whose event loop has closed: the client is gone
+            log.debug("dropped an event for a closed sink", exc_info=True)
+
+    def _on_tokens(self, sub: Submission, handle: RequestHandle, toks: list) -> None:
+        lps = getattr(handle, "logprobs", None)
+        wanted = getattr(sub.params, "logprobs", None) is not None
+        lps = tuple(lps[-len(toks):]) if wanted and lps is not None else None
+        finish = handle.finish_reason if handle.finished else None
+        if finish is not None:
+            self._release(sub)
+        self._deliver(sub, TokenEvent(tuple(int(t) for t in toks), lps, finish))
+
+    def _apply(self, kind: str, sub: Optional[Submission]) -> bool:
+        """Apply one command; False when it is the stop command."""
+        if kind == "stop":
+            return False
+        if kind == "submit":
+            try:
+                sub.handle = self.engine.submit(sub.prompt_ids, sub.params,
+                                                on_tokens=lambda h, t, s=sub: self._on_tokens(s, h, t))
+                self._live.add(sub)
+            except (ValueError, TypeError) as e:
+                self._release(sub)
+                self._deliver(sub, TokenEvent(error=str(e)))
+        elif kind == "cancel" and not sub.done:
+            if sub.handle is not None:
+                self.engine.cancel(sub.handle)
+            self._release(sub)
+        return True
+
+    def _loop(self) -> None:
+        running = True
+        try:
+            while running:
+                try:  # block briefly only when the engine has nothing to do
+                    wait = not self.engine.has_work()
+                    cmd = self._commands.get(timeout=self._idle_wait_s) if wait else self._commands.get_nowait()
+                    running = self._apply(*cmd)
+                    while running:
+                        running = self._apply(*self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if running and self.engine.has_work():
+                    self.engine.step()
+                self.stats = self.engine.stats()  # after cancels too, which free slots without a step
+        except Exception as e:  # an engine failure: fail every request, report unhealthy, stop
+            log.exception("engine step failed")
+            self.failed = f"{type(e).__name__}: {e}"
+            for sub in list(self._live):
+                self._release(sub)
+                self._deliver(sub, TokenEvent(error="internal engine error", status=503))
+        finally:
+            while True:  # submissions that never reached the engine
+                try:
+                    kind, sub = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit" and not sub.done:
+                    self._release(sub)
+                    self._deliver(sub, TokenEvent(finish_reason="abort"))
+            for sub in list(self._live):
+                if sub.handle is not None and not sub.handle.finished:
+                    self.engine.cancel(sub.handle)
+                self._release(sub)
+                self._deliver(sub, TokenEvent(finish_reason="abort"))
+            self.stats = self.engine.stats()
+            if self._on_exit is not None:
+                self._on_exit()
