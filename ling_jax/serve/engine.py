@@ -15,7 +15,9 @@ Compile bound: the decode program has one shape ([max_slots, 1]) per block-table
 width); the prefill program one per token bucket ([prefill_rows, T], T in `buckets`: powers of
 two up to `prefill_chunk`). `warmup()`
 runs each once on padding rows (which change nothing), so afterwards no request of any length
-within `max_seq_len` compiles anything (`compiled_shapes()` counts them).
+within `max_seq_len` compiles anything (`compiled_shapes()` counts them). With `speculative=K`
+the speculative program (`speculative.py`: [max_slots, K+1] verify) takes decode's place, one
+per width.
 """
 from __future__ import annotations
 

@@ -108,18 +108,20 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     s = inp.sampling
     base = request_keys(s.seed, s.n_gen)
     draft_ex = ex.replace(kda_states=False, skip_logits=False)
-    # 1. drafts: MTP slot P-1+j pairs the j-th input token with the hidden before it
-    tok, h, mtp = inp.ids[:, 0], pools.hidden, cache.mtp
-    drafts, draft_logits = [], []
-    for j in range(k):
-        write = active if j == 0 else (j < n_drafts)
+    # 1. drafts: MTP slot P-1+j pairs the j-th input token with the hidden before it. A scan over j,
+    #    so the MTP layer is compiled once, not K times.
+    def draft(carry, j):
+        tok, h, mtp = carry
+        write = jnp.where(j == 0, active, j < n_drafts)
         lg, zm, mtp = model.mtp_forward(tok[:, None], h[:, None], mtp, P - 1 + j, write.astype(jnp.int32), draft_ex)
         lg = lg[:, 0]
-        d = sample_rows(lg, _fold(base, 1 + j), s.temperature, s.top_k, s.top_p)
-        drafts.append(d)
-        draft_logits.append(lg)
-        tok, h = d, zm[:, 0]
-    drafts, draft_logits = jnp.stack(drafts, 1), jnp.stack(draft_logits, 1)  # [S,k], [S,k,V]
+        keys = jax.vmap(jax.random.fold_in)(base, jnp.broadcast_to(1 + j, (S,)))
+        d = sample_rows(lg, keys, s.temperature, s.top_k, s.top_p)
+        return (d, zm[:, 0].astype(h.dtype), mtp), (d, lg)
+
+    (_, _, mtp), (drafts, draft_logits) = jax.lax.scan(draft, (inp.ids[:, 0], pools.hidden, cache.mtp),
+                                                       jnp.arange(k))
+    drafts, draft_logits = drafts.T, jnp.swapaxes(draft_logits, 0, 1)  # [S,k], [S,k,V]
     # 2. verify [pending, d_1..d_k], every per-token KDA state kept for the rollback
     feed = jnp.concatenate([inp.ids[:, :1], drafts], axis=1)
     out = model(feed, cache._replace(mtp=None), inp.n_valid,
