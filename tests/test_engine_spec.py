@@ -18,6 +18,8 @@ from ling_jax.mla import paged_gather
 from ling_jax.model import init_cache, layer_cache
 from ling_jax.sampling import SamplingParams
 from ling_jax.serve import Engine, RequestParams
+from ling_jax.serve.pools import PageAllocator, plan_pools
+from ling_jax.serve.scheduler import DECODE, PREFILL, Request, Scheduler
 from ling_jax.serve.speculative import MAX_SPECULATIVE
 
 PAGE, MAX_SEQ, MAX_NEW, N_REQ = 8, 80, 20, 14
@@ -168,7 +170,7 @@ def test_kda_state_after_rollback_equals_plain(engine_for, model, tiny_cfg):
     req = h._req
     found = False
     for _ in range(60):
-        drafts = eng.sched.drafts_for(req) if req.state == "decode" else None
+        drafts = eng.sched.drafts_for(req) if req.state == DECODE else None
         n0 = req.n_fed
         eng.step()
         if drafts and 1 <= req.n_fed - n0 - 1 < drafts:
@@ -220,7 +222,7 @@ def test_seeded_sampled_request_alone_busy_and_preempted(engine_for, reference, 
 
     def preempt_it(step, handles):
         req = handles[4]._req if handles[4] is not None else None
-        if not preempted and req is not None and req.state == "decode" and len(req.generated) >= 2:
+        if not preempted and req is not None and req.state == DECODE and len(req.generated) >= 2:
             eng.sched.preempt(req)
             preempted.append(len(req.generated))
 
@@ -244,7 +246,7 @@ def test_cancel_and_no_leak_with_speculation(engine_for, reference):
     eng.cancel(handles[9])  # still queued
     for _ in range(4):
         eng.step()
-    running = [h for h in handles[:9] if not h.finished and h._req.state == "decode"]
+    running = [h for h in handles[:9] if not h.finished and h._req.state == DECODE]
     assert running
     eng.cancel(running[0])
     eng.run_until_done()
@@ -297,3 +299,27 @@ def test_speculative_argument_checks(model, tiny_cfg, tiny_params):
     assert "speculative decode (K=2: [2, 3] verify)" in eng.describe()
     st = eng.stats()
     assert (st["spec_steps"], st["spec_accepted_tokens"], st["spec_acceptance_length"]) == (0, 0, 0.0)  # no verify yet
+
+
+def test_scheduler_speculative_pages_and_recompute_feed(tiny_cfg):
+    """Host policy alone: a decoding request gets pages for 1 + drafts tokens, drafts cut by the
+    remaining max_tokens; a preempted request is recomputed without its last token (pending)."""
+    sizes = plan_pools(tiny_cfg, jnp.float32, max_slots=2, page_size=4, num_pages=6, max_seq_len=24)
+    sch = Scheduler(PageAllocator(sizes), 2, prefill_chunk=8, prefill_rows=1, speculative=3)
+    a = Request(0, [1, 2, 3], RequestParams(max_tokens=6), frozenset())
+    sch.queue.append(a)
+    plan = sch.schedule()
+    assert plan.prefill == [(a, 3)] and sch.feed_of(a) == [1, 2, 3]
+    a.n_fed, a.state, a.generated = 3, DECODE, [7]
+    assert sch.drafts_for(a) == 3
+    plan = sch.schedule()
+    assert plan.decode == [a] and len(sch.alloc.pages[a.slot]) == 2  # 3 fed + 1 pending + 3 drafts = 7
+    a.n_fed, a.generated = 6, [7, 8, 9, 10]
+    assert sch.drafts_for(a) == 1  # 2 tokens left: 1 draft + the token after it
+    a.generated = [7, 8, 9, 10, 11]
+    assert sch.drafts_for(a) == 0
+    sch.preempt(a)
+    plan = sch.schedule()
+    assert a.state == PREFILL and a.feed == [1, 2, 3, 7, 8, 9, 10] and sch.holds_pending(a)
+    plain = Scheduler(PageAllocator(sizes), 2, prefill_chunk=8, prefill_rows=1)
+    assert plain.feed_of(a) == [1, 2, 3, 7, 8, 9, 10, 11] and plain.drafts_for(a) == 0

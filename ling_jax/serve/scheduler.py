@@ -108,6 +108,8 @@ class Scheduler:
         emits at most its remaining max_tokens (it emits drafts + 1 at most). Why cut here: then
         the verify writes only positions below prompt + max_tokens <= max_seq_len, inside the
         pages a request may hold."""
+        if not self.speculative:
+            return 0
         return max(0, min(self.speculative, req.params.max_tokens - len(req.generated) - 1))
 
     def feed_of(self, req: Request) -> list:
