@@ -15,7 +15,9 @@ Compile bound: the decode program has one shape ([max_slots, 1]) per block-table
 width); the prefill program one per token bucket ([prefill_rows, T], T in `buckets`: powers of
 two up to `prefill_chunk`). `warmup()`
 runs each once on padding rows (which change nothing), so afterwards no request of any length
-within `max_seq_len` compiles anything (`compiled_shapes()` counts them).
+within `max_seq_len` compiles anything (`compiled_shapes()` counts them). With `speculative=K`
+the speculative program (`speculative.py`: [max_slots, K+1] verify) takes decode's place, one
+per width.
 
 Multi-host (`serve/multihost.py`): every process builds the same Engine; process 0 drives it as
 above and broadcasts each program call; processes > 0 call `follow()` until process 0's `shutdown()`.
@@ -32,9 +34,10 @@ from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
 from ling_jax.sampling import SamplingParams, TokenLogprob, check_logprobs, check_penalties
-from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, ProgramShape, make_link
+from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_SPEC, ProgramShape, make_link
 from ling_jax.serve.pools import PageAllocator, describe, init_pools, plan_pools
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
+from ling_jax.serve.speculative import MAX_SPECULATIVE, make_spec_fn
 from ling_jax.serve.step import RowSampling, StepInputs, make_step_fns
 
 
@@ -140,13 +143,16 @@ class Engine:
     with_mtp: keep the MTP layer's pages filled too (for speculative decoding; default: the
     model has an MTP layer); exec: how to run (default `model.exec`); buckets: prefill widths
     (default `token_buckets(prefill_chunk)`); widths: decode block-table widths in pages (default
-    `decode_widths(max_blocks, 256 // page_size)`; the prefill program always reads all max_blocks).
+    `decode_widths(max_blocks, 256 // page_size)`; the prefill program always reads all max_blocks);
+    speculative: MTP drafts verified per decode step, 0 (off) … `MAX_SPECULATIVE` (needs the MTP
+    layer and with_mtp; the speculative program then replaces decode, one per width; README).
     """
 
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
                  cache_memory_gib: float | None = None, prefill_chunk: int = 64, prefill_rows: int = 2,
                  max_seq_len: int | None = None, with_mtp: bool | None = None, exec: ExecConfig | None = None,
-                 buckets: Sequence[int] | None = None, widths: Sequence[int] | None = None):
+                 buckets: Sequence[int] | None = None, widths: Sequence[int] | None = None,
+                 speculative: int = 0):
         cfg = model.cfg
         self.cfg = cfg
         if num_pages is None and cache_memory_gib is None:
@@ -157,6 +163,7 @@ class Engine:
         with_mtp = (model.mtp is not None) if with_mtp is None else bool(with_mtp)
         if with_mtp and model.mtp is None:
             raise ValueError("Engine with_mtp=True needs the MTP layer, and this model has none")
+        _check_speculative(speculative, model, with_mtp)
         self.sizes = plan_pools(cfg, model.dtype, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
                                 cache_memory_gib=cache_memory_gib, max_seq_len=max_seq_len, with_mtp=with_mtp)
         if self.sizes.max_seq_len > self.sizes.num_pages * page_size:
@@ -178,12 +185,20 @@ class Engine:
         # each shape and every later call on one compiled program.
         self.pools = jax.device_put(self.pools, _replicated_like(self.params))
         self.alloc = PageAllocator(self.sizes)
-        self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows)
+        self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, speculative=speculative)
         self._prefill, self._decode = make_step_fns(self.graphdef, self.exec)
+        self.speculative = speculative
+        self._spec = make_spec_fn(self.graphdef, self.exec, speculative) if speculative else None
+        self.spec_steps = 0          # speculative program calls
+        self.spec_rounds = 0         # verify rounds (one per decoding slot per call)
+        self.spec_accepted = 0       # drafts accepted
+        self.spec_drafted = 0        # drafts verified
         self._link = make_link(self._padding_inputs, self._program_shapes())
         if self._link is not None:  # multi-process: process 0 broadcasts each program call (serve/multihost.py)
             self._prefill = self._link.wrap(OP_PREFILL, self._prefill)
             self._decode = self._link.wrap(OP_DECODE, self._decode)
+            if self._spec is not None:
+                self._spec = self._link.wrap(OP_SPEC, self._spec)
         self._ids = itertools.count()
         self._handles: dict[int, RequestHandle] = {}
         self.steps = 0
@@ -193,8 +208,10 @@ class Engine:
     # -- start-up ------------------------------------------------------------------------------
     def describe(self) -> str:
         """Start-up report: pool sizes with their byte arithmetic, and the compiled shapes."""
+        decode = (f"speculative decode (K={self.speculative}: [{self.sizes.max_slots}, {self.speculative + 1}] "
+                  f"verify)" if self.speculative else f"decode [{self.sizes.max_slots}, 1]")
         return (describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n"
-                f"  compiled shapes: decode [{self.sizes.max_slots}, 1] over block-table widths "
+                f"  compiled shapes: {decode} over block-table widths "
                 f"{list(self.widths)}; prefill [{self.prefill_rows}, T] for T in {list(self.buckets)}")
 
     def warmup(self) -> None:
@@ -211,7 +228,8 @@ class Engine:
 
     def _warmup_round(self, S: int, R: int) -> None:
         for w in self.widths:
-            self.pools = self._decode(self.params, self.pools, self._inputs(
+            program = self._spec if self.speculative else self._decode  # speculative replaces decode
+            self.pools = program(self.params, self.pools, self._inputs(
                 np.arange(S), np.zeros((S, 1), np.int32), np.zeros(S, np.int32), [None] * S, w))[0]
         for T in self.buckets:
             self.pools = self._prefill(self.params, self.pools,
@@ -231,6 +249,8 @@ class Engine:
             raise RuntimeError("Engine.follow() is for processes > 0 of a multi-process run (jax.distributed); "
                                "process 0 drives submit() / step()")
         programs = {OP_DECODE: self._decode.program, OP_PREFILL: self._prefill.program}
+        if self._spec is not None:
+            programs[OP_SPEC] = self._spec.program
         for op, inputs in self._link.messages():
             self.pools = programs[op](self.params, self.pools, inputs)[0]
 
@@ -243,18 +263,20 @@ class Engine:
     def _program_shapes(self) -> list:
         """Every (op, T, W) the engine runs: decode [S, 1] per width, prefill [R, T] per bucket."""
         mb = self.sizes.max_blocks
-        return ([ProgramShape(OP_DECODE, 1, w) for w in self.widths]
+        dec = OP_SPEC if self.speculative else OP_DECODE
+        return ([ProgramShape(dec, 1, w) for w in self.widths]
                 + [ProgramShape(OP_PREFILL, t, mb) for t in self.buckets])
 
     def _padding_inputs(self, op: int, tokens: int, width: int) -> StepInputs:
         """A StepInputs of program `op`'s shapes on padding rows (the followers' unpacking template)."""
         S = self.sizes.max_slots
-        n, rows = (S, np.arange(S)) if op == OP_DECODE else (self.prefill_rows, np.full(self.prefill_rows, S))
+        n, rows = (S, np.arange(S)) if op in (OP_DECODE, OP_SPEC) else (self.prefill_rows, np.full(self.prefill_rows, S))
         return self._inputs(rows, np.zeros((n, tokens), np.int32), np.zeros(n, np.int32), [None] * n, width)
 
     def compiled_shapes(self) -> int:
         """How many programs the step functions hold (len(widths) + len(buckets) after warmup)."""
-        return self._prefill._cache_size() + self._decode._cache_size()
+        return (self._prefill._cache_size() + self._decode._cache_size()
+                + (self._spec._cache_size() if self._spec is not None else 0))
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: RequestParams = RequestParams(),
@@ -272,6 +294,8 @@ class Engine:
         if len(prompt) + params.max_tokens > self.sizes.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} exceeds the "
                              f"engine's max_seq_len={self.sizes.max_seq_len}")
+        if self.speculative:
+            _check_speculative_params(params)
         stop = self.cfg.eos_token_id if params.stop_ids is None else params.stop_ids
         req = Request(next(self._ids), prompt, params, frozenset(int(s) for s in stop))
         self.sched.queue.append(req)
@@ -329,7 +353,9 @@ class Engine:
         plan = self.sched.schedule()
         out: dict = {}
         S = self.sizes.max_slots
-        if plan.decode:
+        if plan.decode and self.speculative:
+            self._spec_decode(plan.decode, out)
+        elif plan.decode:
             reqs = [None] * S
             ids, n_valid = np.zeros((S, 1), np.int32), np.zeros(S, np.int32)
             for r in plan.decode:
@@ -357,7 +383,9 @@ class Engine:
             for i, (r, n) in enumerate(plan.prefill):
                 r.n_fed += n
                 self.prompt_tokens_fed += n
-                if r.n_fed == len(r.feed):
+                if r.n_fed == len(r.feed) and self.sched.holds_pending(r):
+                    r.state = DECODE  # a speculative recompute: its pending token decodes next
+                elif r.n_fed == len(r.feed):
                     self._emit(r, int(tok[i]), out, lp, i)
         self.steps += 1
         for h, toks in out.items():
@@ -367,6 +395,33 @@ class Engine:
             if h.finished:
                 self._handles.pop(h.id, None)
         return out
+
+    def _spec_decode(self, decode: list, out: dict) -> None:
+        """One speculative step for the decoding requests (pages for 1 + drafts tokens each were
+        ensured by the scheduler): every slot's emitted run goes through the stop / max_tokens
+        rules token by token, so a stop inside an accepted run ends it there."""
+        S = self.sizes.max_slots
+        reqs = [None] * S
+        ids, n_valid = np.zeros((S, 1), np.int32), np.zeros(S, np.int32)
+        for r in decode:
+            reqs[r.slot] = r
+            ids[r.slot, 0], n_valid[r.slot] = r.generated[-1], 1 + self.sched.drafts_for(r)
+        held = max(len(self.alloc.pages[r.slot]) for r in decode)
+        width = next(w for w in self.widths if w >= held)
+        self.pools, emitted, n_emit = self._spec(self.params, self.pools,
+                                                 self._inputs(np.arange(S), ids, n_valid, reqs, width))
+        emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
+        self.spec_steps += 1
+        for r in decode:
+            n = int(n_emit[r.slot])
+            self.spec_rounds += 1
+            self.spec_accepted += n - 1
+            self.spec_drafted += int(n_valid[r.slot]) - 1
+            r.n_fed += n
+            for t in emitted[r.slot, :n]:
+                self._emit(r, int(t), out)
+                if r.state == DONE:
+                    break
 
     def has_work(self) -> bool:
         return bool(self.sched.queue) or any(s is not None for s in self.sched.slots)
@@ -402,12 +457,36 @@ class Engine:
             "prompt_tokens_fed": self.prompt_tokens_fed,
             "preemptions": self.sched.preemptions,
             "steps": self.steps,
+            "spec_steps": self.spec_steps,
+            "spec_accepted_tokens": self.spec_accepted,
+            "spec_acceptance_length": (self.spec_accepted + self.spec_rounds) / max(self.spec_rounds, 1),
         }
+
+
+def _check_speculative_params(params: "RequestParams") -> None:
+    """What the speculative program does not do yet, refused by field name: penalties (they would
+    depend on the tokens drafted inside a round) and logprobs (the verify pass does not return them)."""
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(params, name) != neutral:
+            raise ValueError(f"RequestParams.{name}={getattr(params, name)!r} is not supported with speculative "
+                             f"decoding (Engine speculative > 0); use {neutral} or an engine without speculation")
+    if params.logprobs is not None:
+        raise ValueError("RequestParams.logprobs is not supported with speculative decoding (Engine speculative > 0)")
 
 
 def _host_logprobs(lp, reqs):
     """The step's logprob arrays on the host, fetched only when one of its requests asked."""
     return tuple(np.asarray(a) for a in lp) if any(r.params.logprobs is not None for r in reqs) else None
+
+
+def _check_speculative(speculative, model, with_mtp: bool) -> None:
+    if not isinstance(speculative, int) or isinstance(speculative, bool) or not 0 <= speculative <= MAX_SPECULATIVE:
+        raise ValueError(f"Engine speculative must be an int in [0, {MAX_SPECULATIVE}] (MTP drafts per decode "
+                         f"step, 0 = off), got {speculative!r}")
+    if speculative and model.mtp is None:
+        raise ValueError("Engine speculative > 0 needs the MTP layer, and this model has none")
+    if speculative and not with_mtp:
+        raise ValueError("Engine speculative > 0 needs with_mtp=True (the MTP pages it drafts from)")
 
 
 def _replicated_like(params):

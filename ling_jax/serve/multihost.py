@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 
 from ling_jax.serve.step import StepInputs
 
-OP_SHUTDOWN, OP_DECODE, OP_PREFILL = 0, 1, 2
+OP_SHUTDOWN, OP_DECODE, OP_PREFILL, OP_SPEC = 0, 1, 2, 3
 HEADER = 4  # op, T, W, call number
 
 

@@ -18,6 +18,12 @@ Policy (one `schedule()` call per engine step):
    waiting prefill resumes when pages come back).
 4. If nothing can run while requests hold slots (every page held by half-fed prompts), the
    youngest is preempted and the plan made again, so the engine never stalls.
+
+Speculative decoding (`speculative` = K > 0): a decoding request verifies 1 + `drafts_for(req)`
+tokens per step, so step 2 gets pages for all of them; and a preempted request is recomputed
+from its prompt and all but its last generated token, which stays pending (`feed_of`): its next
+verify step then starts at the same token index with the same pending token as without the
+preemption, so its random draws do not depend on preemptions either.
 """
 from __future__ import annotations
 
@@ -59,8 +65,10 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_slots: int, prefill_chunk: int, prefill_rows: int):
+    def __init__(self, allocator: PageAllocator, max_slots: int, prefill_chunk: int, prefill_rows: int,
+                 speculative: int = 0):
         self.alloc = allocator
+        self.speculative = speculative
         self.slots: list[Optional[Request]] = [None] * max_slots
         self.queue: collections.deque[Request] = collections.deque()
         self.prefill_chunk = prefill_chunk
@@ -95,11 +103,32 @@ class Scheduler:
             self.queue.remove(req)
         req.state, req.finish_reason = DONE, reason
 
+    # -- speculative decoding ------------------------------------------------------------------
+    def drafts_for(self, req: Request) -> int:
+        """Drafts the request verifies in its next decode step: `speculative`, cut so that the step
+        emits at most its remaining max_tokens (it emits drafts + 1 at most). Why cut here: then
+        the verify writes only positions below prompt + max_tokens <= max_seq_len, inside the
+        pages a request may hold."""
+        if not self.speculative:
+            return 0
+        return max(0, min(self.speculative, req.params.max_tokens - len(req.generated) - 1))
+
+    def feed_of(self, req: Request) -> list:
+        """The tokens to prefill on (re)admission: the prompt and the generated tokens; with
+        speculation the last generated token stays pending (see the module docstring)."""
+        gen = list(req.generated)
+        return list(req.prompt) + (gen[:-1] if self.speculative and gen else gen)
+
+    def holds_pending(self, req: Request) -> bool:
+        """True when the request's fed tokens leave its last generated token pending (a
+        speculative recompute): finishing its prefill then emits nothing, it decodes on."""
+        return len(req.feed) < len(req.prompt) + len(req.generated)
+
     # -- policy --------------------------------------------------------------------------------
     def _admit(self) -> None:
         while self.queue and None in self.slots:
             req = self.queue[0]
-            feed = list(req.prompt) + list(req.generated)
+            feed = self.feed_of(req)
             if self.alloc.pages_for(len(feed) + 1) > len(self.alloc.free):
                 break
             self.queue.popleft()
@@ -116,7 +145,7 @@ class Scheduler:
             for req in self.running():
                 if req.state != DECODE or req.slot is None:
                     continue
-                while not self.alloc.ensure(req.slot, req.n_fed + 1):
+                while not self.alloc.ensure(req.slot, req.n_fed + 1 + self.drafts_for(req)):
                     victim = self.running()[-1]
                     self.preempt(victim)
                     if victim is req:
