@@ -297,6 +297,12 @@ def test_speculative_argument_checks(model, tiny_cfg, tiny_params):
         Engine(no_mtp, speculative=2, **kw)
     eng = Engine(model, speculative=2, **kw)
     assert "speculative decode (K=2: [2, 3] verify)" in eng.describe()
+    # what the verify program does not do is refused by field name, and nothing is queued
+    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2),
+                         ("logprobs", 0)):
+        with pytest.raises(ValueError, match=f"RequestParams.{field}.*not supported with speculative"):
+            eng.submit([1, 2, 3], RequestParams(max_tokens=2, **{field: value}))
+    assert not eng.sched.queue
     st = eng.stats()
     assert (st["spec_steps"], st["spec_accepted_tokens"], st["spec_acceptance_length"]) == (0, 0, 0.0)  # no verify yet
 
