@@ -29,8 +29,10 @@ from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
 from ling_jax.sampling import SamplingParams
-from ling_jax.serve.pools import PageAllocator, describe, init_pools, plan_pools
+from ling_jax.serve.pools import GIB, PageAllocator, describe, init_pools, plan_pools
+from ling_jax.serve.prefix_cache import PrefixCache
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
+from ling_jax.serve.snapshots import DEFAULT_BUDGET_FRACTION, SnapshotPool, plan_snapshots
 from ling_jax.serve.step import RowSampling, StepInputs, make_step_fns
 
 
@@ -120,12 +122,16 @@ class Engine:
     model has an MTP layer); exec: how to run (default `model.exec`); buckets: prefill widths
     (default `token_buckets(prefill_chunk)`); widths: decode block-table widths in pages (default
     `decode_widths(max_blocks, 256 // page_size)`; the prefill program always reads all max_blocks).
+    prefix_cache: keep an exact prefix cache (shared pages + KDA snapshots, prefix_cache.py);
+    prefix_cache_memory_gib: its byte budget (pages + snapshots; default `DEFAULT_BUDGET_FRACTION`
+    of the page pool), which also sizes the snapshot pool (`snapshots.plan_snapshots`).
     """
 
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
                  cache_memory_gib: float | None = None, prefill_chunk: int = 64, prefill_rows: int = 2,
                  max_seq_len: int | None = None, with_mtp: bool | None = None, exec: ExecConfig | None = None,
-                 buckets: Sequence[int] | None = None, widths: Sequence[int] | None = None):
+                 buckets: Sequence[int] | None = None, widths: Sequence[int] | None = None,
+                 prefix_cache: bool = True, prefix_cache_memory_gib: float | None = None):
         cfg = model.cfg
         self.cfg = cfg
         if num_pages is None and cache_memory_gib is None:
@@ -157,7 +163,8 @@ class Engine:
         # each shape and every later call on one compiled program.
         self.pools = jax.device_put(self.pools, _replicated_like(self.params))
         self.alloc = PageAllocator(self.sizes)
-        self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows)
+        self.prefix, self.snapshots = self._make_prefix_cache(prefix_cache, prefix_cache_memory_gib, model.dtype)
+        self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, self.prefix)
         self._prefill, self._decode = make_step_fns(self.graphdef, self.exec)
         self._ids = itertools.count()
         self._handles: dict[int, RequestHandle] = {}
@@ -165,12 +172,36 @@ class Engine:
         self.tokens_generated = 0
         self.prompt_tokens_fed = 0
 
+    def _make_prefix_cache(self, enabled: bool, budget_gib: float | None, dtype):
+        """(PrefixCache, SnapshotPool), or (None, None) when off."""
+        if not enabled:
+            return None, None
+        budget, rows = plan_snapshots(self.sizes, self.prefill_chunk, budget_gib)
+        self._prefix_budget_given = budget_gib is not None
+        snapshots = SnapshotPool(self.cfg, self.sizes, rows, dtype, self.prefill_rows, _replicated_like(self.params))
+        cache = PrefixCache(self.alloc, num_snapshots=rows, page_bytes=self.sizes.page_bytes,
+                            snapshot_bytes=self.sizes.slot_bytes, budget_bytes=budget,
+                            lookahead=1 if self.sizes.with_mtp else 0)
+        return cache, snapshots
+
     # -- start-up ------------------------------------------------------------------------------
     def describe(self) -> str:
         """Start-up report: pool sizes with their byte arithmetic, and the compiled shapes."""
-        return (describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n"
+        return (describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n" + self._describe_prefix() +
                 f"  compiled shapes: decode [{self.sizes.max_slots}, 1] over block-table widths "
                 f"{list(self.widths)}; prefill [{self.prefill_rows}, T] for T in {list(self.buckets)}")
+
+    def _describe_prefix(self) -> str:
+        if self.prefix is None:
+            return "  prefix cache: off\n"
+        pc, sz = self.prefix, self.sizes
+        given = ("prefix_cache_memory_gib" if self._prefix_budget_given else
+                 f"{DEFAULT_BUDGET_FRACTION} x the page pool")
+        chunk_pages = max(1, self.prefill_chunk // sz.page_size)
+        return (f"  prefix cache: budget {pc.budget_bytes / GIB:.4f} GiB ({given}) for cached pages "
+                f"({sz.page_bytes} B each, from the page pool) + snapshots ({sz.slot_bytes} B each);\n"
+                f"    snapshot pool: {pc.num_snapshots} rows = budget // ({sz.slot_bytes} + {chunk_pages} pages x "
+                f"{sz.page_bytes}) (one per prefill chunk) = {self.snapshots.bytes / GIB:.4f} GiB beside the pools\n")
 
     def warmup(self) -> None:
         """Compile every step shape now, on padding rows that change no state."""
@@ -180,6 +211,8 @@ class Engine:
         # records that signature, no compilation)
         for _ in range(2):
             self._warmup_round(S, R)
+            if self.snapshots is not None:
+                self.pools = self.snapshots.warmup(self.pools)
 
     def _warmup_round(self, S: int, R: int) -> None:
         for w in self.widths:
@@ -191,8 +224,10 @@ class Engine:
                                                        np.zeros(R, np.int32), [None] * R))
 
     def compiled_shapes(self) -> int:
-        """How many programs the step functions hold (len(widths) + len(buckets) after warmup)."""
-        return self._prefill._cache_size() + self._decode._cache_size()
+        """How many programs the step functions hold (len(widths) + len(buckets) after warmup),
+        plus the prefix cache's two copy programs."""
+        extra = self.snapshots.compiled_shapes() if self.snapshots is not None else 0
+        return self._prefill._cache_size() + self._decode._cache_size() + extra
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: RequestParams = RequestParams(),
@@ -255,6 +290,8 @@ class Engine:
         """One engine step: admit, decode one token for every decoding slot, feed one prefill
         chunk. Returns {handle: [new tokens]} (finished handles included, their last tokens)."""
         plan = self.sched.schedule()
+        if self.prefix is not None:  # hits admitted by schedule(): their slots' KDA rows and page copies
+            self.pools = self.snapshots.restore(self.pools, self.prefix.take_restores())
         out: dict = {}
         S = self.sizes.max_slots
         if plan.decode:
@@ -282,11 +319,16 @@ class Engine:
                 ids[i, :n], n_valid[i] = r.feed[r.n_fed:r.n_fed + n], n
             self.pools, tok = self._prefill(self.params, self.pools, self._inputs(rows, ids, n_valid, reqs))
             tok = np.asarray(tok)
-            for i, (r, n) in enumerate(plan.prefill):
+            for r, n in plan.prefill:
                 r.n_fed += n
                 self.prompt_tokens_fed += n
+            if self.prefix is not None:  # snapshots of chunks that ended on a page boundary
+                self.snapshots.save(self.pools, self.prefix.after_prefill([r for r, _ in plan.prefill]))
+            for i, (r, n) in enumerate(plan.prefill):
                 if r.n_fed == len(r.feed):
                     self._emit(r, int(tok[i]), out)
+        if self.prefix is not None:
+            self.prefix.commit(self.sched.running())
         self.steps += 1
         for h, toks in out.items():
             if h._on_tokens is not None:
@@ -330,7 +372,18 @@ class Engine:
             "prompt_tokens_fed": self.prompt_tokens_fed,
             "preemptions": self.sched.preemptions,
             "steps": self.steps,
+            **self._prefix_stats(),
         }
+
+    def _prefix_stats(self) -> dict:
+        pc = self.prefix
+        return {"prefix_hits": pc.hits if pc else 0, "prefix_tokens_saved": pc.tokens_saved if pc else 0,
+                "prefix_cache_pages": pc.nodes if pc else 0, "prefix_cache_bytes": pc.bytes if pc else 0}
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix no running request uses (its pages and snapshot rows are free)."""
+        if self.prefix is not None:
+            self.prefix.clear()
 
 
 def _replicated_like(params):
