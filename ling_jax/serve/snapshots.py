@@ -108,14 +108,14 @@ class SnapshotPool:
         self.sizes, self.rows, self.copies = sizes, rows, copies
         self.snaps = jax.device_put(init_snapshots(cfg, rows, dtype), placement)
         self._save = jax.jit(_save, donate_argnums=(0,))
-        self._restore = jax.jit(_restore, donate_argnums=(0,))
+        self._restore = None  # jitted at the first call, see `restore`
 
     @property
     def bytes(self) -> int:
         return self.rows * self.sizes.slot_bytes
 
     def compiled_shapes(self) -> int:
-        return self._save._cache_size() + self._restore._cache_size()
+        return self._save._cache_size() + (self._restore._cache_size() if self._restore is not None else 0)
 
     def _index(self, values, pad: int) -> np.ndarray:
         out = np.full(self.copies, pad, np.int32)
@@ -130,6 +130,14 @@ class SnapshotPool:
                                     self._index([r for _, r in group], self.rows))
 
     def restore(self, pools: Pools, ops: list[Restore]) -> Pools:
+        """Why the program is made at the first call, with the pools' shardings as its output
+        shardings: the step programs see the pools it returns, and an equivalent but differently
+        spelled sharding (P() vs P(None, None)) would be a new dispatch signature for them, so a
+        compile after warm-up. Its first call sees pools a step produced (a hit needs a cached
+        prefix, so never comes first), whose shardings are the steady state."""
+        if self._restore is None:
+            self._restore = jax.jit(_restore, donate_argnums=(0,),
+                                    out_shardings=jax.tree.map(lambda x: x.sharding, pools))
         S, NP = self.sizes.max_slots, self.sizes.num_pages
         for i in range(0, len(ops), self.copies):
             g = ops[i:i + self.copies]
@@ -142,5 +150,4 @@ class SnapshotPool:
         """Run both programs on padding copies (they change nothing)."""
         S, NP = self.sizes.max_slots, self.sizes.num_pages
         self.snaps = self._save(self.snaps, pools, self._index([], S), self._index([], self.rows))
-        pad = self._index([], NP)
-        return self._restore(pools, self.snaps, self._index([], self.rows), self._index([], S), pad, pad)
+        return self.restore(pools, [Restore(None, S, self.rows, NP, NP)])
