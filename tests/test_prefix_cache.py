@@ -19,6 +19,8 @@ from ling_jax.serve import Engine, RequestParams
 from ling_jax.serve.pools import GIB, plan_pools
 
 KW = dict(max_slots=4, page_size=8, num_pages=24, prefill_chunk=16, prefill_rows=2, max_seq_len=96)
+UNIT = 19456 + 2 * 6400  # a snapshot (6 KDA layers + hidden) and the 2 pages of its chunk (5 MLA layers)
+ROWS = 8
 
 
 def _compile_events():
@@ -32,7 +34,8 @@ def _compile_events():
 def engines(tiny_model):
     """(hit, miss): the same engine with and without the prefix cache. The miss engine runs the hit
     engine's compiled step programs (same shapes, same placement), so it compiles nothing."""
-    hit = Engine(tiny_model, **KW)
+    hit = Engine(tiny_model, prefix_cache_memory_gib=ROWS * UNIT / GIB, **KW)
+    assert hit.prefix.num_snapshots == ROWS
     hit.warmup()
     miss = Engine(tiny_model, prefix_cache=False, **KW)
     miss._prefill, miss._decode = hit._prefill, hit._decode
@@ -146,8 +149,8 @@ def test_lru_eviction_under_a_tiny_budget(engines, tiny_model, tiny_cfg):
     insertion order), the bytes stay within the budget at every step, and every request gives the
     miss engine's tokens."""
     hit, miss = engines
-    unit = hit.sizes.slot_bytes + 2 * hit.sizes.page_bytes
-    small = Engine(tiny_model, prefix_cache_memory_gib=2.5 * unit / GIB, **KW)
+    assert UNIT == hit.sizes.slot_bytes + 2 * hit.sizes.page_bytes
+    small = Engine(tiny_model, prefix_cache_memory_gib=2.5 * UNIT / GIB, **KW)
     small._prefill, small._decode = hit._prefill, hit._decode  # only its snapshot copies compile
     assert small.prefix.num_snapshots == 2
     rng = np.random.default_rng(1)
@@ -186,8 +189,8 @@ def test_preemption_and_cancels_with_prefix_cache_leave_nothing(engines, tiny_cf
     hit, miss = engines
     rng = np.random.default_rng(2)
     base = rng.integers(0, tiny_cfg.vocab_size, 48).tolist()
-    prompts = [base[:int(rng.integers(20, 49))] + rng.integers(0, tiny_cfg.vocab_size, int(rng.integers(1, 12))).tolist()
-               for _ in range(10)]
+    tail = lambda: rng.integers(0, tiny_cfg.vocab_size, int(rng.integers(1, 12))).tolist()
+    prompts = [base[:int(rng.integers(20, 49))] + tail() for _ in range(10)]
     max_tokens = [int(rng.integers(20, 96 - len(p) + 1)) for p in prompts]
     cancel_queued, cancel_running = 7, 1
     runs = {}
@@ -225,8 +228,9 @@ def test_preemption_and_cancels_with_prefix_cache_leave_nothing(engines, tiny_cf
 
 def test_prefix_cache_options_and_report(engines, tiny_model):
     hit, miss = engines
-    text = hit.describe()
-    assert "prefix cache: budget" in text and "0.5 x the page pool" in text
+    assert "prefix cache: budget 0.0002 GiB (prefix_cache_memory_gib)" in hit.describe()
+    text = Engine(tiny_model, **KW).describe()  # the default budget (not compiled: nothing runs)
+    assert "prefix cache: budget 0.0001 GiB (0.5 x the page pool)" in text
     assert "snapshot pool: 2 rows = budget // (19456 + 2 pages x 6400)" in text
     assert "prefix cache: off" in miss.describe()
     assert {k: miss.stats()[k] for k in ("prefix_hits", "prefix_tokens_saved", "prefix_cache_pages",
@@ -355,3 +359,4 @@ def test_policy_under_a_fake_device(tiny_model, with_mtp):
     eng.prefix.check()
     assert sorted(eng.alloc.empty) == list(range(24)) and eng.prefix.nodes == 0
     assert sorted(eng.prefix.free_rows) == list(range(4))
+    assert dev.writes > 1000  # the fake device really ran every step

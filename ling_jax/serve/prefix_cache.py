@@ -26,10 +26,16 @@ What keeps "no page with two writers":
 
 Locks: a running request locks the path to its restore node and, once it inserted blocks, to its
 deepest inserted node, so a node is locked while a running request reads its pages. Unlocked nodes
-are evictable (their pages count as free in `PageAllocator`): least recently used leaves first. A
-leaf always holds a snapshot (one without could never be a restore point, so it is pruned). The
-tree's bytes (pages × page_bytes + snapshots × snapshot_bytes) stay within `budget_bytes`: an
-insertion evicts to make room, or is skipped.
+are evictable (their pages count as free in `PageAllocator`): least recently used leaves first. An
+unlocked leaf always holds a snapshot (one without could never be a restore point, so it is
+pruned). The tree's bytes (pages × page_bytes + snapshots × snapshot_bytes) stay within
+`budget_bytes`: an insertion evicts to make room, or is skipped.
+
+Snapshot rows are few (a row costs a whole slot, hundreds of pages at full scale), so when a new
+snapshot finds none free, the least recently used snapshot anywhere gives its row up (the
+shallowest first among equals: one long prompt keeps its deepest boundaries), locked path or not:
+nothing reads a snapshot after the restore it was taken for (restores run before any snapshot is
+taken in a step), and a node without one still shares its page.
 
 Only prompt blocks are snapshotted (prefill chunks); generated tokens enter the tree only as the
 lookahead of a prompt's last block, or as part of the prompt a preempted request is recomputed from.
@@ -119,8 +125,10 @@ class PrefixCache:
         self.nodes = 0        # pages held by the tree
         self.snapshots = 0    # snapshot rows attached to nodes
         self.evictable = 0    # unlocked nodes (= evictable pages)
+        self.row_owner: dict[int, Node] = {}  # snapshot row -> its node
         self.restores: list[Restore] = []
-        self.hits = self.tokens_saved = self.evictions = 0
+        self.hits = self.tokens_saved = 0
+        self.evictions = 0    # leaves evicted or snapshot rows given up
         self._held: dict = {}
         self._clock = itertools.count(1)
         self._serial = itertools.count()
@@ -181,11 +189,14 @@ class PrefixCache:
 
     def release(self, req) -> None:
         """`req` leaves its slot (finish, cancel, preemption): a ready snapshot enters the tree first,
-        then its locks and any pending row or restore go (its pages are released after this)."""
+        then the slot's pages are released, then its locks, pending row and restore go (in this
+        order: unlocking may prune a node, whose page no slot may hold by then)."""
         held = self._held.pop(req, None)
+        if held is not None:
+            self._commit(req, held)
+        self.alloc.release(req.slot)
         if held is None:
             return
-        self._commit(req, held)
         if held.pending is not None:
             self.free_rows.append(held.pending[1])
         if held.lock is not None:
@@ -229,10 +240,24 @@ class PrefixCache:
 
     # -- insertion -----------------------------------------------------------------------------
     def _take_row(self) -> Optional[int]:
-        while not self.free_rows:
-            if not self.evict_one():
-                return None
-        return self.free_rows.pop()
+        """A free snapshot row, else the least recently used snapshot's (see the module docstring)."""
+        if not self.free_rows and self.row_owner:
+            victim = min(self.row_owner.values(), key=lambda n: (n.last_used, n.depth))
+            self._detach(victim)
+            self._prune(victim)
+            self.evictions += 1
+        return self.free_rows.pop() if self.free_rows else None
+
+    def _attach(self, node: Node, row: int) -> None:
+        node.snapshot = row
+        self.row_owner[row] = node
+        self.snapshots += 1
+
+    def _detach(self, node: Node) -> None:
+        del self.row_owner[node.snapshot]
+        self.free_rows.append(node.snapshot)
+        node.snapshot = None
+        self.snapshots -= 1
 
     def _commit(self, req, held: _Held) -> None:
         """Insert the blocks up to the pending boundary b once the request fed token b (lookahead) or
@@ -273,8 +298,7 @@ class PrefixCache:
             self.evictable += 1
             node = child
         if node.snapshot is None:
-            node.snapshot = row
-            self.snapshots += 1
+            self._attach(node, row)
         else:
             self.free_rows.append(row)
         self._relock(held, node)
@@ -303,11 +327,20 @@ class PrefixCache:
             node = node.parent
 
     def _unlock(self, node: Node) -> None:
+        bottom = node
         while node is not self.root:
             node.locks -= 1
             if node.locks == 0:
                 self.evictable += 1
                 self._push(node)
+            node = node.parent
+        self._prune(bottom)  # a lock end whose snapshot was given up
+
+    def _prune(self, node: Node) -> None:
+        """Remove node and its ancestors while each is an unlocked leaf without a snapshot."""
+        while node is not self.root and node.alive and not node.children and node.locks == 0 \
+                and node.snapshot is None:
+            self._remove(node)
             node = node.parent
 
     def _touch(self, node: Node) -> None:
@@ -338,24 +371,20 @@ class PrefixCache:
         else:
             return False
         node = entry[2]
-        self._remove(node)
-        parent = node.parent
-        while parent is not self.root and not parent.children and parent.locks == 0 and parent.snapshot is None:
-            self._remove(parent)
-            parent = parent.parent
-        self._push(parent)
+        if node.snapshot is not None:
+            self._detach(node)
+        self._prune(node)
         self.evictions += 1
         return True
 
     def _remove(self, node: Node) -> None:
-        assert node.locks == 0 and not node.children and self.alloc.refs[node.page] == 0, node.page
+        assert node.locks == 0 and not node.children and node.snapshot is None, node.page
+        assert self.alloc.refs[node.page] == 0, node.page
         del node.parent.children[node.key]
         self.alloc.uncache_page(node.page)
         self.nodes -= 1
         self.evictable -= 1
-        if node.snapshot is not None:
-            self.free_rows.append(node.snapshot)
-            self.snapshots -= 1
+        self._push(node.parent)
 
     # -- checks --------------------------------------------------------------------------------
     def _walk(self):
@@ -384,7 +413,9 @@ class PrefixCache:
         for n in nodes:
             assert len(n.key) == P + self.lookahead and n.depth == n.parent.depth + 1
             assert n.parent.children[n.key] is n and n.page in a.cached and n.locks == locks(n)
-            assert n.children or n.snapshot is not None, "a leaf without a snapshot"
+            assert n.children or n.snapshot is not None or n.locks, "an unlocked leaf without a snapshot"
+            if n.snapshot is not None:
+                assert self.row_owner[n.snapshot] is n
             if n.locks == 0:
                 assert a.refs[n.page] == 0, "an unlocked node's page is held by a slot"
                 if not n.children:
@@ -393,7 +424,7 @@ class PrefixCache:
         pages = [n.page for n in nodes]
         assert len(set(pages)) == len(pages) and set(pages) == a.cached
         rows = [n.snapshot for n in nodes if n.snapshot is not None]
-        assert len(rows) == self.snapshots
+        assert len(rows) == self.snapshots == len(self.row_owner)
         rows += [h.pending[1] for h in self._held.values() if h.pending is not None] + self.free_rows
         assert sorted(rows) == list(range(self.num_snapshots)), "snapshot rows lost or doubled"
         held = collections.Counter(p for ps in a.pages.values() for p in ps)

@@ -84,8 +84,9 @@ class Scheduler:
         """Free the request's slot and pages (finish, cancel, preemption)."""
         if req.slot is not None:
             if self.prefix is not None:
-                self.prefix.release(req)
-            self.alloc.release(req.slot)
+                self.prefix.release(req)  # releases the slot's pages too
+            else:
+                self.alloc.release(req.slot)
             self.slots[req.slot] = None
             req.slot = None
 
