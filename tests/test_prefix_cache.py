@@ -360,3 +360,25 @@ def test_policy_under_a_fake_device(tiny_model, with_mtp):
     assert sorted(eng.alloc.empty) == list(range(24)) and eng.prefix.nodes == 0
     assert sorted(eng.prefix.free_rows) == list(range(4))
     assert dev.writes > 1000  # the fake device really ran every step
+
+
+def test_a_long_prompt_keeps_its_deepest_snapshots(tiny_model):
+    """Two snapshot rows, one 39-token prompt fed in 10 chunks of 4 (snapshots at 4, 8, .., 36): each
+    new snapshot takes the row of the shallowest one on its path, so the tree keeps the two deepest
+    (32 and 36), and a prompt sharing 38 tokens restores at 36."""
+    sizes = plan_pools(tiny_model.cfg, tiny_model.dtype, max_slots=2, page_size=2, num_pages=48)
+    budget = 2 * sizes.slot_bytes + 18 * sizes.page_bytes + 100  # the 18 pages to 36 and 2 snapshots
+    eng = Engine(tiny_model, max_slots=2, page_size=2, num_pages=48, prefill_chunk=4, prefill_rows=1,
+                 max_seq_len=48, prefix_cache_memory_gib=budget / GIB)
+    assert eng.prefix.num_snapshots == 2
+    FakeDevice(eng, 3)
+    prompt = np.random.default_rng(4).integers(0, 3, 39).tolist()
+    h = eng.submit(prompt, RequestParams(max_tokens=2, stop_ids=()))
+    eng.run_until_done()
+    assert h.generated == _expected(prompt, 2, 3)
+    assert sorted(n.depth * 2 for n in eng.prefix.row_owner.values()) == [32, 36]
+    assert eng.prefix.nodes == 18 and eng.prefix.evictions == 7
+    eng.prefix.check()
+    h = eng.submit(prompt[:38] + [(prompt[38] + 1) % 3, 0, 1], RequestParams(max_tokens=3, stop_ids=()))
+    eng.run_until_done()
+    assert eng.stats()["prefix_tokens_saved"] == 36 and h.generated == _expected(h._req.prompt, 3, 3)
