@@ -15,7 +15,8 @@ Compile bound: the decode program has one shape ([max_slots, 1]) per block-table
 width); the prefill program one per token bucket ([prefill_rows, T], T in `buckets`: powers of
 two up to `prefill_chunk`). `warmup()`
 runs each once on padding rows (which change nothing), so afterwards no request of any length
-within `max_seq_len` compiles anything (`compiled_shapes()` counts them).
+within `max_seq_len` compiles anything (`compiled_shapes()` counts them). The prefix cache adds
+two copy programs of one shape each (snapshots.py), warmed up with them.
 """
 from __future__ import annotations
 

@@ -53,10 +53,13 @@ def init_snapshots(cfg: LingConfig, rows: int, dtype) -> Snapshots:
 
 def plan_snapshots(sizes: PoolSizes, prefill_chunk: int, budget_gib: float | None) -> tuple[int, int]:
     """(budget bytes, snapshot rows). Budget: `budget_gib`, default DEFAULT_BUDGET_FRACTION of the
-    page pool. Rows: one snapshot per prefill chunk's pages, so budget // (slot_bytes +
-    chunk_pages · page_bytes), at least 1 (snapshots are taken where a chunk ends on a page)."""
+    page pool but at least one snapshot with its chunk's pages. Rows: one snapshot per prefill
+    chunk's pages, so budget // (slot_bytes + chunk_pages · page_bytes), at least 1 (snapshots are
+    taken where a chunk ends on a page)."""
+    chunk_pages = max(1, prefill_chunk // sizes.page_size)
+    unit = sizes.slot_bytes + chunk_pages * sizes.page_bytes
     if budget_gib is None:
-        budget = int(DEFAULT_BUDGET_FRACTION * sizes.num_pages * sizes.page_bytes)
+        budget = max(int(DEFAULT_BUDGET_FRACTION * sizes.num_pages * sizes.page_bytes), unit)
     else:
         if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)) or not budget_gib > 0:
             raise ValueError(f"prefix_cache_memory_gib must be a number > 0, got {budget_gib!r}")
@@ -66,8 +69,7 @@ def plan_snapshots(sizes: PoolSizes, prefill_chunk: int, budget_gib: float | Non
         raise ValueError(f"prefix_cache_memory_gib={budget / GIB:.6g} does not cover one snapshot "
                          f"({sizes.slot_bytes} B) plus one page ({sizes.page_bytes} B); give more, "
                          f"or prefix_cache=False")
-    chunk_pages = max(1, prefill_chunk // sizes.page_size)
-    return budget, max(1, budget // (sizes.slot_bytes + chunk_pages * sizes.page_bytes))
+    return budget, max(1, budget // unit)
 
 
 def _put(dst, src, dst_idx, src_idx, axis: int):
