@@ -37,6 +37,7 @@ def engines(tiny_model):
     hit = Engine(tiny_model, prefix_cache_memory_gib=ROWS * UNIT / GIB, **KW)
     assert hit.prefix.num_snapshots == ROWS
     hit.warmup()
+    assert hit.snapshots.compiled_shapes() == 2  # save and restore, one shape each
     miss = Engine(tiny_model, prefix_cache=False, **KW)
     miss._prefill, miss._decode = hit._prefill, hit._decode
     return hit, miss
@@ -113,6 +114,7 @@ def test_shared_prefix_hits_equal_misses(engines, tiny_model, tiny_cfg):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert events == []  # restores, snapshots and steps: all compiled at warm-up
+    assert hit.snapshots.compiled_shapes() == 2
     assert h.generated == ref_a
     st = hit.stats()
     assert st["prefix_hits"] - before["prefix_hits"] == sum(s > 0 for s in saved)
@@ -236,6 +238,8 @@ def test_prefix_cache_options_and_report(engines, tiny_model):
     assert {k: miss.stats()[k] for k in ("prefix_hits", "prefix_tokens_saved", "prefix_cache_pages",
                                          "prefix_cache_bytes")} == dict.fromkeys(
         ("prefix_hits", "prefix_tokens_saved", "prefix_cache_pages", "prefix_cache_bytes"), 0)
+    with pytest.raises(ValueError, match="prefix_cache must be a bool, got 'no'"):
+        Engine(tiny_model, prefix_cache="no", **KW)
     with pytest.raises(ValueError, match="prefix_cache_memory_gib must be a number > 0, got 0"):
         Engine(tiny_model, prefix_cache_memory_gib=0, **KW)
     with pytest.raises(ValueError, match=r"does not cover one snapshot \(19456 B\) plus one page \(6400 B\)"):

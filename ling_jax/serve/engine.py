@@ -175,6 +175,8 @@ class Engine:
 
     def _make_prefix_cache(self, enabled: bool, budget_gib: float | None, dtype):
         """(PrefixCache, SnapshotPool), or (None, None) when off."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"Engine prefix_cache must be a bool, got {enabled!r}")
         if not enabled:
             return None, None
         budget, rows = plan_snapshots(self.sizes, self.prefill_chunk, budget_gib)
@@ -225,10 +227,9 @@ class Engine:
                                                        np.zeros(R, np.int32), [None] * R))
 
     def compiled_shapes(self) -> int:
-        """How many programs the step functions hold (len(widths) + len(buckets) after warmup),
-        plus the prefix cache's two copy programs."""
-        extra = self.snapshots.compiled_shapes() if self.snapshots is not None else 0
-        return self._prefill._cache_size() + self._decode._cache_size() + extra
+        """How many programs the step functions hold (len(widths) + len(buckets) after warmup; the
+        prefix cache's two copy programs: `snapshots.compiled_shapes()`)."""
+        return self._prefill._cache_size() + self._decode._cache_size()
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: RequestParams = RequestParams(),
