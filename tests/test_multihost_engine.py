@@ -21,6 +21,7 @@ from test_sharding import write_small
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = dict(max_slots=4, page_size=8, prefill_chunk=8, max_seq_len=64)
+PREFIX_GIB = 0.0005  # ~25 snapshot rows of this model: the default (half the tiny page pool) holds one
 
 
 def _requests(vocab=295):
@@ -31,15 +32,20 @@ def _requests(vocab=295):
         if i == 4:
             r.update(temperature=0.8, top_k=20, seed=7)
         out.append(r)
+    # two requests continuing earlier prompts: prefix-cache hits (page 8, chunk 8: snapshots every 8
+    # tokens), so the snapshot copy programs run on every process too
+    out.append({"input_ids": out[3]["input_ids"] + [5, 6, 7], "max_tokens": 4})
+    out.append({"input_ids": out[4]["input_ids"][:24] + [9], "max_tokens": 5})
     return out
 
 
 def _engine_tokens(model, requests):
-    eng = Engine(model, num_pages=32, **ENGINE)
+    eng = Engine(model, num_pages=32, prefix_cache_memory_gib=PREFIX_GIB, **ENGINE)
     hs = [eng.submit(r["input_ids"], RequestParams(**{k: v for k, v in r.items() if k != "input_ids"}))
           for r in requests]
     eng.run_until_done()
     eng.shutdown()  # single process: nothing to release
+    assert eng.stats()["prefix_hits"] >= 1  # the same schedule runs on the two processes' leader
     return [h.generated for h in hs]
 
 
@@ -81,7 +87,8 @@ def test_two_processes_serve_the_same_tokens_as_one(tmp_path):
     results, (one_device, eight_devices) = _batch_on_two_processes(
         ["--checkpoint", str(ckpt), "--requests", str(tmp_path / "reqs.jsonl"), "--out", str(tmp_path / "out.jsonl"),
          "--dtype", "float32", "--mesh", "expert=4,model=2", "--max-slots", "4", "--page-size", "8",
-         "--prefill-chunk", "8", "--max-seq-len", "64"], timeout=400, meanwhile=references)
+         "--prefill-chunk", "8", "--max-seq-len", "64", "--prefix-cache-memory", str(PREFIX_GIB)],
+        timeout=400, meanwhile=references)
     for rc, _, e in results:
         assert rc == 0, e[-4000:]
     outs = [(o, e) for _, o, e in results]

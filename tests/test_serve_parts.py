@@ -143,9 +143,10 @@ def test_engine_policy_stress_with_a_stub_model(tiny_model):
     """The host side of the engine under a stub model (the compiled steps replaced by a function
     returning token 1): 60 requests into a pool far too small, random cancels. After every step
     no page has two owners, every running slot holds the pages its tokens need, and the run ends
-    with everything free; preemptions happen and every request ends."""
+    with everything free; preemptions happen and every request ends. Without the prefix cache, so no
+    page is shared (tests/test_prefix_cache.py runs the same policy with it, under a fake device)."""
     eng = Engine(tiny_model, max_slots=3, page_size=4, num_pages=9, prefill_chunk=8, prefill_rows=2,
-                 max_seq_len=36)
+                 max_seq_len=36, prefix_cache=False)
     fake = lambda params, pools, inp: (pools, np.ones(len(inp.rows), np.int32), None)  # no logprobs asked
     eng._prefill = eng._decode = fake
     rng = np.random.default_rng(0)

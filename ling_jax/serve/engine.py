@@ -17,10 +17,12 @@ two up to `prefill_chunk`). `warmup()`
 runs each once on padding rows (which change nothing), so afterwards no request of any length
 within `max_seq_len` compiles anything (`compiled_shapes()` counts them). With `speculative=K`
 the speculative program (`speculative.py`: [max_slots, K+1] verify) takes decode's place, one
-per width.
+per width. The prefix cache adds two copy programs of one shape each (snapshots.py), warmed up
+with them.
 
 Multi-host (`serve/multihost.py`): every process builds the same Engine; process 0 drives it as
-above and broadcasts each program call; processes > 0 call `follow()` until process 0's `shutdown()`.
+above and broadcasts each program call (the snapshot copies included); processes > 0 call
+`follow()` until process 0's `shutdown()`.
 """
 from __future__ import annotations
 
@@ -34,9 +36,11 @@ from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
 from ling_jax.sampling import SamplingParams, TokenLogprob, check_logprobs, check_penalties
-from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_SPEC, ProgramShape, make_link
-from ling_jax.serve.pools import PageAllocator, describe, init_pools, plan_pools
+from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_RESTORE, OP_SAVE, OP_SPEC, ProgramShape, make_link
+from ling_jax.serve.pools import GIB, PageAllocator, describe, init_pools, plan_pools
+from ling_jax.serve.prefix_cache import PrefixCache
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
+from ling_jax.serve.snapshots import DEFAULT_BUDGET_FRACTION, SnapshotPool, plan_snapshots
 from ling_jax.serve.speculative import MAX_SPECULATIVE, make_spec_fn
 from ling_jax.serve.step import RowSampling, StepInputs, make_step_fns
 
@@ -146,13 +150,16 @@ class Engine:
     `decode_widths(max_blocks, 256 // page_size)`; the prefill program always reads all max_blocks);
     speculative: MTP drafts verified per decode step, 0 (off) … `MAX_SPECULATIVE` (needs the MTP
     layer and with_mtp; the speculative program then replaces decode, one per width; README).
+    prefix_cache: keep an exact prefix cache (shared pages + KDA snapshots, prefix_cache.py);
+    prefix_cache_memory_gib: its byte budget (pages + snapshots; default `DEFAULT_BUDGET_FRACTION`
+    of the page pool), which also sizes the snapshot pool (`snapshots.plan_snapshots`).
     """
 
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
                  cache_memory_gib: float | None = None, prefill_chunk: int = 64, prefill_rows: int = 2,
                  max_seq_len: int | None = None, with_mtp: bool | None = None, exec: ExecConfig | None = None,
                  buckets: Sequence[int] | None = None, widths: Sequence[int] | None = None,
-                 speculative: int = 0):
+                 speculative: int = 0, prefix_cache: bool = True, prefix_cache_memory_gib: float | None = None):
         cfg = model.cfg
         self.cfg = cfg
         if num_pages is None and cache_memory_gib is None:
@@ -185,7 +192,9 @@ class Engine:
         # each shape and every later call on one compiled program.
         self.pools = jax.device_put(self.pools, _replicated_like(self.params))
         self.alloc = PageAllocator(self.sizes)
-        self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, speculative=speculative)
+        self.prefix, self.snapshots = self._make_prefix_cache(prefix_cache, prefix_cache_memory_gib, model.dtype)
+        self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, self.prefix,
+                               speculative=speculative)
         self._prefill, self._decode = make_step_fns(self.graphdef, self.exec)
         self.speculative = speculative
         self._spec = make_spec_fn(self.graphdef, self.exec, speculative) if speculative else None
@@ -193,26 +202,55 @@ class Engine:
         self.spec_rounds = 0         # verify rounds (one per decoding slot per call)
         self.spec_accepted = 0       # drafts accepted
         self.spec_drafted = 0        # drafts verified
-        self._link = make_link(self._padding_inputs, self._program_shapes())
+        self._link = make_link(self._padding_inputs, self._program_shapes(),
+                               self.snapshots.index_words if self.snapshots is not None else 0)
         if self._link is not None:  # multi-process: process 0 broadcasts each program call (serve/multihost.py)
             self._prefill = self._link.wrap(OP_PREFILL, self._prefill)
             self._decode = self._link.wrap(OP_DECODE, self._decode)
             if self._spec is not None:
                 self._spec = self._link.wrap(OP_SPEC, self._spec)
+            if self.snapshots is not None:
+                self.snapshots.link = self._link
         self._ids = itertools.count()
         self._handles: dict[int, RequestHandle] = {}
         self.steps = 0
         self.tokens_generated = 0
         self.prompt_tokens_fed = 0
 
+    def _make_prefix_cache(self, enabled: bool, budget_gib: float | None, dtype):
+        """(PrefixCache, SnapshotPool), or (None, None) when off."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"Engine prefix_cache must be a bool, got {enabled!r}")
+        if not enabled:
+            return None, None
+        budget, rows = plan_snapshots(self.sizes, self.prefill_chunk, budget_gib)
+        self._prefix_budget_given = budget_gib is not None
+        snapshots = SnapshotPool(self.cfg, self.sizes, rows, dtype, self.prefill_rows, _replicated_like(self.params))
+        cache = PrefixCache(self.alloc, num_snapshots=rows, page_bytes=self.sizes.page_bytes,
+                            snapshot_bytes=self.sizes.snapshot_bytes, budget_bytes=budget,
+                            lookahead=1 if self.sizes.with_mtp else 0)
+        return cache, snapshots
+
     # -- start-up ------------------------------------------------------------------------------
     def describe(self) -> str:
         """Start-up report: pool sizes with their byte arithmetic, and the compiled shapes."""
         decode = (f"speculative decode (K={self.speculative}: [{self.sizes.max_slots}, {self.speculative + 1}] "
                   f"verify)" if self.speculative else f"decode [{self.sizes.max_slots}, 1]")
-        return (describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n"
+        return (describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n" + self._describe_prefix() +
                 f"  compiled shapes: {decode} over block-table widths "
                 f"{list(self.widths)}; prefill [{self.prefill_rows}, T] for T in {list(self.buckets)}")
+
+    def _describe_prefix(self) -> str:
+        if self.prefix is None:
+            return "  prefix cache: off\n"
+        pc, sz = self.prefix, self.sizes
+        given = ("prefix_cache_memory_gib" if self._prefix_budget_given else
+                 f"{DEFAULT_BUDGET_FRACTION} x the page pool")
+        chunk_pages = max(1, self.prefill_chunk // sz.page_size)
+        return (f"  prefix cache: budget {pc.budget_bytes / GIB:.4f} GiB ({given}) for cached pages "
+                f"({sz.page_bytes} B each, from the page pool) + snapshots ({sz.snapshot_bytes} B each);\n"
+                f"    snapshot pool: {pc.num_snapshots} rows = budget // ({sz.snapshot_bytes} + {chunk_pages} pages x "
+                f"{sz.page_bytes}) (one per prefill chunk) = {self.snapshots.bytes / GIB:.4f} GiB beside the pools\n")
 
     def warmup(self) -> None:
         """Compile every step shape now, on padding rows that change no state. On processes > 0 of
@@ -225,6 +263,8 @@ class Engine:
         # records that signature, no compilation)
         for _ in range(2):
             self._warmup_round(S, R)
+            if self.snapshots is not None:
+                self.pools = self.snapshots.warmup(self.pools)
 
     def _warmup_round(self, S: int, R: int) -> None:
         for w in self.widths:
@@ -252,7 +292,10 @@ class Engine:
         if self._spec is not None:
             programs[OP_SPEC] = self._spec.program
         for op, inputs in self._link.messages():
-            self.pools = programs[op](self.params, self.pools, inputs)[0]
+            if op in (OP_SAVE, OP_RESTORE):  # the prefix cache's copies (snapshots.py)
+                self.pools = self.snapshots.follow(self.pools, op, inputs)
+            else:
+                self.pools = programs[op](self.params, self.pools, inputs)[0]
 
     def shutdown(self) -> None:
         """Process 0: release the followers (their `follow()` returns); the engine runs no more
@@ -274,7 +317,8 @@ class Engine:
         return self._inputs(rows, np.zeros((n, tokens), np.int32), np.zeros(n, np.int32), [None] * n, width)
 
     def compiled_shapes(self) -> int:
-        """How many programs the step functions hold (len(widths) + len(buckets) after warmup)."""
+        """How many programs the step functions hold (len(widths) + len(buckets) after warmup; the
+        prefix cache's two copy programs: `snapshots.compiled_shapes()`)."""
         return (self._prefill._cache_size() + self._decode._cache_size()
                 + (self._spec._cache_size() if self._spec is not None else 0))
 
@@ -351,6 +395,8 @@ class Engine:
         """One engine step: admit, decode one token for every decoding slot, feed one prefill
         chunk. Returns {handle: [new tokens]} (finished handles included, their last tokens)."""
         plan = self.sched.schedule()
+        if self.prefix is not None:  # hits admitted by schedule(): their slots' KDA rows and page copies
+            self.pools = self.snapshots.restore(self.pools, self.prefix.take_restores())
         out: dict = {}
         S = self.sizes.max_slots
         if plan.decode and self.speculative:
@@ -380,13 +426,18 @@ class Engine:
                 ids[i, :n], n_valid[i] = r.feed[r.n_fed:r.n_fed + n], n
             self.pools, tok, lp = self._prefill(self.params, self.pools, self._inputs(rows, ids, n_valid, reqs))
             tok, lp = np.asarray(tok), _host_logprobs(lp, [r for r, _ in plan.prefill])
-            for i, (r, n) in enumerate(plan.prefill):
+            for r, n in plan.prefill:
                 r.n_fed += n
                 self.prompt_tokens_fed += n
+            if self.prefix is not None:  # snapshots of chunks that ended on a page boundary
+                self.snapshots.save(self.pools, self.prefix.after_prefill([r for r, _ in plan.prefill]))
+            for i, (r, n) in enumerate(plan.prefill):
                 if r.n_fed == len(r.feed) and self.sched.holds_pending(r):
                     r.state = DECODE  # a speculative recompute: its pending token decodes next
                 elif r.n_fed == len(r.feed):
                     self._emit(r, int(tok[i]), out, lp, i)
+        if self.prefix is not None:
+            self.prefix.commit(self.sched.running())
         self.steps += 1
         for h, toks in out.items():
             if h._on_tokens is not None:
@@ -460,7 +511,18 @@ class Engine:
             "spec_steps": self.spec_steps,
             "spec_accepted_tokens": self.spec_accepted,
             "spec_acceptance_length": (self.spec_accepted + self.spec_rounds) / max(self.spec_rounds, 1),
+            **self._prefix_stats(),
         }
+
+    def _prefix_stats(self) -> dict:
+        pc = self.prefix
+        return {"prefix_hits": pc.hits if pc else 0, "prefix_tokens_saved": pc.tokens_saved if pc else 0,
+                "prefix_cache_pages": pc.nodes if pc else 0, "prefix_cache_bytes": pc.bytes if pc else 0}
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix no running request uses (its pages and snapshot rows are free)."""
+        if self.prefix is not None:
+            self.prefix.clear()
 
 
 def _check_speculative_params(params: "RequestParams") -> None:

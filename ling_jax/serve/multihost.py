@@ -11,11 +11,14 @@ one program however the steps vary:
 
     [op, tokens T, block-table width W, call number, flattened StepInputs..., zero padding]
 
-op names the program (`OP_DECODE`, `OP_PREFILL`; `OP_SHUTDOWN` ends `follow()`); from (op, T, W)
+op names the program (`OP_DECODE`, `OP_PREFILL`, `OP_SPEC`; `OP_SHUTDOWN` ends `follow()`); from (op, T, W)
 the follower builds a template StepInputs of the right shapes (`Engine._padding_inputs`) and
 reads the leaves back from the buffer in pytree order (4-byte dtypes bit-exact via a view, bools
 and small ints through int32). The call number catches a follower out of step with the leader
 (it would otherwise run a different program than the leader and hang in a collective).
+The prefix cache's copy programs (`OP_SAVE`, `OP_RESTORE`, serve/snapshots.py) are sent the same
+way with their int32 index arrays as the payload (`send_words`): the leader's PrefixCache decides
+which slot, snapshot row and pages to copy; every process runs the copy.
 
 Transport: `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over the global devices).
 """
@@ -29,7 +32,8 @@ from jax.experimental import multihost_utils
 
 from ling_jax.serve.step import StepInputs
 
-OP_SHUTDOWN, OP_DECODE, OP_PREFILL, OP_SPEC = 0, 1, 2, 3
+OP_SHUTDOWN, OP_DECODE, OP_PREFILL, OP_SPEC, OP_SAVE, OP_RESTORE = 0, 1, 2, 3, 4, 5
+INDEX_OPS = (OP_SAVE, OP_RESTORE)  # payload: raw int32 index words, not a StepInputs
 HEADER = 4  # op, T, W, call number
 
 
@@ -91,11 +95,13 @@ class StepLink:
     """The leader's program calls, broadcast to the followers (module docstring).
 
     template(op, T, W) -> a numpy StepInputs of that program's shapes (values unused);
-    shapes: every ProgramShape the engine compiles (they size the message)."""
+    shapes: every ProgramShape the engine compiles (they size the message); index_words: the
+    largest `send_words` payload (the snapshot copies')."""
 
-    def __init__(self, template: Callable[[int, int, int], StepInputs], shapes: Sequence[ProgramShape]):
+    def __init__(self, template: Callable[[int, int, int], StepInputs], shapes: Sequence[ProgramShape],
+                 index_words: int = 0):
         self.template = template
-        self.size = HEADER + max(packed_size(template(*s)) for s in shapes)
+        self.size = HEADER + max([packed_size(template(*s)) for s in shapes] + [index_words])
         self.is_leader = jax.process_index() == 0
         self.calls = 0  # messages sent (leader) or received (follower)
         self.closed = False
@@ -111,8 +117,22 @@ class StepLink:
         self._broadcast(pack((op, T, W, self.calls), () if inputs is None else inputs, self.size))
         self.calls += 1
 
+    def send_words(self, op: int, words: np.ndarray) -> None:
+        """Leader: tell every follower to run index program `op` (INDEX_OPS) on these int32 words."""
+        if self.closed:
+            raise RuntimeError("the engine was shut down (Engine.shutdown): it runs no more steps")
+        words = np.asarray(words, np.int32).reshape(-1)
+        if HEADER + words.size > self.size:
+            raise ValueError(f"multihost: {words.size} index words exceed the message size {self.size}")
+        buf = np.zeros(self.size, np.int32)
+        buf[:HEADER] = (op, 0, 0, self.calls)
+        buf[HEADER:HEADER + words.size] = words
+        self._broadcast(buf)
+        self.calls += 1
+
     def receive(self) -> tuple[int, StepInputs | None]:
-        """Follower: the next (op, inputs) the leader sends (inputs None for OP_SHUTDOWN)."""
+        """Follower: the next (op, inputs) the leader sends (inputs None for OP_SHUTDOWN; for
+        INDEX_OPS the payload words [size - HEADER])."""
         buf = self._broadcast(np.zeros(self.size, np.int32))
         op, T, W, n = (int(v) for v in buf[:HEADER])
         if n != self.calls:
@@ -122,6 +142,8 @@ class StepLink:
         if op == OP_SHUTDOWN:
             self.closed = True
             return op, None
+        if op in INDEX_OPS:
+            return op, buf[HEADER:].copy()
         return op, unpack(buf, self.template(op, T, W))
 
     def shutdown(self) -> None:
@@ -161,6 +183,7 @@ class _LinkedProgram:
         return self.program._cache_size()
 
 
-def make_link(template: Callable[[int, int, int], StepInputs], shapes: Sequence[ProgramShape]) -> StepLink | None:
+def make_link(template: Callable[[int, int, int], StepInputs], shapes: Sequence[ProgramShape],
+              index_words: int = 0) -> StepLink | None:
     """A StepLink when running multi-process, else None (single-process: nothing to broadcast)."""
-    return StepLink(template, shapes) if jax.process_count() > 1 else None
+    return StepLink(template, shapes, index_words) if jax.process_count() > 1 else None

@@ -24,6 +24,11 @@ tokens per step, so step 2 gets pages for all of them; and a preempted request i
 from its prompt and all but its last generated token, which stays pending (`feed_of`): its next
 verify step then starts at the same token index with the same pending token as without the
 preemption, so its random draws do not depend on preemptions either.
+
+With a prefix cache (`prefix_cache.PrefixCache`): admission first looks the sequence up and starts
+a hit at its restore point (the cached pages it shares need no new page); free pages include the
+cache's evictable ones (taken before anyone is preempted); prefill chunks that are not a prompt's
+last end on a page boundary when one is in reach (those are the boundaries snapshots are taken at).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import dataclasses
 from typing import Optional
 
 from ling_jax.serve.pools import PageAllocator
+from ling_jax.serve.prefix_cache import PrefixCache
 
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 
@@ -66,8 +72,9 @@ class Plan:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_slots: int, prefill_chunk: int, prefill_rows: int,
-                 speculative: int = 0):
+                 prefix: Optional[PrefixCache] = None, speculative: int = 0):
         self.alloc = allocator
+        self.prefix = prefix
         self.speculative = speculative
         self.slots: list[Optional[Request]] = [None] * max_slots
         self.queue: collections.deque[Request] = collections.deque()
@@ -84,7 +91,10 @@ class Scheduler:
     def release(self, req: Request) -> None:
         """Free the request's slot and pages (finish, cancel, preemption)."""
         if req.slot is not None:
-            self.alloc.release(req.slot)
+            if self.prefix is not None:
+                self.prefix.release(req)  # releases the slot's pages too
+            else:
+                self.alloc.release(req.slot)
             self.slots[req.slot] = None
             req.slot = None
 
@@ -129,12 +139,18 @@ class Scheduler:
         while self.queue and None in self.slots:
             req = self.queue[0]
             feed = self.feed_of(req)
-            if self.alloc.pages_for(len(feed) + 1) > len(self.alloc.free):
+            # a request with penalties starts fresh: its token statistics are built from every token
+            # it prefills (a hit would skip the prefix's), so it never restores (it still inserts)
+            hit = self.prefix.lookup(feed) if self.prefix is not None and not _uses_penalties(req.params) else None
+            shared, locked = (len(hit.shared), hit.newly_locked) if hit is not None else (0, 0)
+            if self.alloc.pages_for(len(feed) + 1) - shared > self.alloc.num_free - locked:
                 break
             self.queue.popleft()
             slot = self.slots.index(None)
             self.slots[slot] = req
             req.slot, req.state, req.feed, req.n_fed = slot, PREFILL, feed, 0
+            if hit is not None:
+                self.prefix.admit(req, hit)  # n_fed = the restore point; its pages shared
             if req.age < 0:  # first admission; a preempted request keeps its age (no starvation)
                 req.age, self._age = self._age, self._age + 1
 
@@ -159,8 +175,10 @@ class Scheduler:
                 if len(prefill) == self.prefill_rows or budget == 0:
                     break
                 held = len(self.alloc.pages.get(req.slot, []))
-                room = (held + len(self.alloc.free)) * self.alloc.sizes.page_size - req.n_fed
+                room = (held + self.alloc.num_free) * self.alloc.sizes.page_size - req.n_fed
                 n = min(budget, len(req.feed) - req.n_fed, room)
+                if self.prefix is not None and n < len(req.feed) - req.n_fed:
+                    n = _to_page_boundary(req.n_fed, n, self.alloc.sizes.page_size)
                 if n <= 0:
                     continue
                 if not self.alloc.ensure(req.slot, req.n_fed + n):
@@ -171,3 +189,15 @@ class Scheduler:
             if decode or prefill or not running:
                 return Plan(decode, prefill)
             self.preempt(running[-1])
+
+
+def _to_page_boundary(start: int, n: int, page_size: int) -> int:
+    """n cut so that start + n ends on a page boundary, when one lies in (start, start + n]."""
+    end = (start + n) // page_size * page_size
+    return end - start if end > start else n
+
+
+def _uses_penalties(params) -> bool:
+    """Whether a request's sampling reads its slot's token statistics (sampling penalties)."""
+    return (getattr(params, "presence_penalty", 0.0) != 0.0 or getattr(params, "frequency_penalty", 0.0) != 0.0
+            or getattr(params, "repetition_penalty", 1.0) != 1.0)

@@ -1,0 +1,181 @@
+"""The prefix cache's device side: a pool of KDA snapshot rows and the two copy programs.
+
+A snapshot row holds what a slot holds (pools.py): per KDA layer the recurrent state [H,dk,dv]
+f32 and the three conv states [K-1, H·dk], and the `hidden` row [D] (the MTP layer's next input),
+so one row costs `PoolSizes.snapshot_bytes`. The arrays are laid out like the slot pools, stacked per
+run of `layer_plan` ([repeats, n, rows, ...]), with `rows` in place of max_slots.
+
+Two compiled programs, each of one fixed shape (R copies per call; padding copies use an index
+past the end, dropped by the scatter), warmed up with the engine's step programs:
+* `save(snaps, pools, slots [R], rows [R]) -> snaps`: slot rows -> snapshot rows, after a prefill
+  chunk ended on a page boundary (the slot then holds the state at that boundary);
+* `restore(pools, snaps, rows [R], slots [R], dst [R], src [R]) -> pools`: snapshot rows -> the
+  rows of a slot starting from a hit, and page src -> page dst in every MLA pool and the MTP pool
+  (the hit's copy of its restore node's page, see prefix_cache.py).
+Copies are exact (no arithmetic), so a restored slot holds bit for bit what the snapshot took.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.config import KDA, LingConfig
+from ling_jax.kda import kda_zero_state
+from ling_jax.layer_stack import layer_plan
+from ling_jax.serve.multihost import OP_RESTORE, OP_SAVE
+from ling_jax.serve.pools import GIB, Pools, PoolSizes
+from ling_jax.serve.prefix_cache import Restore
+
+#: The default prefix-cache budget, as a fraction of the page pool's bytes. Why a fraction of the
+#: pages: the cache's pages are pool pages (reclaimed on demand, so they cost running requests
+#: nothing), while its snapshot rows are device memory of their own, sized from the same budget.
+DEFAULT_BUDGET_FRACTION = 0.5
+
+
+class Snapshots(NamedTuple):
+    """layers: per block, per run: KDAState [repeats, n, rows, ...] for KDA runs, None for MLA runs;
+    hidden: [rows, D]."""
+    layers: tuple
+    hidden: jax.Array
+
+
+def init_snapshots(cfg: LingConfig, rows: int, dtype) -> Snapshots:
+    def stacked(block, r):
+        m, n = block.repeats, block.runs[r].n
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (m, n) + x.shape).copy(), kda_zero_state(cfg, rows, dtype))
+
+    layers = tuple(tuple(stacked(b, r) if run.attn == KDA else None for r, run in enumerate(b.runs))
+                   for b in layer_plan(cfg))
+    return Snapshots(layers, jnp.zeros((rows, cfg.hidden_size), dtype))
+
+
+def plan_snapshots(sizes: PoolSizes, prefill_chunk: int, budget_gib: float | None) -> tuple[int, int]:
+    """(budget bytes, snapshot rows). Budget: `budget_gib`, default DEFAULT_BUDGET_FRACTION of the
+    page pool but at least one snapshot with its chunk's pages. Rows: one snapshot per prefill
+    chunk's pages, so budget // (snapshot_bytes + chunk_pages · page_bytes), at least 1 (snapshots are
+    taken where a chunk ends on a page)."""
+    chunk_pages = max(1, prefill_chunk // sizes.page_size)
+    unit = sizes.snapshot_bytes + chunk_pages * sizes.page_bytes
+    if budget_gib is None:
+        budget = max(int(DEFAULT_BUDGET_FRACTION * sizes.num_pages * sizes.page_bytes), unit)
+    else:
+        if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)) or not budget_gib > 0:
+            raise ValueError(f"prefix_cache_memory_gib must be a number > 0, got {budget_gib!r}")
+        budget = int(budget_gib * GIB)
+    least = sizes.snapshot_bytes + sizes.page_bytes
+    if budget < least:
+        raise ValueError(f"prefix_cache_memory_gib={budget / GIB:.6g} does not cover one snapshot "
+                         f"({sizes.snapshot_bytes} B) plus one page ({sizes.page_bytes} B); give more, "
+                         f"or prefix_cache=False")
+    return budget, max(1, budget // unit)
+
+
+def _put(dst, src, dst_idx, src_idx, axis: int):
+    """dst with dst[..., dst_idx[i], ...] = src[..., src_idx[i], ...] along `axis` (out-of-range
+    dst_idx dropped)."""
+    got = jnp.take(src, src_idx, axis=axis, mode="clip").astype(dst.dtype)
+    return dst.at[(slice(None),) * axis + (dst_idx,)].set(got, mode="drop")
+
+
+def _save(snaps: Snapshots, pools: Pools, slots, rows) -> Snapshots:
+    layers = tuple(tuple(None if s is None else jax.tree.map(lambda d, x: _put(d, x, rows, slots, 2), s, p)
+                         for s, p in zip(sb, pb)) for sb, pb in zip(snaps.layers, pools.layers))
+    return Snapshots(layers, _put(snaps.hidden, pools.hidden, rows, slots, 0))
+
+
+def _restore(pools: Pools, snaps: Snapshots, rows, slots, dst, src) -> Pools:
+    def run(p, s):
+        if s is not None:  # a KDA run: the slot rows
+            return jax.tree.map(lambda x, y: _put(x, y, slots, rows, 2), p, s)
+        return p._replace(c_pages=_put(p.c_pages, p.c_pages, dst, src, 2),
+                          kpe_pages=_put(p.kpe_pages, p.kpe_pages, dst, src, 2))
+
+    layers = tuple(tuple(run(p, s) for p, s in zip(pb, sb)) for pb, sb in zip(pools.layers, snaps.layers))
+    mtp = pools.mtp
+    if mtp is not None:
+        mtp = mtp._replace(c_pages=_put(mtp.c_pages, mtp.c_pages, dst, src, 0),
+                           kpe_pages=_put(mtp.kpe_pages, mtp.kpe_pages, dst, src, 0))
+    return pools._replace(layers=layers, mtp=mtp, hidden=_put(pools.hidden, snaps.hidden, slots, rows, 0))
+
+
+class SnapshotPool:
+    """The snapshot rows on the device and the two copy programs (R = `copies` per call).
+
+    `save(pools, [(slot, row)])` and `restore(pools, [Restore]) -> pools` take the host cache's
+    orders (prefix_cache.PrefixCache.after_prefill / take_restores) and run them, padded to R."""
+
+    def __init__(self, cfg: LingConfig, sizes: PoolSizes, rows: int, dtype, copies: int, placement):
+        self.sizes, self.rows, self.copies = sizes, rows, copies
+        self.link = None  # multi-host: the engine's StepLink; every copy is broadcast before it runs
+        self.snaps = jax.device_put(init_snapshots(cfg, rows, dtype), placement)
+        self._save = jax.jit(_save, donate_argnums=(0,))
+        self._restore = None  # jitted at the first call, see `restore`
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.sizes.snapshot_bytes
+
+    def compiled_shapes(self) -> int:
+        return self._save._cache_size() + (self._restore._cache_size() if self._restore is not None else 0)
+
+    def _index(self, values, pad: int) -> np.ndarray:
+        out = np.full(self.copies, pad, np.int32)
+        out[:len(values)] = values
+        return out
+
+    @property
+    def index_words(self) -> int:
+        """int32 words of the largest copy order (restore: 4 index arrays of `copies`)."""
+        return 4 * self.copies
+
+    def run_save(self, pools: Pools, slots: np.ndarray, rows: np.ndarray) -> None:
+        """One padded save call (every process of a multi-host run makes it, see `follow`)."""
+        if self.link is not None and self.link.is_leader:
+            self.link.send_words(OP_SAVE, np.concatenate([slots, rows]))
+        self.snaps = self._save(self.snaps, pools, slots, rows)
+
+    def run_restore(self, pools: Pools, rows, slots, dst, src) -> Pools:
+        """One padded restore call (see `restore` for why the program is made at the first call)."""
+        if self._restore is None:
+            self._restore = jax.jit(_restore, donate_argnums=(0,),
+                                    out_shardings=jax.tree.map(lambda x: x.sharding, pools))
+        if self.link is not None and self.link.is_leader:
+            self.link.send_words(OP_RESTORE, np.concatenate([rows, slots, dst, src]))
+        return self._restore(pools, self.snaps, rows, slots, dst, src)
+
+    def follow(self, pools: Pools, op: int, words: np.ndarray) -> Pools:
+        """A follower's copy of the leader's `run_save` / `run_restore` call from its words."""
+        c = self.copies
+        if op == OP_SAVE:
+            self.run_save(pools, words[:c], words[c:2 * c])
+            return pools
+        return self.run_restore(pools, *(words[i * c:(i + 1) * c] for i in range(4)))
+
+    def save(self, pools: Pools, copies) -> None:
+        S = self.sizes.max_slots
+        for i in range(0, len(copies), self.copies):
+            group = copies[i:i + self.copies]
+            self.run_save(pools, self._index([s for s, _ in group], S), self._index([r for _, r in group], self.rows))
+
+    def restore(self, pools: Pools, ops: list[Restore]) -> Pools:
+        """Why the program is made at the first call, with the pools' shardings as its output
+        shardings: the step programs see the pools it returns, and an equivalent but differently
+        spelled sharding (P() vs P(None, None)) would be a new dispatch signature for them, so a
+        compile after warm-up. Its first call sees pools a step produced (a hit needs a cached
+        prefix, so never comes first), whose shardings are the steady state."""
+        S, NP = self.sizes.max_slots, self.sizes.num_pages
+        for i in range(0, len(ops), self.copies):
+            g = ops[i:i + self.copies]
+            pools = self.run_restore(pools, self._index([o.snapshot for o in g], self.rows),
+                                     self._index([o.slot for o in g], S), self._index([o.dst_page for o in g], NP),
+                                     self._index([o.src_page for o in g], NP))
+        return pools
+
+    def warmup(self, pools: Pools) -> Pools:
+        """Run both programs on padding copies (they change nothing)."""
+        S, NP = self.sizes.max_slots, self.sizes.num_pages
+        self.run_save(pools, self._index([], S), self._index([], self.rows))
+        return self.restore(pools, [Restore(None, S, self.rows, NP, NP)])
