@@ -386,3 +386,29 @@ def test_a_long_prompt_keeps_its_deepest_snapshots(tiny_model):
     h = eng.submit(prompt[:38] + [(prompt[38] + 1) % 3, 0, 1], RequestParams(max_tokens=3, stop_ids=()))
     eng.run_until_done()
     assert eng.stats()["prefix_tokens_saved"] == 36 and h.generated == _expected(h._req.prompt, 3, 3)
+
+
+def test_requests_with_penalties_never_restore_and_equal_misses(engines, tiny_cfg):
+    """A request with sampling penalties reads its slot's token statistics, which a restore would
+    not rebuild for the skipped prefix: it prefills everything (no hit), and its greedy tokens equal
+    the miss engine's; a plain request with the same prefix right after still hits."""
+    hit, miss = engines
+    hit.clear_prefix_cache()
+    rng = np.random.default_rng(11)
+    base = rng.integers(0, tiny_cfg.vocab_size, 40).tolist()
+    pen = RequestParams(max_tokens=6, repetition_penalty=1.3, frequency_penalty=0.4)
+    out = {}
+    for name, eng in (("hit", hit), ("miss", miss)):
+        first = eng.submit(base + [1, 2], RequestParams(max_tokens=3))
+        eng.run_until_done()
+        hits0 = eng.stats()["prefix_hits"]
+        penal = eng.submit(base + [3, 4, 5], pen)
+        eng.run_until_done()
+        hits1 = eng.stats()["prefix_hits"]
+        plain = eng.submit(base + [6], RequestParams(max_tokens=3))
+        eng.run_until_done()
+        out[name] = (first.generated, penal.generated, plain.generated, hits1 - hits0, eng.stats()["prefix_hits"] - hits1)
+    assert out["hit"][:3] == out["miss"][:3]
+    assert out["hit"][3] == 0 and out["hit"][4] == 1  # the penalised request did not restore; the plain one did
+    hit.clear_prefix_cache()
+    assert hit.stats()["pages_in_use"] == 0
