@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import NamedTuple, Tuple
 
 import jax
@@ -108,10 +109,10 @@ def check_penalties(presence_penalty, frequency_penalty, repetition_penalty, own
     """ValueError naming the field unless presence/frequency are finite numbers in [-2, 2] (the
     OpenAI API's range) and repetition is a finite number > 0."""
     for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -2.0 <= v <= 2.0:
             raise ValueError(f"{owner}{name} must be a number in [-2, 2], got {v!r}")
     v = repetition_penalty
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0.0 and math.isfinite(v)):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (v > 0.0 and math.isfinite(v)):
         raise ValueError(f"{owner}repetition_penalty must be a finite number > 0 (1.0 = off), got {v!r}")
 
 
@@ -271,7 +272,7 @@ def check_logprobs(n, owner: str = "") -> None:
     """ValueError naming the field unless n is None (off) or an int in [0, MAX_LOGPROBS]."""
     if n is None:
         return
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= MAX_LOGPROBS:
         raise ValueError(f"{owner}logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}] "
                          f"(0: the sampled token only; N: plus the top N), got {n!r}")
 
