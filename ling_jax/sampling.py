@@ -45,7 +45,6 @@ __all__ = [
     "apply_penalties_rows",
     "check_logprobs",
     "check_penalties",
-    "to_token_logprobs",
     "token_logprobs",
     "token_stats",
     "mask_top_k",
@@ -275,13 +274,6 @@ def check_logprobs(n, owner: str = "") -> None:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= MAX_LOGPROBS:
         raise ValueError(f"{owner}logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}] "
                          f"(0: the sampled token only; N: plus the top N), got {n!r}")
-
-
-def to_token_logprobs(tok_lp, top_ids, top_lp, n: int) -> list:
-    """Host side: numpy rows of `token_logprobs` -> [TokenLogprob] keeping the top n."""
-    tok_lp, top_ids, top_lp = (jax.device_get(a) for a in (tok_lp, top_ids, top_lp))
-    return [TokenLogprob(float(tok_lp[i]), tuple((int(top_ids[i, j]), float(top_lp[i, j])) for j in range(n)))
-            for i in range(len(tok_lp))]
 
 
 # ---------------------------------------------------------------------------------------------
