@@ -99,3 +99,23 @@ def test_demo_model_beats_unigram_on_held_out_text():
     assert ppl < 0.5 * unigram, (ppl, unigram)
     assert ppl == pytest.approx(res["perplexity"], rel=1e-3)
     assert unigram == pytest.approx(res["unigram_perplexity"], rel=1e-2)
+
+
+def test_generate_cli_penalty_and_logprobs_flags(capsys):
+    """`ling-jax generate --logprobs N --json` prints each new token's logprob and the top N of the
+    raw distribution; a penalty out of range is one error line naming the flag."""
+    from ling_jax.cli import main
+
+    base = ["generate", "--checkpoint", SHIPPED, "--prompt", "import os", "--max-new-tokens", "4", "--json"]
+    assert main(base + ["--logprobs", "2", "--frequency-penalty", "0.5"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["logprobs"]) == len(out["token_ids"]) == 4
+    for tok, entry in zip(out["token_ids"], out["logprobs"]):
+        (i0, v0), (i1, v1) = entry["top"]
+        assert 0.0 >= v0 >= v1 and v0 >= entry["logprob"]
+        if tok in (i0, i1):
+            assert entry["logprob"] == (v0 if tok == i0 else v1)
+    assert main(base + ["--presence-penalty", "3"]) == 2
+    assert "error: --presence-penalty: presence_penalty must be a number in [-2, 2]" in capsys.readouterr().err
+    assert main(base + ["--logprobs", "21"]) == 2
+    assert "--logprobs must be <= 20" in capsys.readouterr().err
