@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import NamedTuple, Tuple
 
 import jax
@@ -44,7 +45,6 @@ __all__ = [
     "apply_penalties_rows",
     "check_logprobs",
     "check_penalties",
-    "to_token_logprobs",
     "token_logprobs",
     "token_stats",
     "mask_top_k",
@@ -108,10 +108,10 @@ def check_penalties(presence_penalty, frequency_penalty, repetition_penalty, own
     """ValueError naming the field unless presence/frequency are finite numbers in [-2, 2] (the
     OpenAI API's range) and repetition is a finite number > 0."""
     for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -2.0 <= v <= 2.0:
             raise ValueError(f"{owner}{name} must be a number in [-2, 2], got {v!r}")
     v = repetition_penalty
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0.0 and math.isfinite(v)):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (v > 0.0 and math.isfinite(v)):
         raise ValueError(f"{owner}repetition_penalty must be a finite number > 0 (1.0 = off), got {v!r}")
 
 
@@ -271,16 +271,9 @@ def check_logprobs(n, owner: str = "") -> None:
     """ValueError naming the field unless n is None (off) or an int in [0, MAX_LOGPROBS]."""
     if n is None:
         return
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= MAX_LOGPROBS:
         raise ValueError(f"{owner}logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}] "
                          f"(0: the sampled token only; N: plus the top N), got {n!r}")
-
-
-def to_token_logprobs(tok_lp, top_ids, top_lp, n: int) -> list:
-    """Host side: numpy rows of `token_logprobs` -> [TokenLogprob] keeping the top n."""
-    tok_lp, top_ids, top_lp = (jax.device_get(a) for a in (tok_lp, top_ids, top_lp))
-    return [TokenLogprob(float(tok_lp[i]), tuple((int(top_ids[i, j]), float(top_lp[i, j])) for j in range(n)))
-            for i in range(len(tok_lp))]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -158,7 +158,8 @@ def test_cancel_and_no_leak(engine, reference):
 
 
 def test_no_compiles_after_warmup(engine, tiny_cfg):
-    """50 random requests (lengths 1..76, greedy and sampled, random stops) compile nothing."""
+    """50 random requests (lengths 1..76, greedy and sampled, with and without penalties and
+    logprobs, random stops) compile nothing."""
     events = []
     listener = lambda name, *a, **k: events.append(name) if name.endswith("backend_compile_duration") else None
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -171,7 +172,11 @@ def test_no_compiles_after_warmup(engine, tiny_cfg):
                           RequestParams(max_tokens=int(rng.integers(1, MAX_SEQ - n + 1)),
                                         temperature=float(rng.choice([0.0, 0.7])), top_k=int(rng.choice([0, 3])),
                                         top_p=float(rng.choice([1.0, 0.8])), seed=int(rng.integers(0, 2 ** 31)),
-                                        stop_ids=(int(rng.integers(0, tiny_cfg.vocab_size)),)))
+                                        stop_ids=(int(rng.integers(0, tiny_cfg.vocab_size)),),
+                                        presence_penalty=float(rng.choice([0.0, 0.5])),
+                                        frequency_penalty=float(rng.choice([0.0, -0.3])),
+                                        repetition_penalty=float(rng.choice([1.0, 1.2])),
+                                        logprobs=(None, 0, 5)[int(rng.integers(3))]))
             if rng.random() < 0.5:
                 engine.step()
         engine.run_until_done()
@@ -256,3 +261,110 @@ def test_unrolled_layer_loop_gives_the_same_tokens(tiny_model, reference):
     handles = [eng.submit(prompts[i], params[i]) for i in picks]
     eng.run_until_done()
     assert [h.generated for h in handles] == [expected[i] for i in picks]
+
+
+# --------------------------------------------------------------------------- penalties and logprobs
+
+PEN_A = dict(presence_penalty=0.4, frequency_penalty=0.6, repetition_penalty=1.4)
+PEN_B = dict(presence_penalty=-0.5, frequency_penalty=0.3, repetition_penalty=0.8)
+# (penalties, logprobs) per request kind: neutral / A with top 3 / B without logprobs / neutral with top 5
+KINDS = (({}, None), (PEN_A, 3), (PEN_B, None), ({}, 5))
+
+
+def _check_token_stats(eng):
+    """Every running slot's device statistics are exactly those of the tokens it has fed: counts of
+    the generated ones, the seen-mask of the prompt ones (nothing of a previous owner; a slot whose
+    new request has fed nothing yet is cleared by its first chunk)."""
+    stats = jax.device_get(eng.pools.stats)
+    V = stats.gen_counts.shape[1]
+    checked = 0
+    for r in eng.sched.running():
+        if r.n_fed == 0:
+            continue
+        fed = (r.prompt + r.generated)[:r.n_fed]
+        np.testing.assert_array_equal(stats.gen_counts[r.slot], np.bincount(fed[len(r.prompt):], minlength=V))
+        np.testing.assert_array_equal(stats.prompt_seen[r.slot], np.bincount(fed[:len(r.prompt)], minlength=V) > 0)
+        checked += 1
+    return checked
+
+
+@pytest.fixture(scope="module")
+def penalty_workload(tiny_model, tiny_cfg):
+    """10 greedy requests of the four KINDS, arrival steps, and what `generate` gives each alone
+    (one batched call per penalty setting, truncated per request; batch = alone is checked in
+    test_generate)."""
+    rng = np.random.default_rng(3)
+    n = 10
+    prompts = [rng.integers(0, tiny_cfg.vocab_size, int(m)).tolist() for m in rng.integers(1, 61, n)]
+    prompts[1] = [7, 7, 7, 9, 7]  # a prompt with repeats under PEN_A
+    max_tokens = rng.integers(4, MAX_NEW + 1, n).tolist()
+    arrivals = np.sort(rng.integers(0, 10, n)).tolist()
+    kinds = [KINDS[i % len(KINDS)] for i in range(n)]
+    params = [RequestParams(max_tokens=max_tokens[i], stop_ids=(), logprobs=kinds[i][1], **kinds[i][0])
+              for i in range(n)]
+    expected = {}
+    for pen in ({}, PEN_A, PEN_B):
+        idx = [i for i in range(n) if kinds[i][0] == pen]
+        ref = generate(tiny_model, [prompts[i] for i in idx], MAX_NEW, sampling=SamplingParams(**pen), stop_ids=(),
+                       logprobs=5)
+        for j, i in enumerate(idx):
+            expected[i] = (ref.tokens[j][:max_tokens[i]], ref.logprobs[j][:max_tokens[i]])
+    return prompts, params, arrivals, [expected[i] for i in range(n)]
+
+
+def _run_checking_stats(eng, prompts, params, arrivals):
+    handles, step, checked = [None] * len(prompts), 0, 0
+    while step <= max(arrivals) or eng.has_work():
+        for i, a in enumerate(arrivals):
+            if a == step:
+                handles[i] = eng.submit(prompts[i], params[i])
+        eng.step()
+        checked += _check_token_stats(eng)
+        step += 1
+    assert checked >= 20
+    return handles
+
+
+def _assert_equal_generate(handles, params, expected):
+    for i, (toks, lps) in enumerate(expected):
+        got, want_n = handles[i], params[i].logprobs
+        assert got.generated == toks, i
+        assert len(got.logprobs) == len(got.generated)
+        if want_n is None:
+            assert got.logprobs == [None] * len(toks)
+            continue
+        for g, w in zip(got.logprobs, lps):
+            assert abs(g.logprob - w.logprob) < 1e-4 and len(g.top) == want_n
+            assert [j for j, _ in g.top] == [j for j, _ in w.top[:want_n]], i
+            np.testing.assert_allclose([v for _, v in g.top], [v for _, v in w.top[:want_n]], atol=1e-4)
+
+
+def test_penalties_and_logprobs_mixed_batch_equal_generate(engine, penalty_workload):
+    """Greedy requests with and without penalties and logprobs in one busy batch: each equals
+    `generate` alone with the same parameters, token for token (logprobs within 1e-4, the same top
+    ids); the slots' token statistics are checked after every step."""
+    prompts, params, arrivals, expected = penalty_workload
+    _assert_equal_generate(_run_checking_stats(engine, prompts, params, arrivals), params, expected)
+    with pytest.raises(ValueError, match="RequestParams.presence_penalty must be a number in"):
+        RequestParams(presence_penalty=2.5)
+    with pytest.raises(ValueError, match="RequestParams.repetition_penalty must be a finite number > 0"):
+        RequestParams(repetition_penalty=0.0)
+    with pytest.raises(ValueError, match=r"RequestParams.logprobs must be None \(off\) or an int in \[0, 20\]"):
+        RequestParams(logprobs=21)
+
+
+def test_penalties_exact_under_preemption(engine, tiny_model, penalty_workload):
+    """The same workload under a pool small enough to preempt (recompute rebuilds the statistics
+    from prompt + generated tokens), plus a seeded sampled request with penalties: the same tokens
+    as `generate` alone, and the sampled one as alone on the big pool."""
+    prompts, params, arrivals, expected = penalty_workload
+    sampled = RequestParams(max_tokens=MAX_NEW, temperature=1.0, top_p=0.95, seed=77, stop_ids=(), **PEN_A)
+    h = engine.submit(prompts[0], sampled)
+    engine.run_until_done()
+    eng = Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=10, prefill_chunk=16, prefill_rows=2,
+                 max_seq_len=80, buckets=(16,), widths=(4, 10))
+    handles = _run_checking_stats(eng, prompts + [prompts[0]], params + [sampled], arrivals + [2])
+    assert eng.stats()["preemptions"] >= 2
+    assert any(h._req.preemptions for h in handles) and any(not h._req.preemptions for h in handles)
+    _assert_equal_generate(handles, params, expected)
+    assert handles[-1].generated == h.generated

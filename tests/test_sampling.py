@@ -403,7 +403,8 @@ def test_token_logprobs_are_the_raw_log_softmax_and_its_top_n():
 
 def test_penalty_and_logprobs_validation_names_the_field():
     from ling_jax.sampling import check_logprobs
-    for bad, field in ((dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    for bad, field in ((dict(presence_penalty=2.5), "presence_penalty"),
+                       (dict(frequency_penalty=-3.0), "frequency_penalty"),
                        (dict(presence_penalty=float("nan")), "presence_penalty"),
                        (dict(repetition_penalty=0.0), "repetition_penalty"),
                        (dict(repetition_penalty=float("inf")), "repetition_penalty")):

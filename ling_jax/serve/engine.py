@@ -70,6 +70,8 @@ class RequestParams:
         SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)  # same checks, same messages
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, "RequestParams.")
         check_logprobs(self.logprobs, "RequestParams.")
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", int(self.logprobs))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"RequestParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not 0 <= int(self.seed) < 2 ** 32:
