@@ -12,6 +12,7 @@ Token ids are drawn below 32000 (the mid config's special ids start there), as b
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -76,3 +77,19 @@ def latency_summary(ttft: list, tpot: list) -> dict:
     """p50 / p99 of time to first token and time per output token (seconds)."""
     return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99)}
+
+
+def main(argv=None) -> None:
+    """`python tools/serve_workload.py [--preset full] [--seed 0] OUT.json`: draw and write a workload."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("out")
+    ap.add_argument("--preset", default="full", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=32768, help="the config's vocab_size (ids are drawn below 32000)")
+    a = ap.parse_args(argv)
+    save(make_workload(a.preset, a.seed, a.vocab), a.out)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
