@@ -42,3 +42,22 @@ def test_percentiles_match_numpy():
         for q in (0, 50, 99, 100):
             assert W.percentile(v, q) == pytest.approx(float(np.percentile(v, q)), rel=1e-12)
     assert np.isnan(W.percentile([], 50))
+
+
+@pytest.mark.slow  # compiles two engine programs (~4 min on a loaded 2-core machine)
+def test_bench_serve_closed_loop_on_tiny_model(tiny_model):
+    """tools/bench_serve.py's closed loop: every request gets exactly its max_tokens, at most c are
+    in flight, TTFT / TPOT come out ordered and positive (the tool itself, on the tiny model)."""
+    import argparse
+    import bench_serve as B
+    a = argparse.Namespace(page_size=8, prefill_chunk=8, prefill_rows=2)
+    rng = np.random.default_rng(1)
+    reqs = [{"prompt": rng.integers(0, tiny_model.cfg.vocab_size, int(n)).tolist(), "max_tokens": int(m)}
+            for n, m in zip(rng.integers(1, 30, 7), rng.integers(1, 6, 7))]
+    eng, _ = B.make_engine(tiny_model, 2, 40, a)
+    run = B.run_closed_loop(eng, reqs, 2, "test")
+    assert max(n for _, n, _ in run["steps"]) <= 2
+    s = B.summarize(run, reqs)
+    assert s["output_tokens"] == sum(r["max_tokens"] for r in reqs)
+    assert 0 < s["ttft_p50_s"] <= s["ttft_p99_s"] and 0 < s["tpot_p50_s"] <= s["tpot_p99_s"]
+    assert eng.stats()["slots_in_use"] == 0 and eng.stats()["pages_in_use"] == 0
