@@ -27,12 +27,13 @@ done
 python tools/bench_serve.py --rows load,prefix --concurrency 1,8,32 --workload "$WL" --json "$R/bench_serve_mid_cpu.json"
 "$HF_PY" tools/bench_serve_hf.py --workload "$WL" --json "$R/bench_serve_hf_mid_cpu_full.json"
 
-# 3. (needs `ling-jax serve`, issue 13) the HTTP overhead row: a checkpoint with a tokenizer, served,
-#    driven with the openai client at the same concurrencies
+# 3. (needs `ling-jax serve`, issue 13) the HTTP overhead row: a checkpoint with a tokenizer and no MTP
+#    layer (as the in-process rows load it), served with 32 slots, driven with the openai client
 if [ "${HTTP:-0}" = 1 ]; then
   CK=${HTTP_CKPT:-$HOME/.cache/ling-jax/bench-config.mid-tok}
-  [ -f "$CK/config.json" ] || python -m ling_jax.cli make-checkpoint --config ../shared/bench/config.mid.json --out "$CK" --quiet
-  python -m ling_jax.cli serve --checkpoint "$CK" --dtype float32 --max-slots 32 --port 8123 --no-prefix-cache &
+  [ -f "$CK/config.json" ] || python -m ling_jax.cli make-checkpoint --config ../shared/bench/config.mid.json --out "$CK" --no-mtp --quiet
+  python -m ling_jax.cli serve --checkpoint "$CK" --dtype float32 --max-slots 32 --prefill-chunk 128 --max-seq-len 384 \
+      --port 8123 --no-prefix-cache &
   SERVER=$!
   trap 'kill $SERVER' EXIT
   for _ in $(seq 1 600); do curl -sf http://127.0.0.1:8123/v1/models >/dev/null && break; sleep 1; done
