@@ -12,6 +12,8 @@ PAIRS=${PAIRS:-3}
 R=tools/results
 export PYTHONPATH=$PWD
 WL=$R/serve_workload_full.json
+# JAX persistent compilation cache: the repeated engine builds (pairs, levels) compile once
+CC="--compilation-cache ${JAX_CC:-$HOME/.cache/ling-jax/jax-compile-cache}"
 [ -f "$WL" ] || python tools/serve_workload.py --preset full --seed 0 "$WL"
 
 # 1. back-to-back pairs: the peer's batch-8 decode (64 steps after 128 tokens), then the engine's
@@ -19,12 +21,12 @@ WL=$R/serve_workload_full.json
 for i in $(seq 1 "$PAIRS"); do
   "$HF_PY" ../shared/bench/bench_hf.py --no-forward --no-generate --prefill-shapes "" --decode-batches 8 \
       --json "$R/bench_hf_decode8_pair$i.json" | tail -n 25
-  python tools/bench_serve.py --rows decode --json "$R/bench_serve_decode_pair$i.json"
+  python tools/bench_serve.py $CC --rows decode --json "$R/bench_serve_decode_pair$i.json"
 done
 
 # 2. the load rows (concurrency 1, 8, 32) and the shared-prefix rows, then the same workload
 #    through the peer's generate in static batches of 8
-python tools/bench_serve.py --rows load,prefix --concurrency 1,8,32 --workload "$WL" --json "$R/bench_serve_mid_cpu.json"
+python tools/bench_serve.py $CC --rows load,prefix --concurrency 1,8,32 --workload "$WL" --json "$R/bench_serve_mid_cpu.json"
 "$HF_PY" tools/bench_serve_hf.py --workload "$WL" --json "$R/bench_serve_hf_mid_cpu_full.json"
 
 # 3. (needs `ling-jax serve`, issue 13) the HTTP overhead row: a checkpoint with a tokenizer and no MTP
