@@ -50,7 +50,7 @@ def test_bench_serve_closed_loop_on_tiny_model(tiny_model):
     in flight, TTFT / TPOT come out ordered and positive (the tool itself, on the tiny model)."""
     import argparse
     import bench_serve as B
-    a = argparse.Namespace(page_size=8, prefill_chunk=8, prefill_rows=2)
+    a = argparse.Namespace(page_size=8, prefill_chunk=8, prefill_rows=2, prefix_cache_memory=0.01)
     rng = np.random.default_rng(1)
     reqs = [{"prompt": rng.integers(0, tiny_model.cfg.vocab_size, int(n)).tolist(), "max_tokens": int(m)}
             for n, m in zip(rng.integers(1, 30, 7), rng.integers(1, 6, 7))]

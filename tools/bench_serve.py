@@ -71,6 +71,8 @@ def parse_args(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=128)
     ap.add_argument("--prefill-rows", type=int, default=2)
+    ap.add_argument("--prefix-cache-memory", type=float, default=0.5, metavar="GIB",
+                    help="shared-prefix rows: the prefix cache's budget (snapshots + cached pages)")
     ap.add_argument("--decode-steps", type=int, default=64, help="decode pair: steps after the 128-token prompts")
     ap.add_argument("--http", default=None, metavar="URL", help="drive a running `ling-jax serve` instead")
     ap.add_argument("--api-key", default=os.environ.get("LING_JAX_API_KEY", "none"))
@@ -130,7 +132,7 @@ def make_engine(model, c: int, max_seq_len: int, a, prefix_cache: bool = False):
     pages_per_seq = -(-max_seq_len // a.page_size)
     eng = Engine(model, max_slots=c, page_size=a.page_size, num_pages=c * pages_per_seq + 2 * pages_per_seq,
                  prefill_chunk=a.prefill_chunk, prefill_rows=a.prefill_rows, max_seq_len=max_seq_len,
-                 prefix_cache=prefix_cache)
+                 prefix_cache=prefix_cache, prefix_cache_memory_gib=a.prefix_cache_memory if prefix_cache else None)
     t = time.perf_counter()
     eng.warmup()
     return eng, time.perf_counter() - t
