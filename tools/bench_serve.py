@@ -388,11 +388,13 @@ def main(argv=None):
     if "decode" in rows:
         print("\n| decode pair row | tok/s (all timed steps, as bench_hf.py) | ms/step | limit tok/s | % of limit |\n|---|---:|---:|---:|---:|")
         decode_pair(model, a, rates, costs, R)
+        _write(R, out, quiet=True)  # partial results survive a later failure
     if "load" in rows:
         print("\n| concurrency | output tok/s | decode limit tok/s | % | TTFT p50 / p99 s | TTFT limit s (mean prompt) "
               "| TPOT p50 / p99 ms | TPOT limit ms | pure-decode-step tok/s | warm-up s |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         load_rows(model, wl, levels, a, rates, costs, R)
+        _write(R, out, quiet=True)
     if "prefix" in rows:
         print("\n| shared prefix | TTFT miss (no cache) | TTFT hit | miss / hit | cache stats |\n|---|---:|---:|---:|---|")
         prefix_rows(model, wl, a, rates, R)
@@ -400,10 +402,11 @@ def main(argv=None):
     _write(R, out)
 
 
-def _write(R, path):
+def _write(R, path, quiet=False):
     with open(path, "w") as f:
         json.dump(R, f, indent=1, default=str)
-    print(f"\nwrote {path}")
+    if not quiet:
+        print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":
