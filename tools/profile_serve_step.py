@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Where an engine decode step's time goes, per XLA op (mid config, CPU, float32).
+
+Fills `--slots` slots with 128-token prompts, then traces `--steps` decode steps with
+`jax.profiler` (a Perfetto JSON trace), and sums the per-thunk times by the JAX operation each
+fused op came from (the `op_name` metadata of the compiled HLO, digits folded), e.g.
+`eid,edc->eic/dot_general` = the routed experts' gate/up batched matmuls.
+
+  python tools/profile_serve_step.py [--slots 8] [--steps 3] [--top 25]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import jax  # noqa: E402
+
+from ling_jax.commands.demo import cache_dir  # noqa: E402
+from ling_jax.loader import load_model  # noqa: E402
+from ling_jax.serve import Engine, RequestParams  # noqa: E402
+
+
+def op_names(hlo_text: str) -> dict:
+    """{HLO instruction name: its op_name metadata} from compiled HLO text."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]+)\"", line)
+        if m and m.group(1) not in out:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=os.path.join(cache_dir(), "bench-config.mid"),
+                    help="the benchmark checkpoint (tools/bench_generate.py / bench_serve.py write it)")
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--timed", type=int, default=8, help="untraced steps timed first")
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    model = load_model(a.checkpoint, "float32", with_mtp=False, progress=False)
+    S = a.slots
+    eng = Engine(model, max_slots=S, page_size=16, num_pages=S * 24 + 8, prefill_chunk=128, max_seq_len=384,
+                 prefix_cache=False)
+    eng.warmup()
+    rng = np.random.default_rng(0)
+    hs = [eng.submit(rng.integers(0, 32000, 128).tolist(), RequestParams(max_tokens=250, stop_ids=()))
+          for _ in range(S)]
+    while any(not h.generated for h in hs):
+        eng.step()
+    ts = []
+    for _ in range(a.timed):
+        t = time.perf_counter()
+        eng.step()
+        ts.append(time.perf_counter() - t)
+    print(f"# {model.exec}\n# decode step, {S} slots: median {1e3 * statistics.median(ts):.1f} ms, "
+          f"min {1e3 * min(ts):.1f} ms ({S / statistics.median(ts):.1f} tok/s); load {os.getloadavg()[0]:.1f}")
+    d = tempfile.mkdtemp(prefix="ling-prof-")
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+        for _ in range(a.steps):
+            eng.step()
+    ev = json.load(gzip.open(glob.glob(os.path.join(d, "**", "*.json.gz"), recursive=True)[0]))
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    per_thunk = collections.Counter()
+    for e in ev:
+        if e.get("ph") == "X":
+            per_thunk[e["name"]] += e.get("dur", 0)
+    widths = eng.widths[0]
+    inp = eng._inputs(np.arange(S), np.zeros((S, 1), np.int32), np.zeros(S, np.int32), [None] * S, widths)
+    names = op_names(eng._decode.lower(eng.params, eng.pools, inp).compile().as_text())
+    by_op = collections.Counter()
+    for n, us in per_thunk.items():
+        if n in names:
+            by_op[re.sub(r"\d+", "#", names[n].split("/", 1)[-1])] += us
+    total = sum(by_op.values())
+    print(f"\n| JAX op (fused XLA ops by origin) | ms / step | share |\n|---|---:|---:|")
+    for k, us in by_op.most_common(a.top):
+        print(f"| `{k[:90]}` | {us / 1e3 / a.steps:.2f} | {100 * us / total:.1f}% |")
+    print(f"| all ops | {total / 1e3 / a.steps:.2f} | |")
+
+
+if __name__ == "__main__":
+    main()
