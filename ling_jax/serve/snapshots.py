@@ -111,7 +111,9 @@ class SnapshotPool:
         self.sizes, self.rows, self.copies = sizes, rows, copies
         self.link = None  # multi-host: the engine's StepLink; every copy is broadcast before it runs
         self.snaps = jax.device_put(init_snapshots(cfg, rows, dtype), placement)
-        self._save = jax.jit(_save, donate_argnums=(0,))
+        # fresh function objects per pool: jit caches live on the function, so `compiled_shapes()`
+        # counts this engine's programs only (as make_step_fns' lambdas do for the step programs)
+        self._save = jax.jit(lambda snaps, pools, slots, rows: _save(snaps, pools, slots, rows), donate_argnums=(0,))
         self._restore = None  # jitted at the first call, see `restore`
 
     @property
@@ -140,7 +142,7 @@ class SnapshotPool:
     def run_restore(self, pools: Pools, rows, slots, dst, src) -> Pools:
         """One padded restore call (see `restore` for why the program is made at the first call)."""
         if self._restore is None:
-            self._restore = jax.jit(_restore, donate_argnums=(0,),
+            self._restore = jax.jit(lambda *a: _restore(*a), donate_argnums=(0,),
                                     out_shardings=jax.tree.map(lambda x: x.sharding, pools))
         if self.link is not None and self.link.is_leader:
             self.link.send_words(OP_RESTORE, np.concatenate([rows, slots, dst, src]))
