@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -66,3 +67,18 @@ def mla_layer_pages(pools, cfg):
             for g, row in enumerate(block.layer_grid(r)):
                 for i, layer in enumerate(row):
                     yield layer, pc.c_pages[g, i], pc.kpe_pages[g, i]
+
+
+@contextlib.contextmanager
+def xla_compiles():
+    """Collects the names of the XLA backend compilations run inside the block (a jax.monitoring
+    listener): the compile-bound tests assert it stays empty."""
+    import jax  # as elsewhere in this file: jax is imported only after the XLA flags above are set
+
+    events = []
+    listener = lambda name, *a, **k: events.append(name) if name.endswith("backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import mla_layer_pages, rel_err
+from conftest import mla_layer_pages, rel_err, xla_compiles
 from ling_jax.config import KDA
 from ling_jax.generate import generate, prefill
 from ling_jax.mla import paged_gather
@@ -21,13 +21,8 @@ PAGE, MAX_SEQ, MAX_NEW = 8, 96, 20
 def engine(tiny_model):
     eng = Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=48, prefill_chunk=32, prefill_rows=2,
                  max_seq_len=MAX_SEQ)
-    events = []
-    listener = lambda name, *a, **k: events.append(name) if name.endswith("backend_compile_duration") else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with xla_compiles() as events:
         eng.warmup()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert len(events) >= len(eng.widths) + len(eng.buckets) == 4  # every step shape compiled at warm-up
     # dispatch signatures per shape: at most the first-call placement and the steady state (the second
     # round of warm-up records the latter and compiles nothing, see Engine.warmup)
@@ -160,10 +155,7 @@ def test_cancel_and_no_leak(engine, reference):
 def test_no_compiles_after_warmup(engine, tiny_cfg):
     """50 random requests (lengths 1..76, greedy and sampled, with and without penalties and
     logprobs, random stops) compile nothing."""
-    events = []
-    listener = lambda name, *a, **k: events.append(name) if name.endswith("backend_compile_duration") else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with xla_compiles() as events:
         rng = np.random.default_rng(7)
         before = engine.compiled_shapes()
         for _ in range(50):
@@ -180,8 +172,6 @@ def test_no_compiles_after_warmup(engine, tiny_cfg):
             if rng.random() < 0.5:
                 engine.step()
         engine.run_until_done()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert engine.compiled_shapes() == before  # no new program or signature after warm-up
     assert events == []  # and no XLA compilation at all
 

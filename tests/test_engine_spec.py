@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import np_reference as R
-from conftest import load_from_dict, rel_err
+from conftest import load_from_dict, rel_err, xla_compiles
 from ling_jax.config import KDA
 from ling_jax.generate import generate, prefill
 from ling_jax.layer_stack import layer_plan
@@ -262,10 +262,7 @@ def test_no_compiles_after_warmup_with_speculation(engine_for, tiny_cfg):
     """25 random requests (lengths 1..76, greedy and sampled, random stops and max_tokens up to the
     limit) on the K=2 engine compile nothing."""
     eng = engine_for(2)
-    events = []
-    listener = lambda name, *a, **k: events.append(name) if name.endswith("backend_compile_duration") else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with xla_compiles() as events:
         rng = np.random.default_rng(7)
         before = eng.compiled_shapes()
         for _ in range(25):
@@ -278,8 +275,6 @@ def test_no_compiles_after_warmup_with_speculation(engine_for, tiny_cfg):
             if rng.random() < 0.5:
                 eng.step()
         eng.run_until_done()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert eng.compiled_shapes() == before
     assert events == []
     _assert_all_free(eng)

@@ -24,14 +24,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_processes(args, timeout=300, meanwhile=None):
+def run_two_processes(args, timeout=300, meanwhile=None, command=None):
+    """`command + args` (default: tools/multihost_demo.py) as processes 0 and 1 of a 2 x 4-CPU-device
+    run on a loopback coordinator; returns (procs, [(stdout, stderr)], meanwhile()'s result)."""
+    command = command or [os.path.join(ROOT, "tools", "multihost_demo.py")]
     port = free_port()
     procs = []
     for pid in range(2):
         env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                    JAX_PROCESS_ID=str(pid), XLA_FLAGS="--xla_force_host_platform_device_count=4",
                    JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "multihost_demo.py"), *args],
+        procs.append(subprocess.Popen([sys.executable, *command, *args],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     try:

@@ -5,8 +5,6 @@ requests than slots) equal one process on one device and one process on 8 device
 message format (pack/unpack bit-exact) and the single-process behaviour of follow/shutdown."""
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -16,7 +14,7 @@ import sharding as S
 from ling_jax.loader import load_model
 from ling_jax.serve import Engine, RequestParams
 from ling_jax.serve.multihost import HEADER, OP_DECODE, OP_PREFILL, pack, packed_size, unpack
-from test_multihost import free_port
+from test_multihost import run_two_processes
 from test_sharding import write_small
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,24 +48,9 @@ def _engine_tokens(model, requests):
 
 
 def _batch_on_two_processes(args, timeout, meanwhile=None):
-    """`ling-jax batch ARGS` as processes 0 and 1 of a 2 x 4-CPU-device run on a loopback
-    coordinator; returns ([(returncode, stdout, stderr)] per process, meanwhile()'s result)."""
-    port = free_port()
-    procs = []
-    for pid in range(2):
-        env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                   JAX_PROCESS_ID=str(pid), XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                   JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, "-m", "ling_jax.cli", "batch", *args], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        extra = meanwhile() if meanwhile is not None else None
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    """`ling-jax batch ARGS` on 2 processes x 4 CPU devices (test_multihost.run_two_processes);
+    returns ([(returncode, stdout, stderr)] per process, meanwhile()'s result)."""
+    procs, outs, extra = run_two_processes(args, timeout, meanwhile, command=["-m", "ling_jax.cli", "batch"])
     return [(p.returncode, o, e) for p, (o, e) in zip(procs, outs)], extra
 
 
