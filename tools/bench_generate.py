@@ -105,6 +105,24 @@ def timed(fn, reps, warmup):
     return statistics.median(ts)
 
 
+def bench_checkpoint(config_path: str, checkpoint: str | None = None) -> str:
+    """The benchmark checkpoint: `checkpoint`, else a random one of `config_path` in the release
+    layout (FP8), written once by the project's writer under the demo's cache folder and reused
+    (tools/bench_serve.py shares it)."""
+    from ling_jax.checkpoint.writer import write_checkpoint
+    from ling_jax.commands.demo import cache_dir
+    from ling_jax.config import LingConfig
+
+    if checkpoint is not None:
+        return checkpoint
+    ckpt = os.path.join(cache_dir(), "bench-" + os.path.basename(config_path).replace(".json", ""))
+    if not os.path.isfile(os.path.join(ckpt, "config.json")):
+        print(f"writing benchmark checkpoint {ckpt}", file=sys.stderr)
+        write_checkpoint(LingConfig.from_json(config_path), ckpt, dtype="fp8", seed=0, tokenizer=False,
+                         progress=sys.stderr.isatty())
+    return ckpt
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEFAULT_CONFIG)
@@ -125,7 +143,6 @@ def main():
     import jax.numpy as jnp
     from flax import nnx
 
-    from ling_jax.checkpoint.writer import write_checkpoint
     from ling_jax.config import LingConfig
     from ling_jax.generate import DecodeState, decode_loop, prefill
     from ling_jax.model import init_cache
@@ -133,13 +150,7 @@ def main():
     from ling_jax.sampling import SamplingParams
 
     cfg = LingConfig.from_json(a.config)
-    ckpt = a.checkpoint
-    if ckpt is None:
-        from ling_jax.commands.demo import cache_dir
-        ckpt = os.path.join(cache_dir(), "bench-" + os.path.basename(a.config).replace(".json", ""))
-        if not os.path.isfile(os.path.join(ckpt, "config.json")):
-            print(f"writing benchmark checkpoint {ckpt}", file=sys.stderr)
-            write_checkpoint(cfg, ckpt, dtype="fp8", seed=0, tokenizer=False, progress=sys.stderr.isatty())
+    ckpt = bench_checkpoint(a.config, a.checkpoint)
     t0 = time.perf_counter()
     model = load_model(ckpt, "float32", with_mtp=False, progress=False)
     load_s = time.perf_counter() - t0

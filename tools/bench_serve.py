@@ -48,9 +48,9 @@ sys.path.insert(0, HERE)
 import jax  # noqa: E402
 
 import serve_workload as W  # noqa: E402  (tools/serve_workload.py, shared with the peer)
-from bench_generate import DEFAULT_CONFIG, active_weight_bytes, flops_per_token, measure_bandwidth, measure_matmul  # noqa: E402
-from ling_jax.checkpoint.writer import write_checkpoint  # noqa: E402
-from ling_jax.commands.demo import cache_dir  # noqa: E402
+from bench_generate import (DEFAULT_CONFIG, active_weight_bytes, bench_checkpoint, flops_per_token,  # noqa: E402
+                            measure_bandwidth, measure_matmul)
+from ling_jax.commands.compilation_cache import enable_compilation_cache  # noqa: E402
 from ling_jax.config import LingConfig  # noqa: E402
 from ling_jax.loader import load_model  # noqa: E402
 from ling_jax.serve import Engine, RequestParams  # noqa: E402
@@ -366,14 +366,8 @@ def main(argv=None):
         return _write(R, out)
 
     if a.compilation_cache:
-        jax.config.update("jax_compilation_cache_dir", a.compilation_cache)
-    cfg = LingConfig.from_json(a.config)
-    ckpt = a.checkpoint
-    if ckpt is None:
-        ckpt = os.path.join(cache_dir(), "bench-" + os.path.basename(a.config).replace(".json", ""))
-        if not os.path.isfile(os.path.join(ckpt, "config.json")):
-            print(f"writing benchmark checkpoint {ckpt}", file=sys.stderr)
-            write_checkpoint(cfg, ckpt, dtype="fp8", seed=0, tokenizer=False, progress=sys.stderr.isatty())
+        enable_compilation_cache(a.compilation_cache)  # what `ling-jax --compilation-cache` does
+    ckpt = bench_checkpoint(a.config, a.checkpoint)
     model = load_model(ckpt, "float32", with_mtp=False, progress=False)
     bw1, bwn = measure_bandwidth()
     mm = measure_matmul()

@@ -527,15 +527,25 @@ class Engine:
             self.prefix.clear()
 
 
+class RequestFieldError(ValueError):
+    """A request `submit` refuses, with `field`: the RequestParams field it is about (a server maps it
+    to its own request field)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 def _check_speculative_params(params: "RequestParams") -> None:
     """What the speculative program does not do yet, refused by field name: penalties (they would
     depend on the tokens drafted inside a round) and logprobs (the verify pass does not return them)."""
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
         if getattr(params, name) != neutral:
-            raise ValueError(f"RequestParams.{name}={getattr(params, name)!r} is not supported with speculative "
+            raise RequestFieldError(name, f"RequestParams.{name}={getattr(params, name)!r} is not supported with speculative "
                              f"decoding (Engine speculative > 0); use {neutral} or an engine without speculation")
     if params.logprobs is not None:
-        raise ValueError("RequestParams.logprobs is not supported with speculative decoding (Engine speculative > 0)")
+        raise RequestFieldError("logprobs", "RequestParams.logprobs is not supported with speculative decoding "
+                                            "(Engine speculative > 0)")
 
 
 def _host_logprobs(lp, reqs):

@@ -34,6 +34,7 @@ class TokenEvent:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     status: int = 400  # the HTTP status an error maps to (400: the engine refused the request)
+    param: Optional[str] = None  # the RequestParams field a refusal names (engine.RequestFieldError)
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,7 +144,7 @@ class EngineDriver:
                 self._live.add(sub)
             except (ValueError, TypeError) as e:
                 self._release(sub)
-                self._deliver(sub, TokenEvent(error=str(e)))
+                self._deliver(sub, TokenEvent(error=str(e), param=getattr(e, "field", None)))
         elif kind == "cancel" and not sub.done:
             if sub.handle is not None:
                 self.engine.cancel(sub.handle)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import re
 import time
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
@@ -114,7 +113,7 @@ class ChoiceRun:
         if ev.error is not None:
             st.finished = True
             self.close()
-            raise APIError(ev.status, ev.error, param=_refused_param(ev.error) if ev.status == 400 else None)
+            raise APIError(ev.status, ev.error, param=(ev.param or "prompt") if ev.status == 400 else None)
         d = Delta(i)
         now = time.monotonic()
         last = len(ev.tokens) - 1
@@ -165,14 +164,3 @@ class ChoiceRun:
         finally:
             self.close()
 
-
-# the engine names a refused sampling field as "RequestParams.<field>"; the API's names for them
-_API_FIELD = {"logprobs": "logprobs", "presence_penalty": "presence_penalty",
-              "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-              "max_tokens": "max_tokens"}
-
-
-def _refused_param(message: str) -> str:
-    """The request field an engine refusal is about (default: the prompt)."""
-    m = re.match(r"RequestParams\.(\w+)", message)
-    return _API_FIELD.get(m.group(1), "prompt") if m else "prompt"
