@@ -23,10 +23,11 @@ def engine(tiny_model):
                  max_seq_len=MAX_SEQ)
     with xla_compiles() as events:
         eng.warmup()
-    assert len(events) >= len(eng.widths) + len(eng.buckets) == 4  # every step shape compiled at warm-up
+    assert eng.decode_rows == (1, 2, 4)  # row buckets: a step with 1 or 2 decoding slots runs 1 or 2 rows
+    n = len(eng.decode_rows) * len(eng.widths) + len(eng.buckets)
+    assert len(events) >= n == 3 * 1 + 3  # every step shape (3 row buckets x 1 width, 3 buckets) compiled at warm-up
     # dispatch signatures per shape: at most the first-call placement and the steady state (the second
     # round of warm-up records the latter and compiles nothing, see Engine.warmup)
-    n = len(eng.widths) + len(eng.buckets)
     assert n <= eng.compiled_shapes() <= 2 * n
     return eng
 
@@ -80,8 +81,23 @@ def reference(tiny_model, tiny_cfg):
 
 
 def test_random_requests_equal_generate_alone(engine, tiny_model, reference):
+    """Every request's tokens equal `generate` on its prompt alone, whatever ran beside it; each
+    decode step ran the fewest rows (row bucket) that hold its decoding slots, gathered (1, 2 rows)
+    and in place (all 4)."""
     prompts, params, arrivals, expected, full = reference
-    handles = _run(engine, prompts, params, arrivals)
+    calls, program = [], engine._decode
+
+    def spy(params_, pools, inp):  # (rows of the call, slots decoding in it)
+        calls.append((inp.ids.shape[0], int((np.asarray(inp.n_valid) > 0).sum())))
+        return program(params_, pools, inp)
+
+    engine._decode = spy
+    try:
+        handles = _run(engine, prompts, params, arrivals)
+    finally:
+        engine._decode = program
+    assert all(r == next(n for n in engine.decode_rows if n >= k) for r, k in calls), calls
+    assert {r for r, _ in calls} == {1, 2, 4}
     for i, h in enumerate(handles):
         assert h.generated == expected[i], i
         reason = "stop" if h.generated[-1] in params[i].stop_ids else "length"
@@ -102,7 +118,7 @@ def test_preemption_under_tiny_pool_gives_same_tokens(tiny_model, reference):
                  max_seq_len=80, buckets=(16,), widths=(4, 10))
     handles = _run(eng, prompts, params, arrivals)
     assert [h.generated for h in handles] == expected
-    assert eng._decode._cache_size() == 2  # decode steps ran over 4-page and 10-page block tables
+    assert 2 <= eng._decode._cache_size() <= len(eng.decode_rows) * 2  # row buckets x the 2 widths
     st = eng.stats()
     assert st["preemptions"] >= 3, st
     assert st["slots_in_use"] == st["pages_in_use"] == st["queue_depth"] == 0

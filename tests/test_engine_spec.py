@@ -59,9 +59,10 @@ def engine_for(model):
                 eng.warmup()
             finally:
                 jax.monitoring.unregister_event_duration_listener(listener)
-            assert len(events) >= len(eng.widths) + len(eng.buckets)
+            n = len(eng.decode_rows) * len(eng.widths)  # speculative shapes: row buckets x widths
+            assert len(events) >= n + len(eng.buckets)
             assert eng._decode._cache_size() == 0  # the speculative program replaces decode
-            assert len(eng.widths) <= eng._spec._cache_size() <= 2 * len(eng.widths)
+            assert n <= eng._spec._cache_size() <= 2 * n
             _ENGINES[k] = eng
         return _ENGINES[k]
     yield get
@@ -291,7 +292,7 @@ def test_speculative_argument_checks(model, tiny_cfg, tiny_params):
     with pytest.raises(ValueError, match="speculative > 0 needs the MTP layer"):
         Engine(no_mtp, speculative=2, **kw)
     eng = Engine(model, speculative=2, **kw)
-    assert "speculative decode (K=2: [2, 3] verify)" in eng.describe()
+    assert "speculative decode (K=2: [R, 3] verify) for R in [1, 2]" in eng.describe()
     # what the verify program does not do is refused by field name, and nothing is queued
     for field, value in (("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2),
                          ("logprobs", 0)):

@@ -118,8 +118,11 @@ def _leaves(tree):
 def test_message_round_trip_is_bit_exact(small_engine):
     eng = small_engine
     rng = np.random.default_rng(0)
-    for op, T, W in ((OP_DECODE, 1, eng.widths[0]), (OP_PREFILL, eng.buckets[-1], eng.sizes.max_blocks)):
-        tmpl = eng._padding_inputs(op, T, W)
+    S = eng.sizes.max_slots
+    for op, R, T, W in ((OP_DECODE, 1, 1, eng.widths[0]), (OP_DECODE, S, 1, eng.widths[-1]),
+                        (OP_PREFILL, eng.prefill_rows, eng.buckets[-1], eng.sizes.max_blocks)):
+        tmpl = eng._padding_inputs(op, R, T, W)
+        assert np.asarray(tmpl.ids).shape == (R, T) and np.asarray(tmpl.block_table).shape == (R, W)
         leaves = []
         for x in _leaves(tmpl):
             if x.dtype == np.float32:
@@ -130,18 +133,18 @@ def test_message_round_trip_is_bit_exact(small_engine):
                 leaves.append(rng.integers(-2 ** 31, 2 ** 31, x.shape).astype(x.dtype))
         real = jax.tree.unflatten(jax.tree.structure(tmpl), leaves)
         size = HEADER + packed_size(real) + 5
-        buf = pack((op, T, W, 7), real, size)
-        assert buf.shape == (size,) and buf.dtype == np.int32 and list(buf[:HEADER]) == [op, T, W, 7]
+        buf = pack((op, R, T, W, 7), real, size)
+        assert buf.shape == (size,) and buf.dtype == np.int32 and list(buf[:HEADER]) == [op, R, T, W, 7]
         back = unpack(buf, tmpl)
         for a, b in zip(_leaves(back), leaves):
             assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
         with pytest.raises(ValueError, match="exceed the message size"):
-            pack((op, T, W, 0), real, size - 6)
+            pack((op, R, T, W, 0), real, size - 6)
     small = (np.array([True, False, True]), np.array([-3, 0, 100], np.int8))  # carried through int32
-    back = unpack(pack((0, 0, 0, 0), small, HEADER + 6), small)
+    back = unpack(pack((0, 0, 0, 0, 0), small, HEADER + 6), small)
     assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(back, small))
     with pytest.raises(TypeError, match="cannot broadcast a float64"):
-        pack((0, 0, 0, 0), (np.zeros(2),), HEADER + 2)
+        pack((0, 0, 0, 0, 0), (np.zeros(2),), HEADER + 2)
 
 
 def test_single_process_follow_refused_shutdown_harmless(small_engine):

@@ -442,3 +442,15 @@ def test_multihost_server_answers_like_one_process(served):
             if p.poll() is None:
                 p.kill()
                 p.wait(30)
+
+
+def test_bound_socket_queues_a_client_before_the_server_starts():
+    """`ling-jax serve` prints its address before uvicorn's start-up (engine warm-up) has run: a
+    client that connects then must wait in the backlog, not be refused (the race a loaded CI hit)."""
+    import socket
+    sock = bind("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname()[:2], timeout=5):
+            pass  # accepted by the kernel into the backlog: nothing is serving yet
+    finally:
+        sock.close()

@@ -10,14 +10,15 @@ Single-threaded and deterministic: nothing runs between calls, and the same subm
 same order give the same tokens. A server drives `step()` from one thread and routes the
 `{handle: new tokens}` it returns; `submit` / `cancel` are called between steps.
 
-Compile bound: the decode program has one shape ([max_slots, 1]) per block-table width in
-`widths` (a step attends over the pages of its longest decoding sequence, rounded up to a
+Compile bound: the decode program has one shape ([R, 1]) per row bucket R in `decode_rows` and
+block-table width in `widths` (a step runs the fewest rows that hold its decoding slots, so idle
+slots cost nothing, and attends over the pages of its longest decoding sequence, rounded up to a
 width); the prefill program one per token bucket ([prefill_rows, T], T in `buckets`: powers of
 two up to `prefill_chunk`). `warmup()`
 runs each once on padding rows (which change nothing), so afterwards no request of any length
 within `max_seq_len` compiles anything (`compiled_shapes()` counts them). With `speculative=K`
-the speculative program (`speculative.py`: [max_slots, K+1] verify) takes decode's place, one
-per width. The prefix cache adds two copy programs of one shape each (snapshots.py), warmed up
+the speculative program (`speculative.py`: [R, K+1] verify) takes decode's place, one per row
+bucket and width. The prefix cache adds two copy programs of one shape each (snapshots.py), warmed up
 with them.
 
 Multi-host (`serve/multihost.py`): every process builds the same Engine; process 0 drives it as
@@ -130,6 +131,17 @@ def decode_widths(max_blocks: int, smallest: int) -> tuple[int, ...]:
     return tuple(out) + (max_blocks,)
 
 
+def row_buckets(max_slots: int) -> tuple[int, ...]:
+    """Decode row counts compiled: powers of two below max_slots, and max_slots. Why: a decode
+    step's cost is its rows' (every row streams the weights through the same GEMMs and reads and
+    writes its KDA state), so 3 requests on a 32-slot engine should run 4 rows, not 32."""
+    out, r = [], 1
+    while r < max_slots:
+        out.append(r)
+        r *= 2
+    return tuple(out) + (max_slots,)
+
+
 def token_buckets(prefill_chunk: int, smallest: int = 8) -> tuple[int, ...]:
     """Prefill widths compiled: powers of two from `smallest` below `prefill_chunk`, and the chunk."""
     out, t = [], min(smallest, prefill_chunk)
@@ -150,6 +162,7 @@ class Engine:
     model has an MTP layer); exec: how to run (default `model.exec`); buckets: prefill widths
     (default `token_buckets(prefill_chunk)`); widths: decode block-table widths in pages (default
     `decode_widths(max_blocks, 256 // page_size)`; the prefill program always reads all max_blocks);
+    decode_rows: decode row counts (default `row_buckets(max_slots)`; must end at max_slots);
     speculative: MTP drafts verified per decode step, 0 (off) … `MAX_SPECULATIVE` (needs the MTP
     layer and with_mtp; the speculative program then replaces decode, one per width; README).
     prefix_cache: keep an exact prefix cache (shared pages + KDA snapshots, prefix_cache.py);
@@ -161,7 +174,7 @@ class Engine:
                  cache_memory_gib: float | None = None, prefill_chunk: int = 64, prefill_rows: int = 2,
                  max_seq_len: int | None = None, with_mtp: bool | None = None, exec: ExecConfig | None = None,
                  buckets: Sequence[int] | None = None, widths: Sequence[int] | None = None,
-                 speculative: int = 0, prefix_cache: bool = True, prefix_cache_memory_gib: float | None = None):
+                 decode_rows: Sequence[int] | None = None, speculative: int = 0, prefix_cache: bool = True, prefix_cache_memory_gib: float | None = None):
         cfg = model.cfg
         self.cfg = cfg
         if num_pages is None and cache_memory_gib is None:
@@ -185,6 +198,7 @@ class Engine:
         self.widths = tuple(sorted(set(widths))) if widths else decode_widths(mb, max(1, 256 // page_size))
         if self.widths[-1] != mb or self.widths[0] < 1:
             raise ValueError(f"decode widths {self.widths} must be positive and end at max_blocks={mb}")
+        self.decode_rows = _check_decode_rows(decode_rows, max_slots)
         self.prefill_chunk, self.prefill_rows = prefill_chunk, prefill_rows
         self.exec = exec or model.exec
         self.graphdef, self.params = nnx.split(model)
@@ -236,10 +250,10 @@ class Engine:
     # -- start-up ------------------------------------------------------------------------------
     def describe(self) -> str:
         """Start-up report: pool sizes with their byte arithmetic, and the compiled shapes."""
-        decode = (f"speculative decode (K={self.speculative}: [{self.sizes.max_slots}, {self.speculative + 1}] "
-                  f"verify)" if self.speculative else f"decode [{self.sizes.max_slots}, 1]")
+        decode = (f"speculative decode (K={self.speculative}: [R, {self.speculative + 1}] verify)"
+                  if self.speculative else "decode [R, 1]")
         return (describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n" + self._describe_prefix() +
-                f"  compiled shapes: {decode} over block-table widths "
+                f"  compiled shapes: {decode} for R in {list(self.decode_rows)} over block-table widths "
                 f"{list(self.widths)}; prefill [{self.prefill_rows}, T] for T in {list(self.buckets)}")
 
     def _describe_prefix(self) -> str:
@@ -269,10 +283,10 @@ class Engine:
                 self.pools = self.snapshots.warmup(self.pools)
 
     def _warmup_round(self, S: int, R: int) -> None:
-        for w in self.widths:
-            program = self._spec if self.speculative else self._decode  # speculative replaces decode
-            self.pools = program(self.params, self.pools, self._inputs(
-                np.arange(S), np.zeros((S, 1), np.int32), np.zeros(S, np.int32), [None] * S, w))[0]
+        program = self._spec if self.speculative else self._decode  # speculative replaces decode
+        for n in self.decode_rows:
+            for w in self.widths:
+                self.pools = program(self.params, self.pools, self._padding_inputs(OP_DECODE, n, 1, w))[0]
         for T in self.buckets:
             self.pools = self._prefill(self.params, self.pools,
                                        self._inputs(np.full(R, S), np.zeros((R, T), np.int32),
@@ -306,21 +320,38 @@ class Engine:
             self._link.shutdown()
 
     def _program_shapes(self) -> list:
-        """Every (op, T, W) the engine runs: decode [S, 1] per width, prefill [R, T] per bucket."""
-        mb = self.sizes.max_blocks
+        """Every (op, R, T, W) the engine runs: decode [R, 1] per row bucket and width, prefill
+        [prefill_rows, T] per bucket."""
+        mb, R = self.sizes.max_blocks, self.prefill_rows
         dec = OP_SPEC if self.speculative else OP_DECODE
-        return ([ProgramShape(dec, 1, w) for w in self.widths]
-                + [ProgramShape(OP_PREFILL, t, mb) for t in self.buckets])
+        return ([ProgramShape(dec, n, 1, w) for n in self.decode_rows for w in self.widths]
+                + [ProgramShape(OP_PREFILL, R, t, mb) for t in self.buckets])
 
-    def _padding_inputs(self, op: int, tokens: int, width: int) -> StepInputs:
-        """A StepInputs of program `op`'s shapes on padding rows (the followers' unpacking template)."""
+    def _padding_inputs(self, op: int, rows: int, tokens: int, width: int | None = None) -> StepInputs:
+        """A StepInputs of program `op`'s shapes [rows, tokens] on padding rows (warm-up, and the
+        followers' unpacking template); a decode over every slot runs them in place (arange)."""
         S = self.sizes.max_slots
-        n, rows = (S, np.arange(S)) if op in (OP_DECODE, OP_SPEC) else (self.prefill_rows, np.full(self.prefill_rows, S))
-        return self._inputs(rows, np.zeros((n, tokens), np.int32), np.zeros(n, np.int32), [None] * n, width)
+        slots = np.arange(S) if op in (OP_DECODE, OP_SPEC) and rows == S else np.full(rows, S)
+        return self._inputs(slots, np.zeros((rows, tokens), np.int32), np.zeros(rows, np.int32), [None] * rows, width)
+
+    def _decode_rows_for(self, reqs: list) -> tuple[int, np.ndarray, list]:
+        """(R, rows [R], requests by row) for a decode-like step over `reqs`: the smallest row bucket
+        that holds them; with R = max_slots every request sits at its slot's row (in place),
+        otherwise they are packed into the first rows and the rest are padding (slot max_slots)."""
+        S = self.sizes.max_slots
+        R = next(n for n in self.decode_rows if n >= len(reqs))
+        if R == S:
+            by_row = [None] * S
+            for r in reqs:
+                by_row[r.slot] = r
+            return R, np.arange(S), by_row
+        rows = np.full(R, S)
+        rows[:len(reqs)] = [r.slot for r in reqs]
+        return R, rows, list(reqs) + [None] * (R - len(reqs))
 
     def compiled_shapes(self) -> int:
-        """How many programs the step functions hold (len(widths) + len(buckets) after warmup; the
-        prefix cache's two copy programs: `snapshots.compiled_shapes()`)."""
+        """How many programs the step functions hold (len(decode_rows) x len(widths) + len(buckets)
+        after warmup; the prefix cache's two copy programs: `snapshots.compiled_shapes()`)."""
         return (self._prefill._cache_size() + self._decode._cache_size()
                 + (self._spec._cache_size() if self._spec is not None else 0))
 
@@ -404,19 +435,19 @@ class Engine:
         if plan.decode and self.speculative:
             self._spec_decode(plan.decode, out)
         elif plan.decode:
-            reqs = [None] * S
-            ids, n_valid = np.zeros((S, 1), np.int32), np.zeros(S, np.int32)
-            for r in plan.decode:
-                reqs[r.slot] = r
-                ids[r.slot, 0], n_valid[r.slot] = r.generated[-1], 1
+            R, rows, reqs = self._decode_rows_for(plan.decode)
+            ids, n_valid = np.zeros((R, 1), np.int32), np.zeros(R, np.int32)
+            for i, r in enumerate(reqs):
+                if r is not None:
+                    ids[i, 0], n_valid[i] = r.generated[-1], 1
             held = max(len(self.alloc.pages[r.slot]) for r in plan.decode)
             width = next(w for w in self.widths if w >= held)
-            self.pools, tok, lp = self._decode(self.params, self.pools,
-                                               self._inputs(np.arange(S), ids, n_valid, reqs, width))
+            self.pools, tok, lp = self._decode(self.params, self.pools, self._inputs(rows, ids, n_valid, reqs, width))
             tok, lp = np.asarray(tok), _host_logprobs(lp, plan.decode)
-            for r in plan.decode:
-                r.n_fed += 1
-                self._emit(r, int(tok[r.slot]), out, lp, r.slot)
+            for i, r in enumerate(reqs):
+                if r is not None:
+                    r.n_fed += 1
+                    self._emit(r, int(tok[i]), out, lp, i)
         if plan.prefill:
             R = self.prefill_rows
             need = max(n for _, n in plan.prefill)
@@ -453,25 +484,25 @@ class Engine:
         """One speculative step for the decoding requests (pages for 1 + drafts tokens each were
         ensured by the scheduler): every slot's emitted run goes through the stop / max_tokens
         rules token by token, so a stop inside an accepted run ends it there."""
-        S = self.sizes.max_slots
-        reqs = [None] * S
-        ids, n_valid = np.zeros((S, 1), np.int32), np.zeros(S, np.int32)
-        for r in decode:
-            reqs[r.slot] = r
-            ids[r.slot, 0], n_valid[r.slot] = r.generated[-1], 1 + self.sched.drafts_for(r)
+        R, rows, reqs = self._decode_rows_for(decode)
+        ids, n_valid = np.zeros((R, 1), np.int32), np.zeros(R, np.int32)
+        for i, r in enumerate(reqs):
+            if r is not None:
+                ids[i, 0], n_valid[i] = r.generated[-1], 1 + self.sched.drafts_for(r)
         held = max(len(self.alloc.pages[r.slot]) for r in decode)
         width = next(w for w in self.widths if w >= held)
-        self.pools, emitted, n_emit = self._spec(self.params, self.pools,
-                                                 self._inputs(np.arange(S), ids, n_valid, reqs, width))
+        self.pools, emitted, n_emit = self._spec(self.params, self.pools, self._inputs(rows, ids, n_valid, reqs, width))
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         self.spec_steps += 1
-        for r in decode:
-            n = int(n_emit[r.slot])
+        for i, r in enumerate(reqs):
+            if r is None:
+                continue
+            n = int(n_emit[i])
             self.spec_rounds += 1
             self.spec_accepted += n - 1
-            self.spec_drafted += int(n_valid[r.slot]) - 1
+            self.spec_drafted += int(n_valid[i]) - 1
             r.n_fed += n
-            for t in emitted[r.slot, :n]:
+            for t in emitted[i, :n]:
                 self._emit(r, int(t), out)
                 if r.state == DONE:
                     break
@@ -551,6 +582,19 @@ def _check_speculative_params(params: "RequestParams") -> None:
 def _host_logprobs(lp, reqs):
     """The step's logprob arrays on the host, fetched only when one of its requests asked."""
     return tuple(np.asarray(a) for a in lp) if any(r.params.logprobs is not None for r in reqs) else None
+
+
+def _check_decode_rows(decode_rows, max_slots: int) -> tuple[int, ...]:
+    """The decode row buckets: default `row_buckets(max_slots)`; given ones must be positive ints
+    ending at max_slots (the most slots a step can decode)."""
+    if decode_rows is None:
+        return row_buckets(max_slots)
+    rows = tuple(sorted(set(decode_rows)))
+    if not rows or any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1 for n in rows) \
+            or rows[-1] != max_slots:
+        raise ValueError(f"Engine decode_rows {tuple(decode_rows)!r} must be positive ints ending at "
+                         f"max_slots={max_slots}")
+    return tuple(int(n) for n in rows)
 
 
 def _check_speculative(speculative, model, with_mtp: bool) -> None:

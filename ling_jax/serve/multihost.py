@@ -9,9 +9,9 @@ each program call it broadcasts what to run; the other processes (followers) sit
 The message: one int32 buffer of a fixed size (`StepLink.size`), so the broadcast compiles exactly
 one program however the steps vary:
 
-    [op, tokens T, block-table width W, call number, flattened StepInputs..., zero padding]
+    [op, rows R, tokens T, block-table width W, call number, flattened StepInputs..., zero padding]
 
-op names the program (`OP_DECODE`, `OP_PREFILL`, `OP_SPEC`; `OP_SHUTDOWN` ends `follow()`); from (op, T, W)
+op names the program (`OP_DECODE`, `OP_PREFILL`, `OP_SPEC`; `OP_SHUTDOWN` ends `follow()`); from (op, R, T, W)
 the follower builds a template StepInputs of the right shapes (`Engine._padding_inputs`) and
 reads the leaves back from the buffer in pytree order (4-byte dtypes bit-exact via a view, bools
 and small ints through int32). The call number catches a follower out of step with the leader
@@ -34,12 +34,13 @@ from ling_jax.serve.step import StepInputs
 
 OP_SHUTDOWN, OP_DECODE, OP_PREFILL, OP_SPEC, OP_SAVE, OP_RESTORE = 0, 1, 2, 3, 4, 5
 INDEX_OPS = (OP_SAVE, OP_RESTORE)  # payload: raw int32 index words, not a StepInputs
-HEADER = 4  # op, T, W, call number
+HEADER = 5  # op, R, T, W, call number
 
 
 class ProgramShape(NamedTuple):
-    """One compiled step shape: op, token width T of `ids`, block-table width W."""
+    """One compiled step shape: op, rows R and token width T of `ids` [R, T], block-table width W."""
     op: int
+    rows: int
     tokens: int
     width: int
 
@@ -94,11 +95,11 @@ def unpack(buf: np.ndarray, template):
 class StepLink:
     """The leader's program calls, broadcast to the followers (module docstring).
 
-    template(op, T, W) -> a numpy StepInputs of that program's shapes (values unused);
+    template(op, R, T, W) -> a numpy StepInputs of that program's shapes (values unused);
     shapes: every ProgramShape the engine compiles (they size the message); index_words: the
     largest `send_words` payload (the snapshot copies')."""
 
-    def __init__(self, template: Callable[[int, int, int], StepInputs], shapes: Sequence[ProgramShape],
+    def __init__(self, template: Callable[[int, int, int, int], StepInputs], shapes: Sequence[ProgramShape],
                  index_words: int = 0):
         self.template = template
         self.size = HEADER + max([packed_size(template(*s)) for s in shapes] + [index_words])
@@ -113,8 +114,8 @@ class StepLink:
         """Leader: tell every follower to run program `op` on `inputs` (blocks until they take it)."""
         if self.closed:
             raise RuntimeError("the engine was shut down (Engine.shutdown): it runs no more steps")
-        T, W = (0, 0) if inputs is None else (inputs.ids.shape[1], inputs.block_table.shape[1])
-        self._broadcast(pack((op, T, W, self.calls), () if inputs is None else inputs, self.size))
+        R, T, W = (0, 0, 0) if inputs is None else (*inputs.ids.shape, inputs.block_table.shape[1])
+        self._broadcast(pack((op, R, T, W, self.calls), () if inputs is None else inputs, self.size))
         self.calls += 1
 
     def send_words(self, op: int, words: np.ndarray) -> None:
@@ -125,7 +126,7 @@ class StepLink:
         if HEADER + words.size > self.size:
             raise ValueError(f"multihost: {words.size} index words exceed the message size {self.size}")
         buf = np.zeros(self.size, np.int32)
-        buf[:HEADER] = (op, 0, 0, self.calls)
+        buf[:HEADER] = (op, 0, 0, 0, self.calls)
         buf[HEADER:HEADER + words.size] = words
         self._broadcast(buf)
         self.calls += 1
@@ -134,7 +135,7 @@ class StepLink:
         """Follower: the next (op, inputs) the leader sends (inputs None for OP_SHUTDOWN; for
         INDEX_OPS the payload words [size - HEADER])."""
         buf = self._broadcast(np.zeros(self.size, np.int32))
-        op, T, W, n = (int(v) for v in buf[:HEADER])
+        op, R, T, W, n = (int(v) for v in buf[:HEADER])
         if n != self.calls:
             raise RuntimeError(f"multihost: process {jax.process_index()} received call {n}, expected {self.calls} "
                                "(out of step with process 0)")
@@ -144,7 +145,7 @@ class StepLink:
             return op, None
         if op in INDEX_OPS:
             return op, buf[HEADER:].copy()
-        return op, unpack(buf, self.template(op, T, W))
+        return op, unpack(buf, self.template(op, R, T, W))
 
     def shutdown(self) -> None:
         """Leader: end the followers' `follow()` (idempotent)."""
@@ -183,7 +184,7 @@ class _LinkedProgram:
         return self.program._cache_size()
 
 
-def make_link(template: Callable[[int, int, int], StepInputs], shapes: Sequence[ProgramShape],
+def make_link(template: Callable[[int, int, int, int], StepInputs], shapes: Sequence[ProgramShape],
               index_words: int = 0) -> StepLink | None:
     """A StepLink when running multi-process, else None (single-process: nothing to broadcast)."""
     return StepLink(template, shapes, index_words) if jax.process_count() > 1 else None

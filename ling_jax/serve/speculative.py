@@ -43,7 +43,7 @@ from ling_jax.model import HybridCache
 from ling_jax.sampling import (processed_logits_rows, request_keys, sample_rows, speculative_accept,
                                speculative_accept_greedy)
 from ling_jax.serve.pools import Pools, as_cache, with_cache
-from ling_jax.serve.step import StepInputs
+from ling_jax.serve.step import StepInputs, gathers_rows
 
 #: The most drafts per verify step: what `generate` allows (the MTP layer is trained for the next
 #: token; drafts further out come from its own recursion and are rarely accepted).
@@ -97,14 +97,17 @@ def accept_rows(drafts, draft_logits, target_logits, n_drafts, sampling, keys):
 
 def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: int):
     """(pools, emitted [S, k+1] int32, n_emitted [S] int32): see the module docstring.
-    inp.ids [S, 1] = each slot's pending token; inp.n_valid [S] = 1 + drafts to verify (0 idle)."""
+    inp.ids [S, 1] = each row's pending token; inp.n_valid [S] = 1 + drafts to verify (0 idle).
+    S rows: every slot in place (S = max_slots), or the slots `inp.rows` gathered (`step.py`)."""
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
     S = inp.ids.shape[0]
+    rows = inp.rows if gathers_rows(pools, inp) else None
     active = inp.n_valid > 0
     n_drafts = jnp.maximum(inp.n_valid - 1, 0)
     P = inp.lengths
-    cache = as_cache(cfg, pools, inp.block_table, P, None, jnp.zeros((S,), bool))
+    cache = as_cache(cfg, pools, inp.block_table, P, rows, jnp.zeros((S,), bool))
+    prev_hidden = pools.hidden if rows is None else jnp.take(pools.hidden, rows, axis=0, mode="clip")
     s = inp.sampling
     base = request_keys(s.seed, s.n_gen)
     draft_ex = ex.replace(kda_states=False, skip_logits=False)
@@ -119,7 +122,7 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
         d = sample_rows(lg, keys, s.temperature, s.top_k, s.top_p)
         return (d, zm[:, 0].astype(h.dtype), mtp), (d, lg)
 
-    (_, _, mtp), (drafts, draft_logits) = jax.lax.scan(draft, (inp.ids[:, 0], pools.hidden, cache.mtp),
+    (_, _, mtp), (drafts, draft_logits) = jax.lax.scan(draft, (inp.ids[:, 0], prev_hidden, cache.mtp),
                                                        jnp.arange(k))
     drafts, draft_logits = drafts.T, jnp.swapaxes(draft_logits, 0, 1)  # [S,k], [S,k,V]
     # 2. verify [pending, d_1..d_k], every per-token KDA state kept for the rollback
@@ -140,8 +143,10 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, a, draft_ex)
     idx = jnp.maximum(adv - 1, 0)
     last = jnp.take_along_axis(out["hidden"], idx[:, None, None], axis=1)[:, 0]
-    hidden = jnp.where(active[:, None], last.astype(pools.hidden.dtype), pools.hidden)
-    new_pools = with_cache(cfg, pools, HybridCache(tuple(layers), mtp, P + adv))
+    hidden = jnp.where(active[:, None], last.astype(pools.hidden.dtype), prev_hidden)
+    if rows is not None:
+        hidden = pools.hidden.at[rows].set(hidden, mode="drop")
+    new_pools = with_cache(cfg, pools, HybridCache(tuple(layers), mtp, P + adv), rows)
     j = jnp.arange(k + 1)[None, :]
     emitted = jnp.where(j < a[:, None], jnp.concatenate([drafts, jnp.zeros((S, 1), jnp.int32)], axis=1),
                         jnp.where(j == a[:, None], nxt[:, None], 0))
@@ -149,8 +154,9 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
 
 
 def make_spec_fn(graphdef, ex: ExecConfig, k: int):
-    """Jitted `(params, pools, StepInputs) -> (pools, emitted [S, k+1], n_emitted [S])`, pools
-    donated; one program per block-table width (like decode). k: drafts per step (1 … MAX_SPECULATIVE)."""
+    """Jitted `(params, pools, StepInputs) -> (pools, emitted [R, k+1], n_emitted [R])`, pools
+    donated; one program per row bucket and block-table width (like decode). k: drafts per step
+    (1 … MAX_SPECULATIVE)."""
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE:
         raise ValueError(f"speculative drafts must be an int in [1, {MAX_SPECULATIVE}], got {k!r}")
     return jax.jit(lambda params, pools, inp: _spec(graphdef, params, pools, inp, ex, k), donate_argnums=(1,))

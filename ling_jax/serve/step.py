@@ -1,12 +1,18 @@
-"""The engine's two compiled programs: a prefill chunk over a few slot rows, a decode step over all slots.
+"""The engine's two compiled programs: a prefill chunk over a few slot rows, a decode step over the decoding slots.
 
 Both are pure functions `(params, pools, inputs) -> (pools, next tokens)`; the pools are donated,
 so the page pools are updated in place. Why two programs and not one: a decode step feeds one
 token per slot through the token-by-token KDA recurrence (what `generate` decodes with), a
 prefill chunk feeds up to `prefill_chunk` tokens of a few rows through the chunked scan; fused
 into one [slots, chunk] batch every decoding row would pay for a whole chunk. Each is compiled
-for a fixed set of shapes: decode for [max_slots, 1], prefill for [prefill_rows, T] with T one of
-the token buckets (see `ling_jax.serve.engine`).
+for a fixed set of shapes: decode for [R, 1] with R one of the row buckets (a step costs what its
+rows cost, so 3 decoding slots of 32 run a 4-row program, not a 32-row one), prefill for
+[prefill_rows, T] with T one of the token buckets (see `ling_jax.serve.engine`).
+
+Rows and slots: a program with fewer rows than slots gathers its rows' KDA states, hidden and
+token statistics from the pools (`rows` [R] = each row's slot, max_slots = padding) and scatters
+them back; a decode program with R = max_slots runs every slot in place (rows = arange(max_slots):
+nothing gathered, nothing copied).
 
 Rows that have nothing to do (idle slots in decode, unused rows of a prefill batch) get
 n_valid = 0: their KDA state passes through unchanged (g = 0, beta = 0, conv state kept), their
@@ -47,7 +53,7 @@ class RowSampling(NamedTuple):
 class StepInputs(NamedTuple):
     """One call's inputs. ids [R,T] int32 right-padded, n_valid [R] real tokens, lengths [R]
     tokens already cached, block_table [R, max_blocks], rows [R] slot of each row (max_slots =
-    padding row; decode: arange(max_slots)), sampling: RowSampling."""
+    padding row; a decode over all max_slots rows: arange(max_slots)), sampling: RowSampling."""
     rows: jax.Array
     ids: jax.Array
     n_valid: jax.Array
@@ -121,17 +127,23 @@ def _row_logprobs(logits, tok, wanted):
     return jax.lax.cond(jnp.any(wanted), lambda: token_logprobs(logits, tok, n), zeros)
 
 
+def gathers_rows(pools: Pools, inp: StepInputs) -> bool:
+    """A decode-like program gathers its rows unless it has one row per slot (static shapes)."""
+    return inp.rows.shape[0] != pools.hidden.shape[0]
+
+
 def make_step_fns(graphdef, ex: ExecConfig):
     """(prefill, decode): jitted `(params, pools, StepInputs) -> (pools, tokens [R], logprobs)`,
     pools donated; logprobs = `_row_logprobs`' triple.
 
     prefill runs the chunked KDA scan over the gathered rows; decode the recurrent KDA step over
-    every slot (rows = arange(max_slots), nothing gathered). Each call of one function object with
-    new shapes compiles once; `_cache_size()` counts them (the engine's compile bound)."""
+    the gathered rows, or in place over every slot when it has max_slots rows (rows =
+    arange(max_slots); decided by the static shapes). Each call of one function object with new
+    shapes compiles once; `_cache_size()` counts them (the engine's compile bound)."""
     pre_ex = ex.replace(kda_mode="chunk", kda_states=False, skip_logits=True)
     dec_ex = ex.replace(kda_mode="recurrent", kda_states=False, skip_logits=True)
     prefill = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, pre_ex, True),
                       donate_argnums=(1,))
-    decode = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, dec_ex, False),
+    decode = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, dec_ex, gathers_rows(pools, inp)),
                      donate_argnums=(1,))
     return prefill, decode

@@ -8,7 +8,9 @@ benchmarks, notebooks).
     srv.stop()                                                  # aborts what is still running
 
 Why a socket of our own: binding it here (port 0 = a free port chosen by the OS) tells the
-caller the real port before uvicorn starts, with no race between finding a port and using it.
+caller the real port before uvicorn starts, with no race between finding a port and using it; it
+listens at once, so `ling-jax serve` can print its address before uvicorn's start-up has run and
+a client that connects in between is queued, not refused.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.set_inheritable(True)
+    sock.listen(2048)  # listening from here on: a client that connects before uvicorn has started waits
+    sock.set_inheritable(True)  # in the backlog instead of being refused
     return sock
 
 
