@@ -8,9 +8,9 @@ function that takes one compiles once per distinct value.
 
 `ExecConfig.for_backend(platform, cfg)` is the one place where defaults depend on the backend
 (Pallas on TPU/GPU, XLA on CPU; KDA chunk 16 on CPU, 64 elsewhere; capacity-batched experts on
-XLA:CPU, where `ragged_dot` is dense) or on the model's shape (layer loop). The model carries the
-resolved config as `model.exec`; a call may pass another (usually `dataclasses.replace(model.exec,
-kda_mode="recurrent")`).
+XLA:CPU, where `ragged_dot` is dense, and weights-first linears over few rows) or on the model's
+shape (layer loop). The model carries the resolved config as `model.exec`; a call may pass another
+(usually `dataclasses.replace(model.exec, kda_mode="recurrent")`).
 """
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ LAYER_LOOPS = ("scan", "unroll")
 #: bytes), while unrolling costs compile time ∝ layer count; small test models compile faster
 #: scanned and lose nothing, the 72-layer release compiles 6 layer bodies instead of 72.
 UNROLL_MAX_LAYERS = 24
+#: XLA:CPU: linear layers over at most this many rows run weights-first (`ExecConfig.weights_first_rows`);
+#: measured 1.0–1.2× at 64 rows and slower from ~128 (tools/bench_small_matmul.py).
+CPU_WEIGHTS_FIRST_ROWS = 64
 UNROLL_MIN_HIDDEN = 512
 
 
@@ -56,6 +59,9 @@ class ExecConfig:
         absorbed over a cache).
     layer_loop: "scan" (repeated layer groups scanned: short compiles) | "unroll" (each layer reads
         its own weights in place: faster on XLA:CPU for shallow, wide models).
+    weights_first_rows: float linear layers whose input has 2 … this many rows compute
+        `(W·xᵀ)ᵀ`, the weight the streamed operand (`pallas_kernels.matmul.linear`: XLA:CPU's GEMM
+        otherwise repacks the weight every call; 1.6–2.3× faster at 2–16 rows). 0 = off (TPU/GPU).
     kda_states: also return every per-token KDA state (speculative verification → `kda_rollback`).
     skip_logits: do not compute full-sequence logits (prefill needs only the last position's).
     remat: None, or a `jax.checkpoint_policies` name: every decoder layer body is rematerialised
@@ -70,6 +76,7 @@ class ExecConfig:
     kda_chunk: int = 64
     mla_form: str = "auto"
     layer_loop: str = "scan"
+    weights_first_rows: int = 0
     kda_states: bool = False
     skip_logits: bool = False
     remat: Optional[str] = None
@@ -84,6 +91,9 @@ class ExecConfig:
         _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
         if not isinstance(self.kda_chunk, int) or isinstance(self.kda_chunk, bool) or self.kda_chunk < 1:
             raise ValueError(f"ExecConfig.kda_chunk must be a positive int, got {self.kda_chunk!r}")
+        if (not isinstance(self.weights_first_rows, int) or isinstance(self.weights_first_rows, bool)
+                or self.weights_first_rows < 0):
+            raise ValueError(f"ExecConfig.weights_first_rows must be an int >= 0, got {self.weights_first_rows!r}")
         if self.remat is not None:
             if not callable(getattr(jax.checkpoint_policies, str(self.remat), None)):
                 raise ValueError(f"ExecConfig.remat must be None or a jax.checkpoint_policies name, "
@@ -102,6 +112,7 @@ class ExecConfig:
         base = dict(kernels="pallas" if accel else "xla",
                     grouped_matmul="ragged" if accel else "capacity",
                     kda_chunk=64 if accel else 16,
+                    weights_first_rows=0 if accel else CPU_WEIGHTS_FIRST_ROWS,
                     layer_loop="unroll" if unroll else "scan")
         base.update({k: v for k, v in overrides.items() if v is not None or k in ("remat", "mesh")})
         return cls(**base)

@@ -40,7 +40,7 @@ class Linear(nnx.Module):
         if isinstance(w, BlockFP8):
             matmul = fp8_linear_pallas if ex is not None and ex.kernels == "pallas" else fp8_linear
             return matmul(x, w.values, w.scales, w.block)
-        return linear(x, w)
+        return linear(x, w, ex.weights_first_rows if ex is not None else 0)
 
     def matrix(self, dtype=None) -> jax.Array:
         """The weight (a BlockFP8 one dequantised: float32 product, then `dtype`, exactly what a

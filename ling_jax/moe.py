@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import init_normal
+from ling_jax.moe_active import experts_active_loop, uses_active_loop
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision
 from ling_jax.quantized import dequantize, is_quantized
@@ -117,6 +118,17 @@ def experts_gathered(x, idx, wg, wu, wd, limit, gathered: bool = False):
     return jax.lax.map(one, xs)
 
 
+def auto_expert_path(n_tokens: int, k: int, n_experts: int, grouped_matmul: str, quantized: bool) -> str:
+    """`ExecConfig.experts="auto"`: gather copies each assignment's expert weights before reading
+    them (3 passes per assignment), the grouped path reads each expert once, so gather wins while
+    3·N·k ≤ E; except on XLA:CPU with float weights, where the grouped path's loop over the experts
+    in use (`moe_active`, N·k ≤ E) reads each used expert once and beats gather too (kept quantised,
+    the grouped path would dequantise every expert, gather only the picked ones)."""
+    if grouped_matmul == "capacity" and not quantized:
+        return "grouped"
+    return "gather" if 3 * n_tokens * k <= n_experts else "grouped"
+
+
 class Router(nnx.Module):
     def __init__(self, cfg: LingConfig, *, rngs: nnx.Rngs):
         self.weight = nnx.Param(init_normal(rngs, (cfg.num_experts, cfg.hidden_size), jnp.float32),
@@ -147,6 +159,8 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
     unpacked here, in x's dtype).
     path: "gather" | "grouped". Assignments to other experts contribute 0. Returns [N,D] float32 (a
     partial sum when the experts or their intermediate width are split over devices).
+    On XLA:CPU ("capacity") a grouped call with N·k ≤ E_l loops over the experts in use instead
+    (`ling_jax.moe_active`: each used expert read once, all tokens at once; weighted in the loop).
     """
     wg = weights[0]
     E_l = wg.shape[0]
@@ -162,6 +176,8 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
                                           else w[li].astype(dt) for w in weights), limit, gathered=True)
     else:
         ws = tuple(dequantize(w, dt) for w in weights)
+        if grouped_matmul == "capacity" and uses_active_loop(x.shape[0], idx.shape[1], E_l):
+            return experts_active_loop(x, jnp.where(mine, loc, E_l), jnp.where(mine, wts, 0.0), *ws, limit)
         y = experts_grouped(x, jnp.where(mine, loc, E_l), *ws, limit, grouped_matmul)  # others: id E_l → 0
     y = jnp.where(mine[..., None], y, 0)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), jnp.where(mine, wts, 0.0),
@@ -232,12 +248,10 @@ class MoE(nnx.Module):
             logits = jnp.einsum("nd,ed->ne", xf.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32),
                                 precision=jax.lax.Precision.HIGHEST)
             wts = routing_weights(jax.nn.sigmoid(logits), idx, self.cfg)
-        path = ex.experts if ex.experts != "auto" else (
-            # gather copies each assignment's expert weights before reading them (3 passes per
-            # assignment); the grouped path reads each expert once: gather wins while 3·N·k ≤ E.
-            "gather" if 3 * B * T * idx.shape[1] <= self.cfg.num_experts else "grouped")
         names = ("gate_proj", "up_proj", "down_proj")
         weights = tuple(getattr(self.experts, n).get_value() for n in names)
+        path = ex.experts if ex.experts != "auto" else auto_expert_path(
+            B * T, idx.shape[1], self.cfg.num_experts, ex.grouped_matmul, any(is_quantized(w) for w in weights))
         limit = self.routed_limit[...]
         if ex.mesh is not None:
             specs = weight_specs(self.experts, names, ex.mesh, self.cfg.num_attention_heads)
