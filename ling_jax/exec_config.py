@@ -62,6 +62,9 @@ class ExecConfig:
     weights_first_rows: float linear layers whose input has 2 … this many rows compute
         `(W·xᵀ)ᵀ`, the weight the streamed operand (`pallas_kernels.matmul.linear`: XLA:CPU's GEMM
         otherwise repacks the weight every call; 1.6–2.3× faster at 2–16 rows). 0 = off (TPU/GPU).
+    native_experts: routed experts of few tokens (N·k ≤ E, on the XLA:CPU "capacity" path) run the
+        native CPU kernel (`pallas_kernels.experts.cpu_kernel`, each used expert read once in place,
+        built on first use) instead of its XLA loop; float32 only, XLA loop when it cannot be built.
     kda_states: also return every per-token KDA state (speculative verification → `kda_rollback`).
     skip_logits: do not compute full-sequence logits (prefill needs only the last position's).
     remat: None, or a `jax.checkpoint_policies` name: every decoder layer body is rematerialised
@@ -77,6 +80,7 @@ class ExecConfig:
     mla_form: str = "auto"
     layer_loop: str = "scan"
     weights_first_rows: int = 0
+    native_experts: bool = False
     kda_states: bool = False
     skip_logits: bool = False
     remat: Optional[str] = None
@@ -94,6 +98,8 @@ class ExecConfig:
         if (not isinstance(self.weights_first_rows, int) or isinstance(self.weights_first_rows, bool)
                 or self.weights_first_rows < 0):
             raise ValueError(f"ExecConfig.weights_first_rows must be an int >= 0, got {self.weights_first_rows!r}")
+        if not isinstance(self.native_experts, bool):
+            raise ValueError(f"ExecConfig.native_experts must be a bool, got {self.native_experts!r}")
         if self.remat is not None:
             if not callable(getattr(jax.checkpoint_policies, str(self.remat), None)):
                 raise ValueError(f"ExecConfig.remat must be None or a jax.checkpoint_policies name, "
@@ -113,6 +119,7 @@ class ExecConfig:
                     grouped_matmul="ragged" if accel else "capacity",
                     kda_chunk=64 if accel else 16,
                     weights_first_rows=0 if accel else CPU_WEIGHTS_FIRST_ROWS,
+                    native_experts=not accel,
                     layer_loop="unroll" if unroll else "scan")
         base.update({k: v for k, v in overrides.items() if v is not None or k in ("remat", "mesh")})
         return cls(**base)

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import init_normal
-from ling_jax.moe_active import experts_active_loop, uses_active_loop
+from ling_jax.moe_active import experts_for_few_tokens, uses_active_loop
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision
 from ling_jax.quantized import dequantize, is_quantized
@@ -151,7 +151,7 @@ class Experts(nnx.Module):
         self.down_proj = nnx.Param(init_normal(rngs, (E, D, I), dtype, fan_in=I), axes=down)
 
 
-def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: str):
+def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: str, native: bool = False):
     """Weighted sum over the assignments that fall on experts `e0 .. e0+E_l-1` (the ones in `weights`).
 
     x: [N,D]; idx: [N,k] global expert ids; wts: [N,k] f32; weights: (wg, wu, wd) stacked [E_l,I_l,D],
@@ -160,7 +160,8 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
     path: "gather" | "grouped". Assignments to other experts contribute 0. Returns [N,D] float32 (a
     partial sum when the experts or their intermediate width are split over devices).
     On XLA:CPU ("capacity") a grouped call with N·k ≤ E_l loops over the experts in use instead
-    (`ling_jax.moe_active`: each used expert read once, all tokens at once; weighted in the loop).
+    (`ling_jax.moe_active`: each used expert read once, all tokens at once; weighted in the loop;
+    `native`: the native CPU kernel, `ExecConfig.native_experts`).
     """
     wg = weights[0]
     E_l = wg.shape[0]
@@ -177,14 +178,14 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
     else:
         ws = tuple(dequantize(w, dt) for w in weights)
         if grouped_matmul == "capacity" and uses_active_loop(x.shape[0], idx.shape[1], E_l):
-            return experts_active_loop(x, jnp.where(mine, loc, E_l), jnp.where(mine, wts, 0.0), *ws, limit)
+            return experts_for_few_tokens(x, jnp.where(mine, loc, E_l), jnp.where(mine, wts, 0.0), *ws, limit, native)
         y = experts_grouped(x, jnp.where(mine, loc, E_l), *ws, limit, grouped_matmul)  # others: id E_l → 0
     y = jnp.where(mine[..., None], y, 0)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), jnp.where(mine, wts, 0.0),
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def experts_ep(x, idx, wts, weights, specs, limit, mesh, path: str, grouped_matmul: str):
+def experts_ep(x, idx, wts, weights, specs, limit, mesh, path: str, grouped_matmul: str, native: bool = False):
     """Expert-parallel routed experts: `experts_local` per device inside `jax.shard_map`, then psum.
 
     weights: (wg, wu, wd) as in `experts_local`, placed on `mesh` with `specs` (a PartitionSpec per
@@ -201,7 +202,7 @@ def experts_ep(x, idx, wts, weights, specs, limit, mesh, path: str, grouped_matm
 
     def body(x, idx, wts, limit, ws):
         e0 = jax.lax.axis_index(e_ax) * ws[0].shape[0] if e_ax is not None else 0
-        y = experts_local(x, idx, wts, e0, ws, limit, path, grouped_matmul)
+        y = experts_local(x, idx, wts, e0, ws, limit, path, grouped_matmul, native)
         return jax.lax.psum(y, sum_axes) if sum_axes else y
 
     tp = P(tok, None)
@@ -255,9 +256,9 @@ class MoE(nnx.Module):
         limit = self.routed_limit[...]
         if ex.mesh is not None:
             specs = weight_specs(self.experts, names, ex.mesh, self.cfg.num_attention_heads)
-            y = experts_ep(xf, idx, wts, weights, specs, limit, ex.mesh, path, ex.grouped_matmul)
+            y = experts_ep(xf, idx, wts, weights, specs, limit, ex.mesh, path, ex.grouped_matmul, ex.native_experts)
         else:  # one device holds every expert: the local kernel with all of them
-            y = experts_local(xf, idx, wts, 0, weights, limit, path, ex.grouped_matmul)
+            y = experts_local(xf, idx, wts, 0, weights, limit, path, ex.grouped_matmul, ex.native_experts)
         y = y.astype(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf, ex)

@@ -1,32 +1,26 @@
-"""Routed experts for a few tokens on XLA:CPU: a loop over the experts in use, each read once.
+"""Routed experts for a few tokens (XLA:CPU): a loop over the experts in use, each read once.
 
-Why a module of its own: a decode step of a few sequences routes N·k assignments to at most N·k
-of the E experts (a batch of 8 on the mid config: ~42 of 64). The capacity path
-(`ling_jax.moe_capacity`) runs every expert on a buffer of min(N, 1.5× mean) rows, so it streams
-all E experts' weights; the gather path copies each assignment's expert before reading it. This
-loop (`lax.fori_loop` with a traced trip count) visits only the experts some token picked, in id
-order, and runs each on all N tokens at once in the weights-first orientation (`W [I,D] · xᵀ [D,N]`,
-XLA:CPU's fastest form for a few columns): each used expert's weights are read once, in place.
+Why: the capacity path (`ling_jax.moe_capacity`) runs every expert on a buffer of min(N, 1.5× mean)
+rows, so it streams all E experts' weights; the gather path copies each assignment's expert before
+reading it. With N·k ≤ E most experts are idle in a step, so `experts_local` calls
+`experts_for_few_tokens`, which visits only the used ones: the native CPU kernel
+(`pallas_kernels.experts.cpu_kernel`, weights read once in place) when `native` and it is built,
+else its pure-XLA reference (`pallas_kernels.experts.reference.experts_active_loop`).
+
 Measured on one mid-config MoE layer (E=64, I=256, D=1024, k=8, random routing, interleaved, quiet
-2-core machine): N=8 5.3–6.4 ms against the capacity path's 7.3–7.8 ms, N=4 3.0 against 5.8 ms,
-N=1 1.3 against the gather path's 1.6 ms; from N·k > E on (N=16: 9.3 against 8.4 ms) the capacity
-path wins, which is where `experts_local` switches.
-
-Gradients: a `while` loop is not reverse-differentiable, so a custom VJP differentiates the same
-computation written as a `scan` over all E positions of `order`, each skipped by `cond` past the
-used count (`_active_loop(..., scanned=True)`).
-
-Exactness: token n's output is the sum of its own experts' contributions in expert-id order
-(other experts add an exact 0.0, `jnp.where`); its neighbours in the batch change only the
-rounding of the GEMMs (float32 ulps: a 1-column product runs a matrix-vector kernel). Tests compare it with a float64 per-assignment product and with the capacity path.
+2-core machine), XLA loop: N=8 5.3–6.4 ms against the capacity path's 7.3–7.8 ms, N=4 3.0 against
+5.8 ms, N=1 1.3 against the gather path's 1.6 ms; from N·k > E on (N=16: 9.3 against 8.4 ms) the
+capacity path wins. The native kernel: see BENCHMARKS.md "Serving".
 """
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+import logging
 
-from ling_jax.ops import precision
-from ling_jax.swiglu import swiglu_act
+from pallas_kernels.experts import cpu_kernel
+from pallas_kernels.experts.reference import experts_active_loop
+
+log = logging.getLogger(__name__)
+_warned = []
 
 
 def uses_active_loop(n_tokens: int, k: int, n_experts: int) -> bool:
@@ -34,65 +28,13 @@ def uses_active_loop(n_tokens: int, k: int, n_experts: int) -> bool:
     return n_tokens * k <= n_experts
 
 
-def experts_active_loop(x, idx, wts, wg, wu, wd, limit):
-    """Σ_j wts[n, j] · expert_{idx[n, j]}(x[n]) for every token, looping over the experts in use.
-
-    x: [N,D]; idx: [N,k] int expert ids, ids outside [0, E) belong to no local expert (another
-    device's, or masked) and contribute nothing; wts: [N,k] float32 routing weights (0 where an
-    assignment should not count); wg, wu: [E,I,D]; wd: [E,D,I] float arrays in the checkpoint's
-    `[out, in]` layout; limit: the SwiGLU clamp (0 = off). Returns [N,D] float32.
-    """
-    return _active(x, idx, wts, wg, wu, wd, limit)
-
-
-def _active_loop(x, idx, wts, wg, wu, wd, limit, scanned: bool = False):
-    N, D = x.shape
-    E = wg.shape[0]
-    prec = precision(x.dtype)
-    ein = lambda spec, a, b: jnp.einsum(spec, a.astype(x.dtype), b, precision=prec,
-                                        preferred_element_type=jnp.float32)
-    valid = (idx >= 0) & (idx < E)
-    safe = jnp.where(valid, idx, E)  # out of range: dropped by the scatters below
-    used = jnp.zeros((E,), bool).at[safe.reshape(-1)].set(True, mode="drop")
-    order = jnp.argsort(~used, stable=True).astype(jnp.int32)  # the used experts first, in id order
-    # [N, E] weight of expert e for token n (0: not picked); a token picks an expert at most once
-    rows = jnp.arange(N)[:, None]
-    w_ne = jnp.zeros((N, E), jnp.float32).at[rows, safe].set(jnp.where(valid, wts, 0.0).astype(jnp.float32),
-                                                              mode="drop")
-    picked = jnp.zeros((N, E), bool).at[rows, safe].set(True, mode="drop")
-    xt = x.T  # [D, N]: the tokens are the GEMMs' few columns
-
-    def one_expert(j, out):
-        e = order[j]
-        g = ein("id,dn->in", wg[e], xt)
-        u = ein("id,dn->in", wu[e], xt)
-        h = swiglu_act(g, u, limit).astype(x.dtype)        # [I, N]
-        y = ein("di,in->dn", wd[e], h)                      # [D, N]
-        return out + jnp.where(picked[:, e][None, :], y * w_ne[:, e][None, :], 0.0)
-
-    n_used = used.sum().astype(jnp.int32)
-    out = jnp.zeros((D, N), jnp.float32)
-    if scanned:
-        step = lambda o, j: (jax.lax.cond(j < n_used, lambda o: one_expert(j, o), lambda o: o, o), None)
-        return jax.lax.scan(step, out, jnp.arange(E, dtype=jnp.int32))[0].T
-    return jax.lax.fori_loop(0, n_used, one_expert, out).T
-
-
-@jax.custom_vjp
-def _active(x, idx, wts, wg, wu, wd, limit):
-    return _active_loop(x, idx, wts, wg, wu, wd, limit)
-
-
-def _active_fwd(x, idx, wts, wg, wu, wd, limit):
-    return _active_loop(x, idx, wts, wg, wu, wd, limit), (x, idx, wts, wg, wu, wd, limit)
-
-
-def _active_bwd(res, ct):
-    x, idx, wts, wg, wu, wd, limit = res
-    _, vjp = jax.vjp(lambda x, wts, wg, wu, wd, limit: _active_loop(x, idx, wts, wg, wu, wd, limit, scanned=True),
-                     x, wts, wg, wu, wd, limit)
-    gx, gw, gg, gu, gd, gl = vjp(ct)
-    return gx, None, gw, gg, gu, gd, gl
-
-
-_active.defvjp(_active_fwd, _active_bwd)
+def experts_for_few_tokens(x, idx, wts, wg, wu, wd, limit, native: bool):
+    """Σ_j wts[n,j] · expert_{idx[n,j]}(x[n]) → [N,D] float32 (contract of `experts_active_loop`);
+    the native kernel when asked for, float32 and available (a warning once when it cannot be built)."""
+    if native and x.dtype == wg.dtype == wu.dtype == wd.dtype == "float32":
+        if cpu_kernel.available():
+            return cpu_kernel.experts_decode_cpu(x, idx, wts, wg, wu, wd, limit)
+        if not _warned:
+            _warned.append(True)
+            log.warning("native CPU experts kernel unavailable, using the XLA loop: %s", cpu_kernel.load_error())
+    return experts_active_loop(x, idx, wts, wg, wu, wd, limit)

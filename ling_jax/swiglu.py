@@ -8,6 +8,7 @@ from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import Linear
+from pallas_kernels.swiglu import swiglu_act as _swiglu_act
 
 
 class SwiGLULimit(nnx.Variable):
@@ -16,19 +17,11 @@ class SwiGLULimit(nnx.Variable):
 
 
 def swiglu_act(gate: jax.Array, up: jax.Array, limit) -> jax.Array:
-    """`min(SiLU(gate), λ) · clip(up, −λ, λ)`; plain SwiGLU when λ = 0 (spec §7.2)."""
-    a = jax.nn.silu(gate.astype(jnp.float32))
-    u = up.astype(jnp.float32)
+    """`min(SiLU(gate), λ) · clip(up, −λ, λ)`; plain SwiGLU when λ = 0 (spec §7.2): the kernels'
+    shared activation (`pallas_kernels.swiglu`), taking a layer's `SwiGLULimit` variable too."""
     if isinstance(limit, nnx.Variable):
         limit = limit[...]
-    if isinstance(limit, (int, float)):
-        if limit:
-            a, u = jnp.minimum(a, limit), jnp.clip(u, -limit, limit)
-    else:  # traced per-layer limit: 0 means no clamp
-        on = limit > 0
-        a = jnp.where(on, jnp.minimum(a, limit), a)
-        u = jnp.where(on, jnp.clip(u, -limit, limit), u)
-    return (a * u).astype(gate.dtype)
+    return _swiglu_act(gate, up, limit)
 
 
 class SwiGLU(nnx.Module):

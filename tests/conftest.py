@@ -1,6 +1,7 @@
 import contextlib
 import os
 import sys
+import tempfile
 
 # Tests run on CPU; 8 host devices let the sharding tests build meshes in-process.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -8,6 +9,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `ling-jax` commands (in-process and in subprocesses, which inherit this) never touch the user's
 # persistent compilation cache; tests of the cache point it at their own tmp_path.
 os.environ["LING_JAX_COMPILATION_CACHE"] = "off"
+# the native CPU experts kernel is built once for the whole run (workers and subprocesses), not in ~/.cache
+os.environ.setdefault("LING_JAX_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), "ling-jax-test-kernels"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402

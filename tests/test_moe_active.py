@@ -1,5 +1,6 @@
-"""The XLA:CPU loop over the experts in use (`ling_jax.moe_active`) against a float64 per-assignment
-product, the capacity path's gradients, batch invariance, and the dispatch that picks it."""
+"""The few-token routed experts (`ling_jax.moe_active`): the XLA loop over the experts in use and
+the native CPU kernel beside it (`pallas_kernels.experts`) against a float64 per-assignment
+product, the capacity path's gradients, batch invariance, and the dispatch that picks them."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,8 +10,13 @@ import np_reference as R
 from conftest import rel_err
 from ling_jax.exec_config import ExecConfig
 from ling_jax.moe import auto_expert_path
-from ling_jax.moe_active import experts_active_loop, uses_active_loop
+from ling_jax.moe_active import uses_active_loop
 from ling_jax.moe_capacity import experts_capacity
+from pallas_kernels.experts import cpu_kernel
+from pallas_kernels.experts.cpu_kernel import experts_decode_cpu
+from pallas_kernels.experts.reference import experts_active_loop
+
+IMPLS = {"xla": experts_active_loop, "native": experts_decode_cpu}
 
 f32 = lambda a: jnp.asarray(a, jnp.float32)
 
@@ -34,8 +40,15 @@ def _reference(x, idx, wts, wg, wu, wd, lim, E):
     return out
 
 
+def test_native_kernel_builds():
+    """The kernel compiles and registers here (CI has a C++ compiler): a failure is a failure, not
+    a silent fallback."""
+    assert cpu_kernel.available(), cpu_kernel.load_error()
+
+
+@pytest.mark.parametrize("impl", ["xla", "native"])
 @pytest.mark.parametrize("N,E,k", [(1, 64, 8), (3, 16, 4), (8, 64, 8), (2, 8, 3)])
-def test_active_loop_equals_float64(N, E, k):
+def test_active_loop_equals_float64(N, E, k, impl):
     rng = np.random.default_rng(N * 100 + E)
     x, idx, wts, (wg, wu, wd) = _case(rng, N, E, k)
     idx[0, -1] = E  # another device's expert
@@ -43,27 +56,29 @@ def test_active_loop_equals_float64(N, E, k):
         idx[1, 0] = -1  # masked
     lim = 0.7
     ref = _reference(x, idx, wts, wg, wu, wd, lim, E)
-    got = jax.jit(experts_active_loop)(f32(x), jnp.asarray(idx), f32(wts), f32(wg), f32(wu), f32(wd), lim)
+    run = jax.jit(IMPLS[impl])
+    got = run(f32(x), jnp.asarray(idx), f32(wts), f32(wg), f32(wu), f32(wd), lim)
     assert got.shape == (N, x.shape[1]) and got.dtype == jnp.float32
     assert rel_err(got, ref) < 1e-5
     # without the clamp the result differs: the limit really reaches the experts
-    assert rel_err(jax.jit(experts_active_loop)(f32(x), jnp.asarray(idx), f32(wts), f32(wg), f32(wu), f32(wd), 0.0),
-                   ref) > 1e-3
+    assert rel_err(run(f32(x), jnp.asarray(idx), f32(wts), f32(wg), f32(wu), f32(wd), 0.0), ref) > 1e-3
 
 
-def test_a_token_gets_the_same_output_alone_and_in_a_batch():
+@pytest.mark.parametrize("impl", ["xla", "native"])
+def test_a_token_gets_the_same_output_alone_and_in_a_batch(impl):
     """Token n sums only its own experts (in id order): its neighbours change only the GEMMs'
     rounding (a 1-column product is a matrix-vector kernel, 8 columns a GEMM), not what is summed."""
     rng = np.random.default_rng(5)
     x, idx, wts, w = _case(rng, 8, 64, 8)
-    run = jax.jit(experts_active_loop)
+    run = jax.jit(IMPLS[impl])
     batch = np.asarray(run(f32(x), jnp.asarray(idx), f32(wts), *map(f32, w), 0.0))
     for n in (0, 5):
         alone = np.asarray(run(f32(x[n:n + 1]), jnp.asarray(idx[n:n + 1]), f32(wts[n:n + 1]), *map(f32, w), 0.0))
         assert rel_err(alone[0], batch[n]) < 1e-5
 
 
-def test_active_loop_gradients_equal_capacity_path():
+@pytest.mark.parametrize("impl", ["xla", "native"])
+def test_active_loop_gradients_equal_capacity_path(impl):
     """The custom VJP (a scan over the same loop) gives the capacity path's gradients for the
     tokens, the routing weights, all three expert weights and the clamp."""
     rng = np.random.default_rng(11)
@@ -74,7 +89,7 @@ def test_active_loop_gradients_equal_capacity_path():
     ii = jnp.asarray(idx)
 
     def loop(x, w, g, u, d, l):
-        return jnp.sum(ct * experts_active_loop(x, ii, w, g, u, d, l))
+        return jnp.sum(ct * IMPLS[impl](x, ii, w, g, u, d, l))
 
     def capacity(x, w, g, u, d, l):
         y = experts_capacity(x, ii.reshape(-1), k, g, u, d, l, N).reshape(N, k, -1)
@@ -98,8 +113,14 @@ def test_dispatch_picks_the_loop_for_few_tokens(tiny_cfg, tiny_model):
     assert auto_expert_path(1, 8, 512, "ragged", quantized=False) == "gather"
     assert auto_expert_path(30, 8, 512, "ragged", quantized=False) == "grouped"
     moe = next(layer.mlp for layer in tiny_model.model.layers if hasattr(layer.mlp, "experts"))
-    ex = ExecConfig.for_backend("cpu", experts="auto")
-    for n, loops in ((2, True), (5, False)):
+    native = ExecConfig.for_backend("cpu", experts="auto")
+    assert native.native_experts and not ExecConfig.for_backend("tpu").native_experts
+    xla = native.replace(native_experts=False)
+    for n, few in ((2, True), (5, False)):
         x = jnp.ones((1, n, tiny_cfg.hidden_size), jnp.float32)
-        jaxpr = str(jax.make_jaxpr(lambda x: moe(x, ex)[0])(x))
-        assert ("while" in jaxpr) == loops, n
+        jaxpr = str(jax.make_jaxpr(lambda x: moe(x, xla)[0])(x))
+        assert ("while" in jaxpr) == few, n  # the XLA loop
+        jaxpr = str(jax.make_jaxpr(lambda x: moe(x, native)[0])(x))
+        assert (cpu_kernel.TARGET in jaxpr) == few, n  # the native kernel's custom call
+        a, b = (np.asarray(moe(x * 0.3, e)[0]) for e in (native, xla))
+        assert rel_err(a, b) < 1e-5

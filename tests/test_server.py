@@ -454,3 +454,26 @@ def test_bound_socket_queues_a_client_before_the_server_starts():
             pass  # accepted by the kernel into the backlog: nothing is serving yet
     finally:
         sock.close()
+
+
+def test_engine_refusal_names_its_request_field(served, monkeypatch):
+    """A refusal the engine raises at submit with the field it is about (`RequestFieldError`, e.g.
+    penalties under speculative decoding) reaches the client as a 400 naming that field; the server
+    then serves the next request as usual."""
+    from ling_jax.serve.engine import RequestFieldError
+    real = served.engine.submit
+
+    def refuse(prompt_ids, params, on_tokens=None):
+        if params.frequency_penalty:
+            raise RequestFieldError("frequency_penalty", "RequestParams.frequency_penalty=0.5 is not supported "
+                                                         "with speculative decoding")
+        return real(prompt_ids, params, on_tokens=on_tokens)
+
+    monkeypatch.setattr(served.engine, "submit", refuse)
+    r = httpx.post(served.srv.url + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "frequency_penalty": 0.5})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "frequency_penalty" and "speculative" in err["message"]
+    ok = served.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2

@@ -1,0 +1,137 @@
+// Routed experts for a few tokens on CPU, as an XLA FFI custom call (pallas_kernels/experts/cpu_kernel.py).
+//
+// out[n] = sum_j wts[n, j] * expert_{idx[n, j]}(x[n]), expert_e(v) = wd[e] . swiglu(wg[e] . v, wu[e] . v),
+// swiglu(g, u) = min(silu(g), L) * clip(u, -L, L) when L > 0, silu(g) * u when L = 0.
+// Why: XLA:CPU copies an expert's weights before every GEMM that reads them (a dynamic slice is a
+// copy), so a decode step streams each used expert twice; here each used expert's weights are read
+// once, in place, for all the tokens that picked it, split over `threads` threads by expert.
+// Deterministic: every expert's output goes to its own (token, slot) row, summed afterwards per
+// token in slot order, so the thread split never changes a bit of the result.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int l = 0; l < 16; ++l) s += acc[l];
+  return s;
+}
+
+inline float swiglu(float g, float u, float lim) {
+  float a = g / (1.f + std::exp(-g));
+  if (lim > 0.f) {
+    a = std::min(a, lim);
+    u = std::min(std::max(u, -lim), lim);
+  }
+  return a * u;
+}
+
+struct Job {
+  int64_t expert;
+  std::vector<int64_t> slots;  // assignment slots n * k + j that picked this expert
+};
+
+void run_expert(const Job& job, const float* x, const float* wg, const float* wu, const float* wd, float lim,
+                int64_t k, int64_t D, int64_t I, float* ybuf, std::vector<float>& h) {
+  const int64_t R = static_cast<int64_t>(job.slots.size());
+  const float* g_e = wg + job.expert * I * D;
+  const float* u_e = wu + job.expert * I * D;
+  const float* d_e = wd + job.expert * D * I;
+  h.assign(static_cast<size_t>(R * I), 0.f);
+  for (int64_t i = 0; i < I; ++i) {  // each weight row read once, used for every row that picked e
+    const float* gr = g_e + i * D;
+    const float* ur = u_e + i * D;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* v = x + (job.slots[r] / k) * D;
+      h[r * I + i] = swiglu(dot(gr, v, D), dot(ur, v, D), lim);
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    const float* dr = d_e + d * I;
+    for (int64_t r = 0; r < R; ++r) ybuf[job.slots[r] * D + d] = dot(dr, h.data() + r * I, I);
+  }
+}
+
+ffi::Error ExpertsDecodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> wts,
+                             ffi::Buffer<ffi::F32> wg, ffi::Buffer<ffi::F32> wu, ffi::Buffer<ffi::F32> wd,
+                             ffi::Buffer<ffi::F32> limit, ffi::ResultBuffer<ffi::F32> out, int64_t threads) {
+  const auto xd = x.dimensions(), id = idx.dimensions(), gd = wg.dimensions(), dd = wd.dimensions();
+  const auto ud = wu.dimensions(), td = wts.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || gd.size() != 3 || dd.size() != 3 || ud.size() != 3 || td.size() != 2 ||
+      id[0] != xd[0] || gd[2] != xd[1] || dd[1] != xd[1] || dd[2] != gd[1] || dd[0] != gd[0] ||
+      ud[0] != gd[0] || ud[1] != gd[1] || ud[2] != gd[2] || td[0] != id[0] || td[1] != id[1] ||
+      limit.element_count() != 1)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ling_experts_decode: inconsistent shapes");
+  const int64_t N = xd[0], D = xd[1], k = id[1], E = gd[0], I = gd[1];
+  const float lim = limit.typed_data()[0];
+  const int32_t* ids = idx.typed_data();
+  std::vector<int64_t> which(static_cast<size_t>(E), -1);
+  std::vector<Job> jobs;
+  for (int64_t m = 0; m < N * k; ++m) {  // group the assignments by expert, experts in id order
+    const int64_t e = ids[m];
+    if (e < 0 || e >= E) continue;  // another device's expert, or masked
+    if (which[e] < 0) which[e] = 0;
+  }
+  for (int64_t e = 0; e < E; ++e)
+    if (which[e] == 0) {
+      which[e] = static_cast<int64_t>(jobs.size());
+      jobs.push_back({e, {}});
+    }
+  for (int64_t m = 0; m < N * k; ++m) {
+    const int64_t e = ids[m];
+    if (e >= 0 && e < E) jobs[which[e]].slots.push_back(m);
+  }
+  std::vector<float> ybuf(static_cast<size_t>(N * k * D), 0.f);
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(threads, static_cast<int64_t>(jobs.size())));
+  auto work = [&](int64_t t) {
+    std::vector<float> h;
+    for (size_t j = static_cast<size_t>(t); j < jobs.size(); j += static_cast<size_t>(T))
+      run_expert(jobs[j], x.typed_data(), wg.typed_data(), wu.typed_data(), wd.typed_data(), lim, k, D, I,
+                 ybuf.data(), h);
+  };
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < T; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (auto& th : pool) th.join();
+  float* o = out->typed_data();
+  const float* w = wts.typed_data();
+  for (int64_t n = 0; n < N; ++n) {
+    float* on = o + n * D;
+    std::fill(on, on + D, 0.f);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t m = n * k + j, e = ids[m];
+      if (e < 0 || e >= E) continue;
+      const float wj = w[m];
+      const float* y = ybuf.data() + m * D;
+      for (int64_t d = 0; d < D; ++d) on[d] += wj * y[d];
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LingExpertsDecode, ExpertsDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads"));
