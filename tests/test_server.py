@@ -326,15 +326,17 @@ def test_queue_full_429_auth_models_tokenize_health(served):
     c, url = served.client, served.srv.url
     d = served.driver
     cap = d.capacity
-    d.capacity = 1  # a queue of one, held by a long stream: the next request finds it full
+    d.capacity = 1  # a queue of one whose place is taken: the next request finds it full
+    assert d.try_reserve(1)  # the place a running request would hold (deterministic however fast the engine)
     try:
-        body = {"model": "tiny", "prompt": "hello", "max_tokens": 50, "stream": True, "ignore_eos": True}
-        with httpx.Client(timeout=60) as hc, hc.stream("POST", url + "/v1/completions", json=body) as r:
-            next(line for line in r.iter_lines() if line.startswith("data: "))
-            with pytest.raises(openai.RateLimitError) as e:
-                c.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        with pytest.raises(openai.RateLimitError) as e:
+            openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30).with_options(
+                max_retries=0).completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+        assert not d.try_reserve(1)
     finally:
+        with d._lock:
+            d._in_flight -= 1  # give the place back
         d.capacity = cap
     _idle(served)
     assert c.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
