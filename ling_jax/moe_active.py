@@ -10,7 +10,7 @@ else its pure-XLA reference (`pallas_kernels.experts.reference.experts_active_lo
 Measured on one mid-config MoE layer (E=64, I=256, D=1024, k=8, random routing, interleaved, quiet
 2-core machine), XLA loop: N=8 5.3–6.4 ms against the capacity path's 7.3–7.8 ms, N=4 3.0 against
 5.8 ms, N=1 1.3 against the gather path's 1.6 ms; from N·k > E on (N=16: 9.3 against 8.4 ms) the
-capacity path wins. The native kernel: see BENCHMARKS.md "Serving".
+capacity path wins. The native kernel: BENCHMARKS.md "Batched decode step on CPU".
 """
 from __future__ import annotations
 
