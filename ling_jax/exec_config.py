@@ -66,6 +66,10 @@ class ExecConfig:
         native CPU kernel (`pallas_kernels.experts.cpu_kernel`, each used expert read once in place,
         built on first use) instead of its XLA loop; float32 only, XLA loop when it cannot be built.
     kda_states: also return every per-token KDA state (speculative verification → `kda_rollback`).
+    kda_boundary_states: 0, or N > 0: the chunked KDA scan also returns, per row, the state and conv
+        states after every N tokens of the call (the prefix cache's snapshots inside a prefill
+        chunk, `ling_jax.serve.snapshots`); the scan then runs chunks of gcd(kda_chunk, N) tokens,
+        so its chunk ends pass through those boundaries.
     skip_logits: do not compute full-sequence logits (prefill needs only the last position's).
     remat: None, or a `jax.checkpoint_policies` name: every decoder layer body is rematerialised
         under it in the backward pass (training).
@@ -82,6 +86,7 @@ class ExecConfig:
     weights_first_rows: int = 0
     native_experts: bool = False
     kda_states: bool = False
+    kda_boundary_states: int = 0
     skip_logits: bool = False
     remat: Optional[str] = None
     mesh: Any = None
@@ -98,6 +103,12 @@ class ExecConfig:
         if (not isinstance(self.weights_first_rows, int) or isinstance(self.weights_first_rows, bool)
                 or self.weights_first_rows < 0):
             raise ValueError(f"ExecConfig.weights_first_rows must be an int >= 0, got {self.weights_first_rows!r}")
+        if (not isinstance(self.kda_boundary_states, int) or isinstance(self.kda_boundary_states, bool)
+                or self.kda_boundary_states < 0):
+            raise ValueError(f"ExecConfig.kda_boundary_states must be an int >= 0, got {self.kda_boundary_states!r}")
+        if self.kda_boundary_states and self.kda_states:
+            raise ValueError("ExecConfig.kda_states and kda_boundary_states are exclusive (per-token states for a "
+                             "speculative verify, or boundary states for prefill snapshots)")
         if not isinstance(self.native_experts, bool):
             raise ValueError(f"ExecConfig.native_experts must be a bool, got {self.native_experts!r}")
         if self.remat is not None:

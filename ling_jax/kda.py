@@ -7,6 +7,7 @@ The delta rule itself runs over the state `[batch, heads, key=128, value=128]` (
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -93,16 +94,23 @@ class KimiDeltaAttention(nnx.Module):
         ex: `ex.kda_mode` chunk | recurrent, `ex.kda_chunk` tokens per chunk, `ex.kernels` xla | pallas
         (the KDA kernels and the FP8 matmul of quantised projections), `ex.kda_states`.
 
-        Returns (out [B,T,D], new KDAState, rollback info or None). With `ex.kda_states` the rollback
-        info is (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs
+        Returns (out [B,T,D], new KDAState, extra or None). With `ex.kda_states` extra is the rollback
+        info (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs
         [B,K-1+T,P]) so a speculative verify can roll back to any accepted prefix (`kda_rollback`).
+        With `ex.kda_boundary_states` = N (chunk mode) and J = T // N > 0, extra is a KDAState of the
+        states after N, 2N, .., JN tokens of each row: recurrent [B,J,H,dk,dv], conv_* [B,J,K-1,P]
+        (only boundaries within a row's n_valid tokens mean anything: past them the conv states
+        hold padding's raw inputs; the engine reads none of those).
         """
         cfg = self.cfg
         B, T, _ = x.shape
         H, d = cfg.num_attention_heads, cfg.head_dim
+        stride = ex.kda_boundary_states if ex.kda_mode == "chunk" and not ex.kda_states else 0
+        n_bounds = T // stride if stride else 0
         valid = jnp.arange(T)[None, :] < n_valid[:, None]  # [B,T]
         convs = [short_conv(getattr(self, f"{n}_proj")(x, ex), getattr(self, f"{n}_conv1d")[...],
-                            getattr(state, f"conv_{n}"), n_valid, return_cat=ex.kda_states) for n in "qkv"]
+                            getattr(state, f"conv_{n}"), n_valid, return_cat=ex.kda_states or n_bounds > 0)
+                 for n in "qkv"]
         (q, cq), (k, ck), (v, cv) = [c[:2] for c in convs]
         q = l2_normalize(q.reshape(B, T, H, d)) * (d ** -0.5)
         k = l2_normalize(k.reshape(B, T, H, d))
@@ -114,20 +122,30 @@ class KimiDeltaAttention(nnx.Module):
         beta = jnp.where(valid[..., None], beta, 0.0)
         if x.dtype == jnp.bfloat16:  # the chunked reference kernel stores normalised q/k in bf16
             q, k = q.astype(jnp.bfloat16).astype(jnp.float32), k.astype(jnp.bfloat16).astype(jnp.float32)
-        all_states = None
+        all_states = extra = None
         pallas = ex.kernels == "pallas"
+        chunk_scan = kda_chunk_scan_pallas if pallas else kda_chunk_scan
         if ex.kda_states:  # every per-token state is materialised anyway: the reference scan
             o, s, all_states = kda_recurrent_scan(q, k, v, g, beta, state.recurrent, return_all_states=True)
         elif ex.kda_mode == "recurrent":
             o, s = (kda_recurrent_scan_pallas if pallas else kda_recurrent_scan)(q, k, v, g, beta, state.recurrent)
+        elif n_bounds:  # chunk ends on every boundary: chunks of gcd(kda_chunk, stride) tokens
+            ch = math.gcd(ex.kda_chunk, stride)
+            o, s, chunk_states = chunk_scan(q, k, v, g, beta, state.recurrent, ch, return_chunk_states=True)
+            ends = [(j + 1) * stride for j in range(n_bounds)]
+            K = cfg.short_conv_kernel_size
+            extra = KDAState(chunk_states[:, [e // ch - 1 for e in ends]],
+                             *(jnp.stack([c[2][:, e:e + K - 1] for e in ends], axis=1) for c in convs))
         else:
-            o, s = (kda_chunk_scan_pallas if pallas else kda_chunk_scan)(q, k, v, g, beta, state.recurrent, ex.kda_chunk)
+            o, s = chunk_scan(q, k, v, g, beta, state.recurrent, ex.kda_chunk)
         o = o.astype(x.dtype)
         gate = self.g_proj(x, ex).reshape(B, T, H, d)
         y = gated_rms_norm(o, gate, self.o_norm[...], cfg.rms_norm_eps).astype(x.dtype)
         out = self.o_proj(y.reshape(B, T, H * d), ex)
         new = KDAState(s, cq, ck, cv)
-        return out, new, ((all_states, tuple(c[2] for c in convs)) if ex.kda_states else None)
+        if ex.kda_states:
+            extra = (all_states, tuple(c[2] for c in convs))
+        return out, new, extra
 
 
 def kda_rollback(old: KDAState, rollback, n_keep: jax.Array) -> KDAState:

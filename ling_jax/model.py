@@ -185,7 +185,9 @@ class LingForCausalLM(nnx.Module):
         exec: how to run (default `self.exec`); `stacked`: `stacked_layers()` computed once outside a loop.
         Returns dict: logits [B,T,V] f32 (absent with `exec.skip_logits`), hidden [B,T,D]
         (final-normed), cache, routing {layer: [B,T,k]}, mtp_logits [B,T,V] (if mtp), kda_states
-        {(block, run): stacked rollback info} (with `exec.kda_states`, for `kda_rollback`).
+        {(block, run): stacked rollback info} (with `exec.kda_states`, for `kda_rollback`),
+        kda_boundary_states {(block, run): stacked KDAState [repeats, n, B, J, ...]} (with
+        `exec.kda_boundary_states` and J = T // it > 0; see `KimiDeltaAttention.__call__`).
         """
         cfg = self.cfg
         ex = exec or self.exec
@@ -213,8 +215,8 @@ class LingForCausalLM(nnx.Module):
         out = {"hidden": z, "routing": routing}
         if not ex.skip_logits:  # prefill only needs the last position's logits
             out["logits"] = self.logits(z, ex)
-        if kda_states:
-            out["kda_states"] = kda_states
+        if kda_states:  # per-token rollback info, or the states at prefill boundaries (ExecConfig)
+            out["kda_states" if ex.kda_states else "kda_boundary_states"] = kda_states
         mtp_cache = None if cache is None else cache.mtp
         if mtp:
             if self.mtp is None:

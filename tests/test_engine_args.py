@@ -42,6 +42,9 @@ def test_defaults():
     (["--speculative", "two"], "argument --speculative: invalid int value"),
     (["--speculative", "5"], "error: --speculative: expected 0..3 MTP draft tokens, got 5"),
     (["--no-prefix-cache", "--prefix-cache-memory", "1"], "error: --prefix-cache-memory and --no-prefix-cache"),
+    (["--snapshot-interval", "0"], "argument --snapshot-interval: expected a positive integer, got '0'"),
+    (["--snapshot-interval", "24"], "error: --snapshot-interval: 24 is not a multiple of --page-size 16"),
+    (["--no-prefix-cache", "--snapshot-interval", "32"], "error: --snapshot-interval and --no-prefix-cache"),
 ])
 def test_bad_values_refused_by_name(argv, message, capsys, tmp_path):
     rc = main(["batch", "--checkpoint", str(tmp_path), "--requests", "-", *argv])
@@ -119,6 +122,9 @@ def test_optional_keywords_only_when_asked():
     assert optional_engine_keywords(flags("--no-prefix-cache", "--speculative", "2"), Full) == \
         {"prefix_cache": False, "speculative": 2}
     assert optional_engine_keywords(flags("--prefix-cache-memory", "0.5"), Full) == {"prefix_cache_memory_gib": 0.5}
+    with pytest.raises(ArgumentValueError, match="--snapshot-interval: this build's serving engine has no"):
+        optional_engine_keywords(flags("--snapshot-interval", "32"), Full)
+    assert optional_engine_keywords(flags("--snapshot-interval", "32")) == {"snapshot_interval": 32}
 
 
 def test_engine_from_args_reports_on_stderr(tiny_model):

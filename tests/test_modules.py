@@ -208,3 +208,35 @@ def test_spilled_expert_gradients_equal_ragged():
     for a, b in zip(got, ref):
         assert rel_err(a, b) < 1e-5
     assert np.bincount(idx.ravel())[0] > 2 * cap  # rows really spill (two rounds past the capacity)
+
+
+@pytest.mark.parametrize("stride,chunk", [(8, 16), (16, 16), (12, 8)])
+def test_kda_layer_boundary_states(tiny_cfg, tiny_params, stride, chunk):
+    """`ExecConfig.kda_boundary_states`: the states after every `stride` tokens of a chunked call equal
+    the float64 reference's state after that prefix (from a carried state), recurrent and conv; the
+    call's output and final state are unchanged."""
+    model = tiny_model_for(tiny_cfg, tiny_params, "float32")
+    att = model.model.layers[1].attention
+    x = _x(13, (2, 5 + 29, tiny_cfg.hidden_size))
+    n = np.array([29, 20])
+    st = kda_zero_state(tiny_cfg, 2, jnp.float32)
+    ex = ExecConfig(kda_mode="chunk", kda_chunk=chunk)
+    _, st, _ = att(jnp.asarray(x[:, :5], jnp.float32), st, jnp.array([5, 5]), ex)  # a carried state
+    xs = jnp.asarray(x[:, 5:], jnp.float32)
+    out, final, bounds = att(xs, st, jnp.asarray(n), ex.replace(kda_boundary_states=stride))
+    out0, final0, none = att(xs, st, jnp.asarray(n), ex)
+    assert none is None and rel_err(out, out0) < 1e-5 and rel_err(final.recurrent, final0.recurrent) < 1e-5
+    J = 29 // stride
+    assert bounds.recurrent.shape[:2] == (2, J) and bounds.conv_q.shape[:3] == (2, J, tiny_cfg.short_conv_kernel_size - 1)
+    checked = 0
+    for b in range(2):
+        for j in range(J):
+            e = (j + 1) * stride
+            if e > n[b]:
+                continue
+            _, ref = R.kda_layer(tiny_params, "model.layers.1.attention", x[b, :5 + e], tiny_cfg)
+            assert rel_err(bounds.recurrent[b, j], ref["recurrent"]) < 1e-4
+            for name in ("conv_q", "conv_k", "conv_v"):
+                assert rel_err(getattr(bounds, name)[b, j], ref[name]) < 1e-5
+            checked += 1
+    assert checked >= 2

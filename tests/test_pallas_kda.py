@@ -69,6 +69,25 @@ def test_chunk_scan_matches_twin(B, T, H, dk, dv, dtype, chunk, valid, kw):
         assert rel_err(s[b:b + 1], s_short) < TOL[dtype]
 
 
+@pytest.mark.parametrize("T,chunk,kw", [(150, 32, {}), (75, 16, {"block_t": 32, "block_v": 16, "sub_chunk": 8})])
+def test_chunk_states_match_twin_and_recurrence(T, chunk, kw):
+    """`return_chunk_states`: the state after every chunk, kernel = XLA twin = the token recurrence's
+    state at that position (ceil(T/C) chunks, the last one the final state)."""
+    B, H, dk, dv = 2, 2, 16, 32
+    q, k, v, g, beta, s0 = _inputs(T + 1, B, T, H, dk, dv, valid=[T, T - 20])
+    o_ref, s_ref, cs_ref = fast(functools.partial(kda_chunk_scan, chunk_size=chunk, return_chunk_states=True))(
+        q, k, v, g, beta, s0)
+    o, s, cs = fast(functools.partial(kda_chunk_scan_pallas, chunk_size=chunk, return_chunk_states=True, **kw))(
+        q, k, v, g, beta, s0)
+    n = -(-T // chunk)
+    assert cs.shape == cs_ref.shape == (B, n, H, dk, dv)
+    assert rel_err(cs, cs_ref) < 1e-5 and rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+    assert rel_err(cs_ref[:, -1], s_ref) < 1e-6
+    _, _, every = fast(functools.partial(kda_recurrent_scan, return_all_states=True))(q, k, v, g, beta, s0)
+    ends = [min((i + 1) * chunk, T) - 1 for i in range(n)]
+    assert rel_err(cs_ref, every[:, ends]) < 1e-5
+
+
 _chunk64 = fast(kda_chunk_scan_pallas)
 
 

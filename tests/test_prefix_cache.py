@@ -33,13 +33,14 @@ def _compile_events():
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     """(hit, miss): the same engine with and without the prefix cache. The miss engine runs the hit
-    engine's compiled step programs (same shapes, same placement), so it compiles nothing."""
+    engine's compiled decode programs (same shapes, same placement); its prefill is its own (the hit
+    engine's also writes snapshot rows)."""
     hit = Engine(tiny_model, prefix_cache_memory_gib=ROWS * UNIT / GIB, **KW)
-    assert hit.prefix.num_snapshots == ROWS
+    assert hit.prefix.num_snapshots == ROWS and hit.snapshot_interval == 16  # lcm(page 8, kda_chunk 16)
     hit.warmup()
     assert hit.snapshots.compiled_shapes() == 2  # save and restore, one shape each
     miss = Engine(tiny_model, prefix_cache=False, **KW)
-    miss._prefill, miss._decode = hit._prefill, hit._decode
+    miss._decode = hit._decode
     return hit, miss
 
 
@@ -145,6 +146,64 @@ def test_shared_prefix_hits_equal_misses(engines, tiny_model, tiny_cfg):
     hit.prefix.check()
 
 
+def test_hits_at_snapshots_inside_a_prefill_chunk(engines, tiny_model, tiny_cfg):
+    """snapshot_interval=8 with chunks of 16: a prompt fed 16 + 16 + 8 leaves snapshots at 8 and 24
+    (inside its chunks, written by the prefill program) as well as 16, 32 and 40 (chunk ends). Hits
+    restoring at 8 and 24 equal the misses token for token and logits within 1e-5, and the snapshot
+    at 24 equals the state of an engine that stopped after 24 tokens (chunks of 8), within 1e-5."""
+    hit, miss = engines
+    cfg = tiny_cfg
+    inner = Engine(tiny_model, prefix_cache_memory_gib=ROWS * UNIT / GIB, snapshot_interval=8, **KW)
+    inner._decode = hit._decode  # same decode shapes
+    inner.warmup()
+    rng = np.random.default_rng(5)
+    A = rng.integers(0, cfg.vocab_size, 40).tolist()
+    tail = lambda n: rng.integers(0, cfg.vocab_size, n).tolist()
+    h = inner.submit(A, RequestParams(max_tokens=4, stop_ids=()))
+    inner.run_until_done()
+    assert sorted(n.depth * 8 for n in inner.prefix.row_owner.values()) == [8, 16, 24, 32, 40]
+    inner.prefix.check()
+
+    stop24 = Engine(tiny_model, prefix_cache=False, **{**KW, "prefill_chunk": 8})
+    stop24._decode = hit._decode
+    h24 = stop24.submit(A, RequestParams(max_tokens=1, stop_ids=()))
+    while h24._req.n_fed < 24:
+        stop24.step()
+    assert h24._req.n_fed == 24
+    state24 = _kda_rows(stop24.pools, cfg, h24._req.slot) + [np.asarray(stop24.pools.hidden)[h24._req.slot]]
+    node = inner.prefix.lookup(A[:25]).node
+    assert node.depth * 8 == 24
+    snap = inner.snapshots.snaps
+    rows = [np.asarray(x)[:, :, node.snapshot] for x in jax.tree.leaves(snap.layers)]
+    for a, b in zip(rows + [np.asarray(snap.hidden)[node.snapshot]], state24, strict=True):
+        assert rel_err(a, b) < 1e-5
+
+    prompts = [A[:27] + tail(6), A[:13] + tail(4), A[:25], A[:9]]
+    saved = [24, 8, 24, 8]
+    before = inner.stats()
+    got, got_hidden, got_first = _serve(inner, cfg, prompts, [6] * len(prompts))
+    st = inner.stats()
+    assert st["prefix_hits"] - before["prefix_hits"] == 4
+    assert st["prefix_tokens_saved"] - before["prefix_tokens_saved"] == sum(saved)
+    # the miss: the same engine without the cache, its scan in the same chunks of gcd(16, 8) = 8 tokens
+    # (the rounding of another chunking alone moves these logits by ~1.5e-5)
+    miss8 = Engine(tiny_model, prefix_cache=False, exec=inner.exec.replace(kda_chunk=8), **KW)
+    miss8._decode = hit._decode
+    want, want_hidden, want_first = _serve(miss8, cfg, prompts, [6] * len(prompts))
+    assert want == _serve(miss, cfg, prompts, [6] * len(prompts))[0]
+    assert got == want
+    for i in range(len(prompts)):
+        lg = np.asarray(tiny_model.logits(np.stack(got_hidden[i])))
+        lw = np.asarray(tiny_model.logits(np.stack(want_hidden[i])))
+        np.testing.assert_allclose(lg, lw, atol=1e-5, rtol=1e-5)
+        for a, b in zip(got_first[i][0] + got_first[i][1], want_first[i][0] + want_first[i][1], strict=True):
+            assert rel_err(a, b) < 1e-5, i
+    assert inner.stats()["pages_in_use"] == 0
+    inner.clear_prefix_cache()
+    inner.prefix.check()
+    assert inner.prefix.nodes == 0 and sorted(inner.prefix.free_rows) == list(range(inner.prefix.num_snapshots))
+
+
 def test_lru_eviction_under_a_tiny_budget(engines, tiny_model, tiny_cfg):
     """A budget of 2.5 snapshots-with-their-chunk's-2-pages; 23-token prompts over three 20-token
     bases cache one snapshot each (at 16), so the cache holds two bases: the hits follow LRU (not
@@ -153,7 +212,7 @@ def test_lru_eviction_under_a_tiny_budget(engines, tiny_model, tiny_cfg):
     hit, miss = engines
     assert UNIT == hit.sizes.snapshot_bytes + 2 * hit.sizes.page_bytes
     small = Engine(tiny_model, prefix_cache_memory_gib=2.5 * UNIT / GIB, **KW)
-    small._prefill, small._decode = hit._prefill, hit._decode  # only its snapshot copies compile
+    small._decode = hit._decode  # its prefill and snapshot copies compile (other snapshot rows)
     assert small.prefix.num_snapshots == 2
     rng = np.random.default_rng(1)
     bases = [rng.integers(0, tiny_cfg.vocab_size, 20).tolist() for _ in range(3)]
@@ -233,7 +292,12 @@ def test_prefix_cache_options_and_report(engines, tiny_model):
     assert "prefix cache: budget 0.0002 GiB (prefix_cache_memory_gib)" in hit.describe()
     text = Engine(tiny_model, **KW).describe()  # the default budget (not compiled: nothing runs)
     assert "prefix cache: budget 0.0001 GiB (0.5 x the page pool)" in text
-    assert "snapshot pool: 2 rows = budget // (19456 + 2 pages x 6400)" in text
+    assert "snapshot pool: 2 rows = budget // (19456 + 2 pages x 6400) (one per 16 tokens: snapshots every 16" in text
+    text = Engine(tiny_model, snapshot_interval=8, **KW).describe()
+    assert "snapshot pool: 2 rows = budget // (19456 + 1 pages x 6400) (one per 8 tokens: snapshots every 8" in text
+    for bad in (0, 12, 8.0, True):
+        with pytest.raises(ValueError, match=f"snapshot_interval must be a positive multiple of page_size=8.*{bad!r}"):
+            Engine(tiny_model, snapshot_interval=bad, **KW)
     assert "prefix cache: off" in miss.describe()
     assert {k: miss.stats()[k] for k in ("prefix_hits", "prefix_tokens_saved", "prefix_cache_pages",
                                          "prefix_cache_bytes")} == dict.fromkeys(
@@ -261,7 +325,9 @@ class FakeDevice:
         self.state = [()] * self.S
         self.snap, self.main, self.mtp_slots = {}, {}, {}
         self.writes = 0
-        eng._prefill = eng._decode = self.step
+        self.inner = 0  # snapshots taken inside a prefill chunk
+        eng._decode = self.step
+        eng._prefill = self.step if eng.snapshots is None else self.prefill
         if eng.snapshots is not None:
             eng.snapshots.save, eng.snapshots.restore = self.save, self.restore
 
@@ -294,6 +360,21 @@ class FakeDevice:
             toks[i] = hash(new) % self.vocab
         return pools, toks, None  # (pools, tokens, logprob arrays: none asked for)
 
+    def prefill(self, params, pools, inp, snaps):
+        """`step`, plus the snapshots inside the chunk (`inp.snap_rows`: row i's state after
+        (j+1)·interval of the tokens it is fed), as the compiled prefill writes them."""
+        before = [self.state[s] if int(L) else () for s, L in zip(np.asarray(inp.rows).tolist(), inp.lengths)]
+        pools, toks, lp = self.step(params, pools, inp)
+        I = self.eng.snapshot_interval
+        for i, row_plan in enumerate(np.asarray(inp.snap_rows)):
+            for j, row in enumerate(row_plan.tolist()):
+                if row < self.eng.snapshots.rows:
+                    n = (j + 1) * I
+                    assert n < int(inp.n_valid[i]), "a snapshot asked past the chunk's tokens"
+                    self.snap[row] = before[i] + tuple(int(x) for x in inp.ids[i, :n])
+                    self.inner += 1
+        return pools, toks, lp, snaps
+
     def save(self, pools, copies):
         for slot, row in copies:
             self.snap[row] = self.state[slot]
@@ -318,18 +399,21 @@ def _expected(prompt, max_tokens, vocab):
     return out
 
 
-@pytest.mark.parametrize("with_mtp", [True, False])
-def test_policy_under_a_fake_device(tiny_model, with_mtp):
+@pytest.mark.parametrize("with_mtp,interval", [(True, None), (False, None), (True, 2), (False, 2)])
+def test_policy_under_a_fake_device(tiny_model, with_mtp, interval):
     """60 requests over a 2-letter alphabet (blocks collide, continuations branch) into a pool too
     small for them, a budget of 4 snapshots, random cancels and random evictions: every check of
     FakeDevice and `PrefixCache.check` holds after every step, the tokens are the sequence's own,
-    hits and preemptions happen, and everything is free at the end."""
+    hits and preemptions happen, and everything is free at the end. interval=2: snapshots inside
+    the chunks of 4 too (every page boundary), checked by FakeDevice.prefill and at each restore."""
     vocab = 3
     sizes = plan_pools(tiny_model.cfg, tiny_model.dtype, max_slots=3, page_size=2, num_pages=24, with_mtp=with_mtp)
     unit = sizes.snapshot_bytes + 2 * sizes.page_bytes  # a snapshot and its chunk's pages
     eng = Engine(tiny_model, max_slots=3, page_size=2, num_pages=24, prefill_chunk=4, prefill_rows=2,
-                 max_seq_len=40, with_mtp=with_mtp, prefix_cache_memory_gib=4 * unit / GIB)
-    assert eng.prefix.num_snapshots == 4 and eng.prefix.lookahead == int(with_mtp)
+                 max_seq_len=40, with_mtp=with_mtp, prefix_cache_memory_gib=4 * unit / GIB,
+                 snapshot_interval=interval)
+    rows = 4 if interval is None else (4 * unit) // (sizes.snapshot_bytes + sizes.page_bytes)
+    assert eng.prefix.num_snapshots == rows and eng.prefix.lookahead == int(with_mtp)
     dev = FakeDevice(eng, vocab)
     rng = np.random.default_rng(3)
     bases = [rng.integers(0, 2, 24).tolist() for _ in range(3)]
@@ -362,8 +446,9 @@ def test_policy_under_a_fake_device(tiny_model, with_mtp):
     eng.clear_prefix_cache()
     eng.prefix.check()
     assert sorted(eng.alloc.empty) == list(range(24)) and eng.prefix.nodes == 0
-    assert sorted(eng.prefix.free_rows) == list(range(4))
+    assert sorted(eng.prefix.free_rows) == list(range(rows))
     assert dev.writes > 1000  # the fake device really ran every step
+    assert (dev.inner > 50) if interval else dev.inner == 0
 
 
 def test_a_long_prompt_keeps_its_deepest_snapshots(tiny_model):
@@ -412,3 +497,32 @@ def test_requests_with_penalties_never_restore_and_equal_misses(engines, tiny_cf
     assert out["hit"][3] == 0 and out["hit"][4] == 1  # the penalised request did not restore; the plain one did
     hit.clear_prefix_cache()
     assert hit.stats()["pages_in_use"] == 0
+
+
+def test_snapshots_inside_a_chunk_never_evict_other_prefixes(tiny_model):
+    """Three snapshot rows, snapshots every page (2 tokens) inside chunks of 8. A 5-token prompt
+    leaves snapshots at 2 and 4 (inside its one chunk); an unrelated 7-token prompt (boundaries 2, 4,
+    6 inside its chunk) finds one free row and takes it for its deepest boundary, 6, evicting nothing;
+    a 13-token continuation of it hits at 6 and, with no free row and no snapshot of its own below
+    its restore point to recycle, takes none for 8, 10, 12 rather than evict the first prompt's. All
+    tokens are the sequences' own; the first prompt still hits at 4 (its chunk end at 6 then takes a
+    row by LRU, as chunk ends do)."""
+    sizes = plan_pools(tiny_model.cfg, tiny_model.dtype, max_slots=2, page_size=2, num_pages=48)
+    budget = 4 * (sizes.snapshot_bytes + sizes.page_bytes) - 1  # 3 rows; room for 3 snapshots + 16 pages
+    eng = Engine(tiny_model, max_slots=2, page_size=2, num_pages=48, prefill_chunk=8, prefill_rows=1,
+                 max_seq_len=40, prefix_cache_memory_gib=budget / GIB, snapshot_interval=2)
+    assert eng.prefix.num_snapshots == 3
+    dev = FakeDevice(eng, 3)
+    depths = lambda: sorted((n.depth * 2, eng.prefix._path(n)[0].key[0]) for n in eng.prefix.row_owner.values())
+    p1, p2 = [0, 0, 1, 1, 0], [2, 2, 1, 0, 2, 1, 1]
+    p3 = p2 + [0, 1, 2, 0, 1, 2]
+    for p, saved in ((p1, 0), (p2, 0), (p3, 6), (p1 + [1], 4)):
+        before = eng.stats()["prefix_tokens_saved"]
+        h = eng.submit(p, RequestParams(max_tokens=2, stop_ids=()))
+        eng.run_until_done()
+        assert h.generated == _expected(p, 2, 3)
+        assert eng.stats()["prefix_tokens_saved"] - before == saved
+        eng.prefix.check()
+        if p is p2 or p is p3:
+            assert depths() == [(2, 0), (4, 0), (6, 2)] and eng.prefix.evictions == 0
+    assert dev.inner == 3  # 2 and 4 of the first prompt, 6 of the second

@@ -73,6 +73,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-memory", type=gib, default=None, metavar="GIB",
                    help="byte budget of the prefix cache (default: the engine's)")
     g.add_argument("--no-prefix-cache", action="store_true", help="switch the prefix cache off")
+    g.add_argument("--snapshot-interval", type=positive_int, default=None, metavar="N",
+                   help="tokens between the prefix cache's KDA snapshots inside a prefill chunk, a multiple of "
+                        "--page-size (default: lcm(page size, KDA chunk)); larger saves snapshot memory, smaller "
+                        "makes hits deeper")
     g.add_argument("--speculative", type=int, default=0, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE} (0 = off)")
 
@@ -142,6 +146,12 @@ def check_engine_flags(args) -> None:
         raise ArgumentValueError(f"--speculative: expected 0..{MAX_SPECULATIVE} MTP draft tokens, got {k}")
     if args.no_prefix_cache and args.prefix_cache_memory is not None:
         raise ArgumentValueError("--prefix-cache-memory and --no-prefix-cache contradict each other")
+    interval = getattr(args, "snapshot_interval", None)
+    if interval is not None and args.no_prefix_cache:
+        raise ArgumentValueError("--snapshot-interval and --no-prefix-cache contradict each other")
+    if interval is not None and interval % args.page_size:
+        raise ArgumentValueError(f"--snapshot-interval: {interval} is not a multiple of --page-size "
+                                 f"{args.page_size} (snapshots are taken on page boundaries)")
     optional_engine_keywords(args)
 
 
@@ -199,6 +209,8 @@ def optional_engine_keywords(args, engine_cls=Engine) -> dict:
         asked["prefix_cache"] = ("--no-prefix-cache", False)
     if args.prefix_cache_memory is not None:
         asked["prefix_cache_memory_gib"] = ("--prefix-cache-memory", args.prefix_cache_memory)
+    if getattr(args, "snapshot_interval", None) is not None:
+        asked["snapshot_interval"] = ("--snapshot-interval", args.snapshot_interval)
     if args.speculative:
         asked["speculative"] = ("--speculative", args.speculative)
     known = inspect.signature(engine_cls).parameters

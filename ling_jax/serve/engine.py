@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Callable, Iterator, Optional, Sequence
 
 import jax
@@ -168,13 +169,17 @@ class Engine:
     prefix_cache: keep an exact prefix cache (shared pages + KDA snapshots, prefix_cache.py);
     prefix_cache_memory_gib: its byte budget (pages + snapshots; default `DEFAULT_BUDGET_FRACTION`
     of the page pool), which also sizes the snapshot pool (`snapshots.plan_snapshots`).
+    snapshot_interval: tokens between the KDA snapshots a prefill chunk takes inside itself (a
+    multiple of page_size; default `default_snapshot_interval`: lcm(page_size, exec.kda_chunk), the
+    block boundaries the chunked scan passes through anyway); chunk ends on a page are snapshotted too.
     """
 
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
                  cache_memory_gib: float | None = None, prefill_chunk: int = 64, prefill_rows: int = 2,
                  max_seq_len: int | None = None, with_mtp: bool | None = None, exec: ExecConfig | None = None,
                  buckets: Sequence[int] | None = None, widths: Sequence[int] | None = None,
-                 decode_rows: Sequence[int] | None = None, speculative: int = 0, prefix_cache: bool = True, prefix_cache_memory_gib: float | None = None):
+                 decode_rows: Sequence[int] | None = None, speculative: int = 0, prefix_cache: bool = True,
+                 prefix_cache_memory_gib: float | None = None, snapshot_interval: int | None = None):
         cfg = model.cfg
         self.cfg = cfg
         if num_pages is None and cache_memory_gib is None:
@@ -201,6 +206,7 @@ class Engine:
         self.decode_rows = _check_decode_rows(decode_rows, max_slots)
         self.prefill_chunk, self.prefill_rows = prefill_chunk, prefill_rows
         self.exec = exec or model.exec
+        self.snapshot_interval = _check_snapshot_interval(snapshot_interval, page_size, self.exec)
         self.graphdef, self.params = nnx.split(model)
         self.pools = init_pools(cfg, self.sizes, model.dtype)
         # The step programs return pools placed like the parameters (a loaded model lives on a mesh,
@@ -211,7 +217,9 @@ class Engine:
         self.prefix, self.snapshots = self._make_prefix_cache(prefix_cache, prefix_cache_memory_gib, model.dtype)
         self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, self.prefix,
                                speculative=speculative)
-        self._prefill, self._decode = make_step_fns(self.graphdef, self.exec)
+        self._prefill, self._decode = make_step_fns(self.graphdef, self.exec,
+                                                    self.snapshot_interval if self.prefix is not None else 0,
+                                                    _replicated_like(self.params))
         self.speculative = speculative
         self._spec = make_spec_fn(self.graphdef, self.exec, speculative) if speculative else None
         self.spec_steps = 0          # speculative program calls
@@ -239,7 +247,7 @@ class Engine:
             raise ValueError(f"Engine prefix_cache must be a bool, got {enabled!r}")
         if not enabled:
             return None, None
-        budget, rows = plan_snapshots(self.sizes, self.prefill_chunk, budget_gib)
+        budget, rows = plan_snapshots(self.sizes, min(self.prefill_chunk, self.snapshot_interval), budget_gib)
         self._prefix_budget_given = budget_gib is not None
         snapshots = SnapshotPool(self.cfg, self.sizes, rows, dtype, self.prefill_rows, _replicated_like(self.params))
         cache = PrefixCache(self.alloc, num_snapshots=rows, page_bytes=self.sizes.page_bytes,
@@ -262,11 +270,13 @@ class Engine:
         pc, sz = self.prefix, self.sizes
         given = ("prefix_cache_memory_gib" if self._prefix_budget_given else
                  f"{DEFAULT_BUDGET_FRACTION} x the page pool")
-        chunk_pages = max(1, self.prefill_chunk // sz.page_size)
+        every = min(self.prefill_chunk, self.snapshot_interval)
+        chunk_pages = max(1, every // sz.page_size)
         return (f"  prefix cache: budget {pc.budget_bytes / GIB:.4f} GiB ({given}) for cached pages "
                 f"({sz.page_bytes} B each, from the page pool) + snapshots ({sz.snapshot_bytes} B each);\n"
                 f"    snapshot pool: {pc.num_snapshots} rows = budget // ({sz.snapshot_bytes} + {chunk_pages} pages x "
-                f"{sz.page_bytes}) (one per prefill chunk) = {self.snapshots.bytes / GIB:.4f} GiB beside the pools\n")
+                f"{sz.page_bytes}) (one per {every} tokens: snapshots every {self.snapshot_interval} tokens inside a "
+                f"prefill chunk and at chunk ends) = {self.snapshots.bytes / GIB:.4f} GiB beside the pools\n")
 
     def warmup(self) -> None:
         """Compile every step shape now, on padding rows that change no state. On processes > 0 of
@@ -288,9 +298,7 @@ class Engine:
             for w in self.widths:
                 self.pools = program(self.params, self.pools, self._padding_inputs(OP_DECODE, n, 1, w))[0]
         for T in self.buckets:
-            self.pools = self._prefill(self.params, self.pools,
-                                       self._inputs(np.full(R, S), np.zeros((R, T), np.int32),
-                                                    np.zeros(R, np.int32), [None] * R))[0]
+            self._run_prefill(self._padding_inputs(OP_PREFILL, R, T))
 
     # -- multi-host (serve/multihost.py) ----------------------------------------------------
     @property
@@ -310,6 +318,9 @@ class Engine:
         for op, inputs in self._link.messages():
             if op in (OP_SAVE, OP_RESTORE):  # the prefix cache's copies (snapshots.py)
                 self.pools = self.snapshots.follow(self.pools, op, inputs)
+            elif op == OP_PREFILL and self.snapshots is not None:  # it writes snapshot rows too
+                self.pools, _, _, self.snapshots.snaps = self._prefill.program(
+                    self.params, self.pools, inputs, self.snapshots.snaps)
             else:
                 self.pools = programs[op](self.params, self.pools, inputs)[0]
 
@@ -332,7 +343,31 @@ class Engine:
         followers' unpacking template); a decode over every slot runs them in place (arange)."""
         S = self.sizes.max_slots
         slots = np.arange(S) if op in (OP_DECODE, OP_SPEC) and rows == S else np.full(rows, S)
-        return self._inputs(slots, np.zeros((rows, tokens), np.int32), np.zeros(rows, np.int32), [None] * rows, width)
+        snap_rows = self._snap_rows(rows, tokens, []) if op == OP_PREFILL else None
+        return self._inputs(slots, np.zeros((rows, tokens), np.int32), np.zeros(rows, np.int32), [None] * rows, width,
+                            snap_rows)
+
+    def _snap_rows(self, rows: int, tokens: int, plans: list) -> np.ndarray | None:
+        """A prefill's `snap_rows` [rows, tokens // snapshot_interval] from `PrefixCache.plan_boundaries`'
+        plans (row i: [(j, boundary, snapshot row)]); unused entries = the pool's row count (dropped).
+        None without a prefix cache."""
+        if self.snapshots is None:
+            return None
+        out = np.full((rows, tokens // self.snapshot_interval), self.snapshots.rows, np.int32)
+        for i, plan in enumerate(plans):
+            for j, _, row in plan:
+                out[i, j] = row
+        return out
+
+    def _run_prefill(self, inp: StepInputs):
+        """The prefill program on `inp` (with a prefix cache it also writes `inp.snap_rows`' snapshot
+        rows); returns (tokens, logprob arrays)."""
+        if self.snapshots is None:
+            self.pools, tok, lp = self._prefill(self.params, self.pools, inp)
+        else:
+            self.pools, tok, lp, self.snapshots.snaps = self._prefill(self.params, self.pools, inp,
+                                                                      self.snapshots.snaps)
+        return tok, lp
 
     def _decode_rows_for(self, reqs: list) -> tuple[int, np.ndarray, list]:
         """(R, rows [R], requests by row) for a decode-like step over `reqs`: the smallest row bucket
@@ -388,9 +423,9 @@ class Engine:
             self._handles.pop(handle.id, None)
 
     # -- stepping ------------------------------------------------------------------------------
-    def _inputs(self, rows, ids, n_valid, reqs, width: int | None = None) -> StepInputs:
+    def _inputs(self, rows, ids, n_valid, reqs, width: int | None = None, snap_rows=None) -> StepInputs:
         """Numpy StepInputs for rows (`reqs[i]` None = padding: greedy, nothing fed); the block
-        table cut to `width` pages (default all max_blocks)."""
+        table cut to `width` pages (default all max_blocks); snap_rows: a prefill's (`_snap_rows`)."""
         n = len(reqs)
         temp, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
         seed, n_gen, lengths = np.zeros(n, np.uint32), np.zeros(n, np.int32), np.zeros(n, np.int32)
@@ -406,7 +441,7 @@ class Engine:
         bt = self.alloc.block_rows([None if r is None else r.slot for r in reqs])[:, :width]
         return StepInputs(np.asarray(rows, np.int32), ids, n_valid, lengths, bt,
                           RowSampling(temp, top_k, top_p, seed, n_gen, presence, frequency, repetition,
-                                      prompt_len, logprobs))
+                                      prompt_len, logprobs), snap_rows)
 
     def _emit(self, req: Request, tok: int, out: dict, lp=None, i: int = 0) -> None:
         """Record req's new token; lp: the step's logprob arrays (numpy), row i is req's."""
@@ -457,12 +492,15 @@ class Engine:
             for i, (r, n) in enumerate(plan.prefill):
                 reqs[i], rows[i] = r, r.slot
                 ids[i, :n], n_valid[i] = r.feed[r.n_fed:r.n_fed + n], n
-            self.pools, tok, lp = self._prefill(self.params, self.pools, self._inputs(rows, ids, n_valid, reqs))
+            # snapshots inside the chunks: planned now, written by the program, inserted once fed
+            inner = self.prefix.plan_boundaries(plan.prefill, self.snapshot_interval) if self.prefix is not None else []
+            tok, lp = self._run_prefill(self._inputs(rows, ids, n_valid, reqs, None, self._snap_rows(R, T, inner)))
             tok, lp = np.asarray(tok), _host_logprobs(lp, [r for r, _ in plan.prefill])
             for r, n in plan.prefill:
                 r.n_fed += n
                 self.prompt_tokens_fed += n
-            if self.prefix is not None:  # snapshots of chunks that ended on a page boundary
+            if self.prefix is not None:  # then the snapshots of chunks that ended on a page boundary
+                self.prefix.insert_boundaries(plan.prefill, inner)
                 self.snapshots.save(self.pools, self.prefix.after_prefill([r for r, _ in plan.prefill]))
             for i, (r, n) in enumerate(plan.prefill):
                 if r.n_fed == len(r.feed) and self.sched.holds_pending(r):
@@ -582,6 +620,21 @@ def _check_speculative_params(params: "RequestParams") -> None:
 def _host_logprobs(lp, reqs):
     """The step's logprob arrays on the host, fetched only when one of its requests asked."""
     return tuple(np.asarray(a) for a in lp) if any(r.params.logprobs is not None for r in reqs) else None
+
+
+def default_snapshot_interval(page_size: int, kda_chunk: int) -> int:
+    """lcm(page_size, kda_chunk): the page boundaries that are also ends of the chunked scan's chunks,
+    so taking their states costs the scan nothing but the copies."""
+    return math.lcm(page_size, kda_chunk)
+
+
+def _check_snapshot_interval(interval, page_size: int, ex: ExecConfig) -> int:
+    if interval is None:
+        return default_snapshot_interval(page_size, ex.kda_chunk)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1 or interval % page_size:
+        raise ValueError(f"Engine snapshot_interval must be a positive multiple of page_size={page_size} "
+                         f"(snapshots are taken on page boundaries), got {interval!r}")
+    return interval
 
 
 def _check_decode_rows(decode_rows, max_slots: int) -> tuple[int, ...]:

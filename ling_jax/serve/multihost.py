@@ -173,12 +173,14 @@ class _LinkedProgram:
     def __init__(self, link: StepLink, op: int, program):
         self.link, self.op, self.program = link, op, program
 
-    def __call__(self, params, pools, inputs):
+    def __call__(self, params, pools, inputs, *state):
+        """state: device arrays the program also takes (a prefill's snapshot rows), the same on every
+        process (each runs the same calls on them)."""
         if not self.link.is_leader:
             raise RuntimeError(f"process {jax.process_index()} follows process 0's steps: call engine.follow() "
                                "there (submit / step / warmup run on process 0 only)")
         self.link.send(self.op, inputs)
-        return self.program(params, pools, inputs)
+        return self.program(params, pools, inputs, *state)
 
     def _cache_size(self) -> int:
         return self.program._cache_size()

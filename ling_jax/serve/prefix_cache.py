@@ -3,8 +3,10 @@
 A hybrid model's cache holds two kinds of memory (pools.py). MLA latent pages can be shared
 outright: a page's latents depend only on the tokens up to it. A KDA slot cannot: one recurrent +
 conv state summarises the whole prefix and every token overwrites it. So the KDA side of a cached
-prefix is a *snapshot*, a copy of the slot's rows (state, conv states, `hidden`) taken when a
-prefill chunk ended on a page boundary (`snapshots.py` does the copies on the device). A hit
+prefix is a *snapshot*, a copy of the slot's rows (state, conv states, `hidden`) at a page
+boundary: every `snapshot_interval` tokens inside a prefill chunk (the prefill program writes them,
+`plan_boundaries` / `insert_boundaries`) and where a chunk ended on one (`after_prefill`;
+`snapshots.py` does those copies on the device). A hit
 restores the snapshot of the deepest matched boundary that has one, shares the pages before it and
 prefills only the rest, so a restored request reads exactly the pages and state it would have
 computed itself (up to the float rounding of a different chunking).
@@ -98,6 +100,7 @@ class _Held:
     (boundary, row)."""
     lock: Optional[Node] = None
     pending: Optional[tuple] = None
+    base: int = 0  # depth of its restore node (0: a miss): deeper nodes on its path are of its own feeding
 
 
 class PrefixCache:
@@ -183,7 +186,7 @@ class PrefixCache:
             raise AssertionError("page accounting out of step (admission checked the hit's pages)")
         self.restores.append(Restore(req, req.slot, node.snapshot, self.alloc.pages[req.slot][-1], node.page))
         req.n_fed = b
-        self._held[req] = _Held(lock=node)
+        self._held[req] = _Held(lock=node, base=node.depth)
         self.hits += 1
         self.tokens_saved += b
 
@@ -226,6 +229,50 @@ class PrefixCache:
                 out.append((req.slot, row))
         return out
 
+    def plan_boundaries(self, chunks, interval: int) -> list[list[tuple[int, int, int]]]:
+        """Snapshots to take *inside* the prefill chunks about to run (before `after_prefill`, which
+        takes the chunk ends'): per (req, n) chunk, [(j, boundary, row)] for the boundaries
+        b = start + (j+1)·interval strictly inside it (start = req.n_fed, a page boundary), deeper
+        than what the request holds in the tree and not cached with a snapshot already, deepest first
+        (when rows run out, the deepest are kept). Rows: free ones, else only the request's own path
+        gives rows up (its shallower snapshots): a long prompt's many inside boundaries never evict
+        other prefixes' snapshots (its chunk ends may, by LRU, as before). The program writes each
+        row; `insert_boundaries` puts them in the tree once the chunk is fed."""
+        out = []
+        for req, n in chunks:
+            held = self._held.setdefault(req, _Held())
+            start, plan = req.n_fed, []
+            done = held.lock.depth * self.P if held.lock is not None else 0
+            if start % self.P == 0:
+                tokens = list(req.prompt) + list(req.generated)
+                for j in reversed(range((n - 1) // interval)):
+                    b = start + (j + 1) * interval
+                    if b <= done or self._cached_snapshot(tokens, b):
+                        continue
+                    row = self._take_row(within=held)
+                    if row is None:
+                        break
+                    plan.append((j, b, row))
+            out.append(plan)
+        return out
+
+    def insert_boundaries(self, chunks, plans) -> None:
+        """After the chunks of `plan_boundaries` were fed (n_fed updated): insert each boundary
+        snapshot the program wrote, shallowest first (each extends the request's locked path)."""
+        for (req, _), plan in zip(chunks, plans):
+            held = self._held.setdefault(req, _Held())
+            for _, b, row in sorted(plan, key=lambda p: p[1]):
+                self._insert(req, held, b, row)
+
+    def _cached_snapshot(self, tokens, b: int) -> bool:
+        """Whether the tree holds boundary b of `tokens` with a snapshot (exact keys)."""
+        node = self.root
+        for d in range(1, b // self.P + 1):
+            node = node.children.get(self._key(tokens, d))
+            if node is None:
+                return False
+        return node.snapshot is not None
+
     def commit(self, reqs) -> None:
         """Insert every pending snapshot whose blocks are complete (end of an engine step)."""
         for req in reqs:
@@ -239,10 +286,19 @@ class PrefixCache:
             pass
 
     # -- insertion -----------------------------------------------------------------------------
-    def _take_row(self) -> Optional[int]:
-        """A free snapshot row, else the least recently used snapshot's (see the module docstring)."""
+    def _take_row(self, within: Optional[_Held] = None) -> Optional[int]:
+        """A free snapshot row, else the least recently used snapshot's (see the module docstring);
+        with `within` (a request's share), only a snapshot on its locked path below its restore point
+        may give its row up (None if there is none)."""
         if not self.free_rows and self.row_owner:
-            victim = min(self.row_owner.values(), key=lambda n: (n.last_used, n.depth))
+            if within is not None:
+                path = self._path(within.lock) if within.lock is not None else []
+                own = [n for n in path if n.snapshot is not None and n.depth > within.base]
+                if not own:
+                    return None
+                victim = min(own, key=lambda n: (n.last_used, n.depth))
+            else:
+                victim = min(self.row_owner.values(), key=lambda n: (n.last_used, n.depth))
             self._detach(victim)
             self._prune(victim)
             self.evictions += 1
@@ -265,6 +321,11 @@ class PrefixCache:
         if held.pending is None or req.n_fed < held.pending[0] + self.lookahead:
             return
         (b, row), held.pending = held.pending, None
+        self._insert(req, held, b, row)
+
+    def _insert(self, req, held: _Held, b: int, row: int) -> None:
+        """Insert the blocks up to boundary b (fed, lookahead included) with snapshot `row` at b, or
+        give the row back when b is cached already or the budget has no room."""
         tokens = list(req.prompt) + list(req.generated)
         depth = b // self.P
         node = self.root
@@ -313,6 +374,11 @@ class PrefixCache:
         return out[::-1]
 
     def _relock(self, held: _Held, node: Node) -> None:
+        """Move the request's lock down to `node` (a node on its path). Never up: a chunk-end snapshot
+        committed after the deeper snapshots inside the next chunk sits above the lock, and the
+        deeper nodes' pages are the request's own."""
+        if held.lock is not None and held.lock.depth >= node.depth:
+            return  # (nor touched: the deeper lock's touch covered it, and LRU rows go shallowest first)
         self._lock(node)
         if held.lock is not None:
             self._unlock(held.lock)

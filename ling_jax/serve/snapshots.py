@@ -5,6 +5,8 @@ f32 and the three conv states [K-1, H·dk], and the `hidden` row [D] (the MTP la
 so one row costs `PoolSizes.snapshot_bytes`. The arrays are laid out like the slot pools, stacked per
 run of `layer_plan` ([repeats, n, rows, ...]), with `rows` in place of max_slots.
 
+Snapshots inside a prefill chunk are written by the prefill program itself (`step._save_boundaries`,
+from the chunked scan's boundary states); the programs here take the others.
 Two compiled programs, each of one fixed shape (R copies per call; padding copies use an index
 past the end, dropped by the scatter), warmed up with the engine's step programs:
 * `save(snaps, pools, slots [R], rows [R]) -> snaps`: slot rows -> snapshot rows, after a prefill
@@ -52,12 +54,12 @@ def init_snapshots(cfg: LingConfig, rows: int, dtype) -> Snapshots:
     return Snapshots(layers, jnp.zeros((rows, cfg.hidden_size), dtype))
 
 
-def plan_snapshots(sizes: PoolSizes, prefill_chunk: int, budget_gib: float | None) -> tuple[int, int]:
+def plan_snapshots(sizes: PoolSizes, every: int, budget_gib: float | None) -> tuple[int, int]:
     """(budget bytes, snapshot rows). Budget: `budget_gib`, default DEFAULT_BUDGET_FRACTION of the
-    page pool but at least one snapshot with its chunk's pages. Rows: one snapshot per prefill
-    chunk's pages, so budget // (snapshot_bytes + chunk_pages · page_bytes), at least 1 (snapshots are
-    taken where a chunk ends on a page)."""
-    chunk_pages = max(1, prefill_chunk // sizes.page_size)
+    page pool but at least one snapshot with its pages. Rows: one snapshot per `every` tokens' pages
+    (the engine's min(prefill_chunk, snapshot_interval): how often a prefill takes one), so
+    budget // (snapshot_bytes + every/page_size · page_bytes), at least 1."""
+    chunk_pages = max(1, every // sizes.page_size)
     unit = sizes.snapshot_bytes + chunk_pages * sizes.page_bytes
     if budget_gib is None:
         budget = max(int(DEFAULT_BUDGET_FRACTION * sizes.num_pages * sizes.page_bytes), unit)
@@ -113,7 +115,10 @@ class SnapshotPool:
         self.snaps = jax.device_put(init_snapshots(cfg, rows, dtype), placement)
         # fresh function objects per pool: jit caches live on the function, so `compiled_shapes()`
         # counts this engine's programs only (as make_step_fns' lambdas do for the step programs)
-        self._save = jax.jit(lambda snaps, pools, slots, rows: _save(snaps, pools, slots, rows), donate_argnums=(0,))
+        # out_shardings: the rows' own placement, as the prefill program's (step.make_step_fns): every
+        # producer of the rows returns one spelling of it, so no call sees a new signature after warm-up
+        self._save = jax.jit(lambda snaps, pools, slots, rows: _save(snaps, pools, slots, rows), donate_argnums=(0,),
+                             out_shardings=placement)
         self._restore = None  # jitted at the first call, see `restore`
 
     @property

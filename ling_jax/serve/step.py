@@ -53,13 +53,16 @@ class RowSampling(NamedTuple):
 class StepInputs(NamedTuple):
     """One call's inputs. ids [R,T] int32 right-padded, n_valid [R] real tokens, lengths [R]
     tokens already cached, block_table [R, max_blocks], rows [R] slot of each row (max_slots =
-    padding row; a decode over all max_slots rows: arange(max_slots)), sampling: RowSampling."""
+    padding row; a decode over all max_slots rows: arange(max_slots)), sampling: RowSampling;
+    snap_rows (prefill with a prefix cache, else None) [R, T // interval] int32: the snapshot row
+    that takes row r's state after (j+1)·interval of its tokens (rows past the pool = none)."""
     rows: jax.Array
     ids: jax.Array
     n_valid: jax.Array
     lengths: jax.Array
     block_table: jax.Array
     sampling: RowSampling
+    snap_rows: jax.Array | None = None
 
 
 def _take_last(x, n_valid):
@@ -86,7 +89,25 @@ def _mtp_update(model, mtp_cache, ids, hidden, prev_hidden, start, n_valid, ex: 
     return mtp_cache
 
 
-def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, gather_rows: bool):
+def _save_boundaries(snaps, bounds: dict, hidden, snap_rows, interval: int):
+    """The snapshot rows `snap_rows` [R, J] := the KDA states after (j+1)·interval tokens of each row
+    (`bounds`: the model's `kda_boundary_states`, KDAState [repeats, n, R, J, ...] per KDA run) and
+    the hidden there (hidden [R, T, D] at position (j+1)·interval - 1). Rows past the pool are dropped.
+    snaps: a `snapshots.Snapshots` (layers per block per run, hidden [rows, D])."""
+    R, J = snap_rows.shape
+    idx = snap_rows.reshape(-1)
+
+    def put(dst, src):  # dst [m, n, rows, ...] <- src [m, n, R, J, ...]
+        flat = src.reshape(src.shape[:2] + (R * J,) + src.shape[4:])
+        return dst.at[:, :, idx].set(flat.astype(dst.dtype), mode="drop")
+
+    layers = tuple(tuple(None if s is None else jax.tree.map(put, s, bounds[(b, r)]) for r, s in enumerate(sb))
+                   for b, sb in enumerate(snaps.layers))
+    h = hidden[:, interval - 1::interval][:, :J].reshape(R * J, -1)
+    return snaps._replace(layers=layers, hidden=snaps.hidden.at[idx].set(h.astype(snaps.hidden.dtype), mode="drop"))
+
+
+def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, gather_rows: bool, snaps=None):
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
     rows = inp.rows if gather_rows else None
@@ -112,7 +133,13 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, gather
     new_pools = with_cache(cfg, pools, new_cache, rows)
     hidden = (pools.hidden.at[inp.rows].set(hid.astype(pools.hidden.dtype), mode="drop") if gather_rows
               else hid.astype(pools.hidden.dtype))
-    return new_pools._replace(hidden=hidden, stats=stats), tok, _row_logprobs(logits, tok, s.logprobs)
+    result = (new_pools._replace(hidden=hidden, stats=stats), tok, _row_logprobs(logits, tok, s.logprobs))
+    if snaps is None:
+        return result
+    if "kda_boundary_states" in out and inp.snap_rows is not None and inp.snap_rows.shape[1] > 0:
+        snaps = _save_boundaries(snaps, out["kda_boundary_states"], out["hidden"], inp.snap_rows,
+                                 ex.kda_boundary_states)
+    return result + (snaps,)
 
 
 def _row_logprobs(logits, tok, wanted):
@@ -132,18 +159,30 @@ def gathers_rows(pools: Pools, inp: StepInputs) -> bool:
     return inp.rows.shape[0] != pools.hidden.shape[0]
 
 
-def make_step_fns(graphdef, ex: ExecConfig):
+def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sharding=None):
     """(prefill, decode): jitted `(params, pools, StepInputs) -> (pools, tokens [R], logprobs)`,
     pools donated; logprobs = `_row_logprobs`' triple.
 
     prefill runs the chunked KDA scan over the gathered rows; decode the recurrent KDA step over
     the gathered rows, or in place over every slot when it has max_slots rows (rows =
     arange(max_slots); decided by the static shapes). Each call of one function object with new
-    shapes compiles once; `_cache_size()` counts them (the engine's compile bound)."""
-    pre_ex = ex.replace(kda_mode="chunk", kda_states=False, skip_logits=True)
+    shapes compiles once; `_cache_size()` counts them (the engine's compile bound).
+
+    snapshot_interval > 0 (an engine with a prefix cache): prefill is `(params, pools, StepInputs,
+    snaps) -> (pools, tokens, logprobs, snaps)`, both pools and snapshot rows donated: it also writes
+    the KDA states at every `snapshot_interval` tokens of a row into the rows `inp.snap_rows` names
+    (`_save_boundaries`; the scan passes through them, `ExecConfig.kda_boundary_states`).
+    snap_sharding: the snapshot rows' placement, fixed as the output's: every program that returns
+    them (this one, `snapshots.SnapshotPool`'s save) must return one spelling of it, or the next
+    call sees a new signature (P() vs P(None, None)) and compiles after warm-up."""
+    pre_ex = ex.replace(kda_mode="chunk", kda_states=False, skip_logits=True, kda_boundary_states=snapshot_interval)
     dec_ex = ex.replace(kda_mode="recurrent", kda_states=False, skip_logits=True)
-    prefill = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, pre_ex, True),
-                      donate_argnums=(1,))
+    if snapshot_interval:
+        prefill = jax.jit(lambda params, pools, inp, snaps: _run(graphdef, params, pools, inp, pre_ex, True, snaps),
+                          donate_argnums=(1, 3), out_shardings=(None, None, None, snap_sharding))
+    else:
+        prefill = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, pre_ex, True),
+                          donate_argnums=(1,))
     decode = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, dec_ex, gathers_rows(pools, inp)),
                      donate_argnums=(1,))
     return prefill, decode

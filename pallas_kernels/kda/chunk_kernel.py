@@ -90,8 +90,9 @@ def _chunk_math(q, k, v, gam, beta, s0, sub_chunk: int):
     return o, s1
 
 
-def _kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, s0_ref, o_ref, s_ref, *, chunk: int, sub_chunk: int,
-            n_chunks: int):
+def _kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, s0_ref, o_ref, s_ref, *states_ref, chunk: int,
+            sub_chunk: int, n_chunks: int):
+    """states_ref: optionally the [n_chunks, dk, bv] block of this segment's chunk states."""
     @pl.when(pl.program_id(3) == 0)
     def _():
         s_ref[...] = s0_ref[...].astype(F32)
@@ -101,6 +102,8 @@ def _kernel(q_ref, k_ref, v_ref, gam_ref, beta_ref, s0_ref, o_ref, s_ref, *, chu
         o, s = _chunk_math(q_ref[rows, :].astype(F32), k_ref[rows, :].astype(F32), v_ref[rows, :].astype(F32),
                            gam_ref[rows, :], beta_ref[rows, :], s, sub_chunk)
         o_ref[rows, :] = o.astype(o_ref.dtype)
+        if states_ref:
+            states_ref[0][pl.ds(ci, 1), :, :] = s[None]
         return s
 
     s_ref[...] = jax.lax.fori_loop(0, n_chunks, body, s_ref[...])
@@ -114,8 +117,9 @@ def _defaults(block_t, block_v, dv, plat: str):
     return block_t, block_v
 
 
-@functools.partial(jax.jit, static_argnames=("plat", "chunk_size", "interpret", "sub_chunk", "block_t", "block_v"))
-def _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v, plat):
+@functools.partial(jax.jit, static_argnames=("plat", "chunk_size", "interpret", "sub_chunk", "block_t", "block_v",
+                                             "chunk_states"))
+def _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v, plat, chunk_states=False):
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     cs = max(1, min(sub_chunk, chunk_size))
@@ -150,27 +154,38 @@ def _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, blo
     v_spec = pl.BlockSpec((None, Ts, bv), lambda b, h, j, s: (b, s, h * nv + j))
     st_spec = pl.BlockSpec((None, None, dk, bv), lambda b, h, j, s: (b, h, 0, j))
     kernel = functools.partial(_kernel, chunk=C, sub_chunk=cs, n_chunks=Ts // C)
-    o, s = pl.pallas_call(
+    out_specs = [v_spec, st_spec]
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, H * dv), F32), jax.ShapeDtypeStruct((B, H, dk, dv), F32)]
+    if chunk_states:  # segment s writes chunks [s·Ts/C, (s+1)·Ts/C)
+        out_specs.append(pl.BlockSpec((None, None, Ts // C, dk, bv), lambda b, h, j, s: (b, h, s, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((B, H, Tp // C, dk, dv), F32))
+    res = pl.pallas_call(
         kernel,
         grid=(B, H, nv, n_seg),
         in_specs=[qk_spec, qk_spec, v_spec, qk_spec,
                   pl.BlockSpec((None, None, Ts, 1), lambda b, h, j, s: (b, h, s, 0)), st_spec],
-        out_specs=[v_spec, st_spec],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H * dv), F32), jax.ShapeDtypeStruct((B, H, dk, dv), F32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params(interpret, plat, ("parallel", "parallel", "parallel", "arbitrary"),
                                         num_warps=4, num_stages=1),
         interpret=interpret,
         name="kda_chunk_scan",
     )(q2, k2, v2, gam, beta2, state)
-    return o.reshape(B, Tp, H, dv)[:, :T], s
+    o, s = res[0].reshape(B, Tp, H, dv)[:, :T], res[1]
+    if chunk_states:
+        return o, s, jnp.moveaxis(res[2], 2, 1)[:, :-(-T // C)]
+    return o, s
 
 
 def kda_chunk_scan_pallas(q, k, v, g, beta, state, chunk_size: int = 64, interpret=None, *, sub_chunk: int = 16,
-                          block_t: int | None = None, block_v: int | None = None, platform: str | None = None):
+                          block_t: int | None = None, block_v: int | None = None, platform: str | None = None,
+                          return_chunk_states: bool = False):
     """Chunked KDA (same arguments and result as `kda.reference.kda_chunk_scan`).
 
     q, k, g: [B,T,H,dk]; v: [B,T,H,dv]; beta: [B,T,H]; state: [B,H,dk,dv] f32. Returns
-    (o [B,T,H,dv] f32, final state [B,H,dk,dv] f32).
+    (o [B,T,H,dv] f32, final state [B,H,dk,dv] f32[, the state after every chunk [B, ceil(T/C),
+    H,dk,dv]]), C = chunk_size when T >= chunk_size (as the reference; for shorter T the kernel may
+    pick a longer chunk than the reference's C = T).
 
     sub_chunk: tokens per exponential reference (≤ 17 for g ≥ −5; 16 by default).
     block_t: tokens per grid step (None = the whole sequence in one step, the GPU default, required on
@@ -181,4 +196,5 @@ def kda_chunk_scan_pallas(q, k, v, g, beta, state, chunk_size: int = 64, interpr
     """
     plat, interpret = target(platform, interpret)
     block_t, block_v = _defaults(block_t, block_v, v.shape[-1], plat)
-    return _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v, plat=plat)
+    return _run(q, k, v, g, beta, state, chunk_size, interpret, sub_chunk, block_t, block_v, plat=plat,
+                chunk_states=return_chunk_states)

@@ -75,12 +75,14 @@ def _chunk_step(s0, xs):
     return s1, o
 
 
-def kda_chunk_scan(q, k, v, g, beta, state, chunk_size: int = 64):
+def kda_chunk_scan(q, k, v, g, beta, state, chunk_size: int = 64, return_chunk_states: bool = False):
     """Chunked KDA: `lax.scan` over chunks of `chunk_size` tokens (exactly `kda_recurrent_scan`).
 
     q, k, g: [B,T,H,dk]; v: [B,T,H,dv]; beta: [B,T,H]; state: [B,H,dk,dv] f32.
     The tail is padded with g=0, beta=0, k=q=0, which leaves the state untouched.
-    Returns (o [B,T,H,dv] f32, final state).
+    Returns (o [B,T,H,dv] f32, final state[, the state after every chunk [B, ceil(T/C), H,dk,dv]
+    with C = min(chunk_size, T)]). Why the chunk states: the scan passes through them anyway, and
+    they are the prefix cache's snapshots inside a prefill chunk (`ling_jax.kda`, serve/snapshots.py).
     """
     B, T, H, dk = q.shape
     dv = v.shape[-1]
@@ -97,6 +99,15 @@ def kda_chunk_scan(q, k, v, g, beta, state, chunk_size: int = 64):
         return jnp.transpose(a, perm)  # [n,B,H,C,...]
 
     xs = tuple(prep(a) for a in (q, k, v, g, beta))
-    s, o = jax.lax.scan(_chunk_step, state.astype(jnp.float32), xs)  # o: [n,B,H,C,dv]
+    if return_chunk_states:
+        def step(s0, x):
+            s1, o = _chunk_step(s0, x)
+            return s1, (o, s1)
+
+        s, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)  # states: [n,B,H,dk,dv]
+    else:
+        s, o = jax.lax.scan(_chunk_step, state.astype(jnp.float32), xs)  # o: [n,B,H,C,dv]
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, n * C, H, dv)[:, :T]
+    if return_chunk_states:
+        return o, s, jnp.moveaxis(states, 0, 1)
     return o, s
