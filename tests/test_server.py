@@ -322,6 +322,43 @@ def test_killed_client_frees_its_slot(served):
     assert m["ling_jax_generation_tokens_total"] - before < 60  # cancelled, not run to the end
 
 
+def test_refusals_do_not_wait_for_a_running_step(served):
+    """While the engine is inside a step (held here until released), a request that finds the
+    bounded queue full gets its 429 at once, a bad request its 400, and /health answers: the event
+    loop never waits for the engine thread. The held request then completes."""
+    eng, d = served.engine, served.driver
+    gate, entered = threading.Event(), threading.Event()
+    step = eng.step
+
+    def held():
+        entered.set()
+        assert gate.wait(60), "the test never released the step"
+        return step()
+
+    cap = d.capacity
+    eng.step = held
+    try:
+        d.capacity = 1
+        raw = openai.OpenAI(base_url=served.srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        done = {}
+        t = threading.Thread(target=lambda: done.update(r=raw.completions.create(model="tiny", prompt="hi", max_tokens=3)))
+        t.start()
+        assert entered.wait(30)
+        for body, status in (({"model": "tiny", "prompt": "hi", "max_tokens": 2}, 429),
+                             ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, 400)):
+            t0 = time.monotonic()
+            r = httpx.post(served.srv.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == status and time.monotonic() - t0 < 5, (r.status_code, time.monotonic() - t0)
+        assert httpx.get(served.srv.url + "/health", timeout=5).status_code == 200
+    finally:
+        d.capacity = cap
+        gate.set()
+        eng.step = step
+    t.join(60)
+    assert done["r"].choices[0].finish_reason in ("stop", "length")
+    _idle(served)
+
+
 def test_queue_full_429_auth_models_tokenize_health(served):
     c, url = served.client, served.srv.url
     d = served.driver
