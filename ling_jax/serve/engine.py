@@ -39,7 +39,7 @@ from flax import nnx
 from ling_jax.exec_config import ExecConfig
 from ling_jax.sampling import SamplingParams, TokenLogprob, check_logprobs, check_penalties
 from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_RESTORE, OP_SAVE, OP_SPEC, ProgramShape, make_link
-from ling_jax.serve.pools import GIB, PageAllocator, describe, init_pools, plan_pools
+from ling_jax.serve.pools import GIB, PageAllocator, describe, init_pools, per_device_bytes, placed_like, plan_pools
 from ling_jax.serve.prefix_cache import PrefixCache
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
 from ling_jax.serve.snapshots import DEFAULT_BUDGET_FRACTION, SnapshotPool, plan_snapshots
@@ -209,19 +209,21 @@ class Engine:
         self.snapshot_interval = _check_snapshot_interval(snapshot_interval, page_size, self.exec)
         self.graphdef, self.params = nnx.split(model)
         self.pools = init_pools(cfg, self.sizes, model.dtype)
-        # The step programs return pools placed like the parameters (a loaded model lives on a mesh,
-        # one device by default); placing the fresh pools the same way up front keeps the first call of
-        # each shape and every later call on one compiled program.
-        self.pools = jax.device_put(self.pools, _replicated_like(self.params))
+        # Placed next to the parameters (a loaded model lives on a mesh, one device by default): KDA
+        # states split by head over `model`, the rest replicated (`pools.pool_shardings`). Every program
+        # that returns pools returns them with exactly these shardings (out_shardings), so the first call
+        # of each shape and every later call run one compiled program.
+        self._pool_sharding = placed_like(cfg, self.pools, self.params)
+        self.pools = jax.device_put(self.pools, self._pool_sharding)
         self.alloc = PageAllocator(self.sizes)
         self.prefix, self.snapshots = self._make_prefix_cache(prefix_cache, prefix_cache_memory_gib, model.dtype)
         self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, self.prefix,
                                speculative=speculative)
-        self._prefill, self._decode = make_step_fns(self.graphdef, self.exec,
-                                                    self.snapshot_interval if self.prefix is not None else 0,
-                                                    _replicated_like(self.params))
+        self._prefill, self._decode = make_step_fns(
+            self.graphdef, self.exec, self.snapshot_interval if self.prefix is not None else 0,
+            self.snapshots.sharding if self.snapshots is not None else None, self._pool_sharding)
         self.speculative = speculative
-        self._spec = make_spec_fn(self.graphdef, self.exec, speculative) if speculative else None
+        self._spec = make_spec_fn(self.graphdef, self.exec, speculative, self._pool_sharding) if speculative else None
         self.spec_steps = 0          # speculative program calls
         self.spec_rounds = 0         # verify rounds (one per decoding slot per call)
         self.spec_accepted = 0       # drafts accepted
@@ -249,7 +251,8 @@ class Engine:
             return None, None
         budget, rows = plan_snapshots(self.sizes, min(self.prefill_chunk, self.snapshot_interval), budget_gib)
         self._prefix_budget_given = budget_gib is not None
-        snapshots = SnapshotPool(self.cfg, self.sizes, rows, dtype, self.prefill_rows, _replicated_like(self.params))
+        snapshots = SnapshotPool(self.cfg, self.sizes, rows, dtype, self.prefill_rows,
+                                 lambda snaps: placed_like(self.cfg, snaps, self.params))
         cache = PrefixCache(self.alloc, num_snapshots=rows, page_bytes=self.sizes.page_bytes,
                             snapshot_bytes=self.sizes.snapshot_bytes, budget_bytes=budget,
                             lookahead=1 if self.sizes.with_mtp else 0)
@@ -260,9 +263,21 @@ class Engine:
         """Start-up report: pool sizes with their byte arithmetic, and the compiled shapes."""
         decode = (f"speculative decode (K={self.speculative}: [R, {self.speculative + 1}] verify)"
                   if self.speculative else "decode [R, 1]")
-        return (describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n" + self._describe_prefix() +
+        return (describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n" + self._describe_placement() +
+                self._describe_prefix() +
                 f"  compiled shapes: {decode} for R in {list(self.decode_rows)} over block-table widths "
                 f"{list(self.widths)}; prefill [{self.prefill_rows}, T] for T in {list(self.buckets)}")
+
+    def _describe_placement(self) -> str:
+        sh = jax.tree.leaves(self._pool_sharding)[0]
+        if not isinstance(sh, jax.sharding.NamedSharding) or sh.mesh.size == 1:
+            return ""
+        split = {str(s.spec) for s, x in zip(jax.tree.leaves(self._pool_sharding), jax.tree.leaves(self.pools))
+                 if s.shard_shape(x.shape) != x.shape}
+        total = sum(x.nbytes for x in jax.tree.leaves(self.pools))
+        return (f"  placement: mesh {dict(sh.mesh.shape)}; KDA states split by head over 'model' "
+                f"({len(split)} spec(s) {sorted(split)}), latent pages, hidden and token stats replicated: "
+                f"{per_device_bytes(self.pools) / GIB:.4f} GiB of the pools' {total / GIB:.4f} GiB per device\n")
 
     def _describe_prefix(self) -> str:
         if self.prefix is None:
@@ -658,13 +673,3 @@ def _check_speculative(speculative, model, with_mtp: bool) -> None:
         raise ValueError("Engine speculative > 0 needs the MTP layer, and this model has none")
     if speculative and not with_mtp:
         raise ValueError("Engine speculative > 0 needs with_mtp=True (the MTP pages it drafts from)")
-
-
-def _replicated_like(params):
-    """The sharding the pools get: replicated over the parameters' mesh when they are on one (a
-    NamedSharding), else the parameters' single device."""
-    leaf = jax.tree.leaves(params)[0]
-    sh = leaf.sharding
-    if isinstance(sh, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
-    return sh

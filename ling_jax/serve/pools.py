@@ -19,11 +19,13 @@ Byte counts use the arithmetic of `ling_jax.accounting.cache_bytes`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from ling_jax.accounting import cache_bytes
 from ling_jax.config import KDA, LingConfig
@@ -32,6 +34,7 @@ from ling_jax.layer_stack import layer_plan
 from ling_jax.mla import PagedMLACache
 from ling_jax.model import HybridCache
 from ling_jax.serve.token_stats import TokenStats, init_token_stats, stats_bytes_per_slot
+from sharding.rules import path_str, spec
 
 GIB = 1024 ** 3
 
@@ -153,6 +156,47 @@ def init_pools(cfg: LingConfig, sizes: PoolSizes, dtype) -> Pools:
                          for r, run in enumerate(b.runs)) for b in layer_plan(cfg))
     return Pools(layers, paged() if sizes.with_mtp else None, jnp.zeros((S, cfg.hidden_size), dtype),
                  init_token_stats(S, cfg.vocab_size))
+
+
+def pool_shardings(cfg: LingConfig, tree, mesh):
+    """NamedShardings on `mesh` for `Pools` or `snapshots.Snapshots` (declared where they are made).
+
+    KDA recurrent states [..., rows, H, dk, dv] and conv states [..., rows, K-1, H·dk] are split by
+    head over the mesh's `model` axis, like the KDA projections that compute them (each device
+    keeps the states of its own heads: no gather in a step, and 1/model of the bytes). Everything
+    else is replicated: the MLA and MTP latent pages (one KV head shared by all heads, read by every
+    device), `hidden`, the token statistics. The slot / row axis is never split: a step gathers
+    arbitrary rows. Heads that do not divide evenly leave that axis replicated (`sharding.rules.spec`)."""
+    heads = cfg.num_attention_heads
+
+    def one(path, x):
+        name = path_str(path)
+        if name.endswith("recurrent"):
+            axes = (None,) * (x.ndim - 3) + ("heads", None, None)
+        elif re.search(r"conv_[qkv]$", name):
+            axes = (None,) * (x.ndim - 1) + ("heads",)
+        else:
+            axes = (None,) * x.ndim
+        return NamedSharding(mesh, spec(axes, x.shape, mesh, heads, where=f"pools/{name}"))
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def placed_like(cfg: LingConfig, tree, params):
+    """The shardings `tree` (Pools or Snapshots) gets next to the parameters: `pool_shardings` on
+    their mesh when they live on one (a NamedSharding), else their single device for every leaf."""
+    sh = jax.tree.leaves(params)[0].sharding
+    if isinstance(sh, NamedSharding):
+        return pool_shardings(cfg, tree, sh.mesh)
+    return jax.tree.map(lambda _: sh, tree)
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a placed pytree (a split axis counts its shard only)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += int(np.prod(shard, dtype=np.int64)) * x.dtype.itemsize
+    return total
 
 
 def as_cache(cfg: LingConfig, pools: Pools, block_table: jax.Array, lengths: jax.Array,

@@ -110,15 +110,18 @@ class SnapshotPool:
     orders (prefix_cache.PrefixCache.after_prefill / take_restores) and run them, padded to R."""
 
     def __init__(self, cfg: LingConfig, sizes: PoolSizes, rows: int, dtype, copies: int, placement):
+        """placement(snaps) -> the rows' shardings (the engine's: split by head like the slot pools)."""
         self.sizes, self.rows, self.copies = sizes, rows, copies
         self.link = None  # multi-host: the engine's StepLink; every copy is broadcast before it runs
-        self.snaps = jax.device_put(init_snapshots(cfg, rows, dtype), placement)
+        snaps = init_snapshots(cfg, rows, dtype)
+        self.sharding = placement(snaps)
+        self.snaps = jax.device_put(snaps, self.sharding)
         # fresh function objects per pool: jit caches live on the function, so `compiled_shapes()`
         # counts this engine's programs only (as make_step_fns' lambdas do for the step programs)
         # out_shardings: the rows' own placement, as the prefill program's (step.make_step_fns): every
         # producer of the rows returns one spelling of it, so no call sees a new signature after warm-up
         self._save = jax.jit(lambda snaps, pools, slots, rows: _save(snaps, pools, slots, rows), donate_argnums=(0,),
-                             out_shardings=placement)
+                             out_shardings=self.sharding)
         self._restore = None  # jitted at the first call, see `restore`
 
     @property

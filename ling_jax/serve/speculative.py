@@ -153,10 +153,12 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     return new_pools._replace(hidden=hidden), emitted.astype(jnp.int32), adv
 
 
-def make_spec_fn(graphdef, ex: ExecConfig, k: int):
+def make_spec_fn(graphdef, ex: ExecConfig, k: int, pool_sharding=None):
     """Jitted `(params, pools, StepInputs) -> (pools, emitted [R, k+1], n_emitted [R])`, pools
     donated; one program per row bucket and block-table width (like decode). k: drafts per step
-    (1 … MAX_SPECULATIVE)."""
+    (1 … MAX_SPECULATIVE). pool_sharding: the pools' shardings, fixed as the output's (see
+    `step.make_step_fns`)."""
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE:
         raise ValueError(f"speculative drafts must be an int in [1, {MAX_SPECULATIVE}], got {k!r}")
-    return jax.jit(lambda params, pools, inp: _spec(graphdef, params, pools, inp, ex, k), donate_argnums=(1,))
+    return jax.jit(lambda params, pools, inp: _spec(graphdef, params, pools, inp, ex, k), donate_argnums=(1,),
+                   out_shardings=(pool_sharding, None, None))

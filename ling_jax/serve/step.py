@@ -159,7 +159,7 @@ def gathers_rows(pools: Pools, inp: StepInputs) -> bool:
     return inp.rows.shape[0] != pools.hidden.shape[0]
 
 
-def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sharding=None):
+def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sharding=None, pool_sharding=None):
     """(prefill, decode): jitted `(params, pools, StepInputs) -> (pools, tokens [R], logprobs)`,
     pools donated; logprobs = `_row_logprobs`' triple.
 
@@ -174,15 +174,17 @@ def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sha
     (`_save_boundaries`; the scan passes through them, `ExecConfig.kda_boundary_states`).
     snap_sharding: the snapshot rows' placement, fixed as the output's: every program that returns
     them (this one, `snapshots.SnapshotPool`'s save) must return one spelling of it, or the next
-    call sees a new signature (P() vs P(None, None)) and compiles after warm-up."""
+    call sees a new signature (P() vs P(None, None)) and compiles after warm-up. pool_sharding: the
+    pools' shardings (`pools.pool_shardings`), fixed as the returned pools' for the same reason
+    (None: left to propagation)."""
     pre_ex = ex.replace(kda_mode="chunk", kda_states=False, skip_logits=True, kda_boundary_states=snapshot_interval)
     dec_ex = ex.replace(kda_mode="recurrent", kda_states=False, skip_logits=True)
     if snapshot_interval:
         prefill = jax.jit(lambda params, pools, inp, snaps: _run(graphdef, params, pools, inp, pre_ex, True, snaps),
-                          donate_argnums=(1, 3), out_shardings=(None, None, None, snap_sharding))
+                          donate_argnums=(1, 3), out_shardings=(pool_sharding, None, None, snap_sharding))
     else:
         prefill = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, pre_ex, True),
-                          donate_argnums=(1,))
+                          donate_argnums=(1,), out_shardings=(pool_sharding, None, None))
     decode = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, dec_ex, gathers_rows(pools, inp)),
-                     donate_argnums=(1,))
+                     donate_argnums=(1,), out_shardings=(pool_sharding, None, None))
     return prefill, decode
