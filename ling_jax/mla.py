@@ -22,6 +22,7 @@ from ling_jax.linear import Linear
 from ling_jax.norms import RMSNorm
 from ling_jax.ops import einsum, linear
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
+from ling_jax.rows import put_rows
 from pallas_kernels.mla.kernel import latent_attention_pallas
 from pallas_kernels.mla.reference import attention_mask, latent_attention, masked_softmax
 
@@ -57,6 +58,10 @@ def paged_write(pages: jax.Array, new: jax.Array, block_table: jax.Array, pos: j
     n_pages, P = pages.shape[:2]
     blk = jnp.take_along_axis(block_table, jnp.clip(pos // P, 0, block_table.shape[1] - 1), axis=1)
     page = jnp.where(valid, blk, n_pages)  # out of range: dropped by the scatter
+    if page.size == 1:  # one token (a one-row decode): a one-index scatter would copy the pool (ling_jax.rows)
+        flat = (page * P + pos % P).reshape(1)
+        out = put_rows(pages.reshape((n_pages * P,) + pages.shape[2:]), flat, new.reshape((1,) + new.shape[2:]))
+        return out.reshape(pages.shape)
     return pages.at[page, pos % P].set(new.astype(pages.dtype), mode="drop")
 
 

@@ -49,6 +49,8 @@ def main():
     ap.add_argument("--checkpoint", default=os.path.join(cache_dir(), "bench-config.mid"),
                     help="the benchmark checkpoint (tools/bench_generate.py / bench_serve.py write it)")
     ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--active", type=int, default=None, help="decoding requests (default: --slots); fewer run "
+                    "the smallest row bucket that holds them, gathered from the slots")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timed", type=int, default=8, help="untraced steps timed first")
     ap.add_argument("--top", type=int, default=25)
@@ -59,8 +61,9 @@ def main():
                  prefix_cache=False)
     eng.warmup()
     rng = np.random.default_rng(0)
+    N = a.active or S
     hs = [eng.submit(rng.integers(0, 32000, 128).tolist(), RequestParams(max_tokens=250, stop_ids=()))
-          for _ in range(S)]
+          for _ in range(N)]
     while any(not h.generated for h in hs):
         eng.step()
     ts = []
@@ -68,8 +71,8 @@ def main():
         t = time.perf_counter()
         eng.step()
         ts.append(time.perf_counter() - t)
-    print(f"# {model.exec}\n# decode step, {S} slots: median {1e3 * statistics.median(ts):.1f} ms, "
-          f"min {1e3 * min(ts):.1f} ms ({S / statistics.median(ts):.1f} tok/s); load {os.getloadavg()[0]:.1f}")
+    print(f"# {model.exec}\n# decode step, {N} of {S} slots: median {1e3 * statistics.median(ts):.1f} ms, "
+          f"min {1e3 * min(ts):.1f} ms ({N / statistics.median(ts):.1f} tok/s); load {os.getloadavg()[0]:.1f}")
     d = tempfile.mkdtemp(prefix="ling-prof-")
     with jax.profiler.trace(d, create_perfetto_trace=True):
         for _ in range(a.steps):
@@ -81,7 +84,8 @@ def main():
         if e.get("ph") == "X":
             per_thunk[e["name"]] += e.get("dur", 0)
     widths = eng.widths[0]
-    inp = eng._inputs(np.arange(S), np.zeros((S, 1), np.int32), np.zeros(S, np.int32), [None] * S, widths)
+    R, rows, _ = eng._decode_rows_for([h._req for h in hs])
+    inp = eng._inputs(rows, np.zeros((R, 1), np.int32), np.zeros(R, np.int32), [None] * R, widths)
     names = op_names(eng._decode.lower(eng.params, eng.pools, inp).compile().as_text())
     by_op = collections.Counter()
     for n, us in per_thunk.items():

@@ -33,6 +33,7 @@ from ling_jax.kda import kda_zero_state
 from ling_jax.layer_stack import layer_plan
 from ling_jax.mla import PagedMLACache
 from ling_jax.model import HybridCache
+from ling_jax.rows import put_rows, take_rows
 from ling_jax.serve.token_stats import TokenStats, init_token_stats, stats_bytes_per_slot
 from sharding.rules import path_str, spec
 
@@ -216,7 +217,7 @@ def as_cache(cfg: LingConfig, pools: Pools, block_table: jax.Array, lengths: jax
         for r, run in enumerate(block.runs):
             c = pools.layers[b][r]
             if run.attn == KDA:
-                c = c if rows is None else jax.tree.map(lambda x: jnp.take(x, rows, axis=2, mode="clip"), c)
+                c = c if rows is None else jax.tree.map(lambda x: take_rows(x, rows, axis=2), c)
                 if fresh is not None:
                     c = jax.tree.map(lambda x: jnp.where(fresh.reshape((1, 1, -1) + (1,) * (x.ndim - 3)),
                                                          jnp.zeros((), x.dtype), x), c)
@@ -238,8 +239,7 @@ def with_cache(cfg: LingConfig, pools: Pools, cache: HybridCache, rows: jax.Arra
         for r, run in enumerate(block.runs):
             old, new = pools.layers[b][r], cache.layers[b][r]
             if run.attn == KDA:
-                runs.append(new if rows is None else jax.tree.map(
-                    lambda o, n: o.at[:, :, rows].set(n.astype(o.dtype), mode="drop"), old, new))
+                runs.append(new if rows is None else jax.tree.map(lambda o, n: put_rows(o, rows, n, axis=2), old, new))
             else:
                 runs.append(new._replace(block_table=None))
         layers.append(tuple(runs))

@@ -27,6 +27,7 @@ import numpy as np
 from ling_jax.config import KDA, LingConfig
 from ling_jax.kda import kda_zero_state
 from ling_jax.layer_stack import layer_plan
+from ling_jax.rows import put_rows, take_rows
 from ling_jax.serve.multihost import OP_RESTORE, OP_SAVE
 from ling_jax.serve.pools import GIB, Pools, PoolSizes
 from ling_jax.serve.prefix_cache import Restore
@@ -78,8 +79,7 @@ def plan_snapshots(sizes: PoolSizes, every: int, budget_gib: float | None) -> tu
 def _put(dst, src, dst_idx, src_idx, axis: int):
     """dst with dst[..., dst_idx[i], ...] = src[..., src_idx[i], ...] along `axis` (out-of-range
     dst_idx dropped)."""
-    got = jnp.take(src, src_idx, axis=axis, mode="clip").astype(dst.dtype)
-    return dst.at[(slice(None),) * axis + (dst_idx,)].set(got, mode="drop")
+    return put_rows(dst, dst_idx, take_rows(src, src_idx, axis), axis)
 
 
 def _save(snaps: Snapshots, pools: Pools, slots, rows) -> Snapshots:

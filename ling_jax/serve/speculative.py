@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.config import KDA
+from ling_jax.rows import put_rows, take_rows
 from ling_jax.exec_config import ExecConfig
 from ling_jax.kda import kda_rollback
 from ling_jax.layer_stack import layer_plan
@@ -107,7 +108,7 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     n_drafts = jnp.maximum(inp.n_valid - 1, 0)
     P = inp.lengths
     cache = as_cache(cfg, pools, inp.block_table, P, rows, jnp.zeros((S,), bool))
-    prev_hidden = pools.hidden if rows is None else jnp.take(pools.hidden, rows, axis=0, mode="clip")
+    prev_hidden = pools.hidden if rows is None else take_rows(pools.hidden, rows)
     s = inp.sampling
     base = request_keys(s.seed, s.n_gen)
     draft_ex = ex.replace(kda_states=False, skip_logits=False)
@@ -145,7 +146,7 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     last = jnp.take_along_axis(out["hidden"], idx[:, None, None], axis=1)[:, 0]
     hidden = jnp.where(active[:, None], last.astype(pools.hidden.dtype), prev_hidden)
     if rows is not None:
-        hidden = pools.hidden.at[rows].set(hidden, mode="drop")
+        hidden = put_rows(pools.hidden, rows, hidden)
     new_pools = with_cache(cfg, pools, HybridCache(tuple(layers), mtp, P + adv), rows)
     j = jnp.arange(k + 1)[None, :]
     emitted = jnp.where(j < a[:, None], jnp.concatenate([drafts, jnp.zeros((S, 1), jnp.int32)], axis=1),

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
+from ling_jax.rows import put_rows, take_rows
 from ling_jax.sampling import MAX_LOGPROBS, request_keys, sample_rows, token_logprobs
 from ling_jax.serve.token_stats import gather_stats, penalize_rows, scatter_stats, update_rows
 from ling_jax.serve.pools import Pools, as_cache, with_cache
@@ -99,12 +100,12 @@ def _save_boundaries(snaps, bounds: dict, hidden, snap_rows, interval: int):
 
     def put(dst, src):  # dst [m, n, rows, ...] <- src [m, n, R, J, ...]
         flat = src.reshape(src.shape[:2] + (R * J,) + src.shape[4:])
-        return dst.at[:, :, idx].set(flat.astype(dst.dtype), mode="drop")
+        return put_rows(dst, idx, flat, axis=2)
 
     layers = tuple(tuple(None if s is None else jax.tree.map(put, s, bounds[(b, r)]) for r, s in enumerate(sb))
                    for b, sb in enumerate(snaps.layers))
     h = hidden[:, interval - 1::interval][:, :J].reshape(R * J, -1)
-    return snaps._replace(layers=layers, hidden=snaps.hidden.at[idx].set(h.astype(snaps.hidden.dtype), mode="drop"))
+    return snaps._replace(layers=layers, hidden=put_rows(snaps.hidden, idx, h))
 
 
 def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, gather_rows: bool, snaps=None):
@@ -113,7 +114,7 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, gather
     rows = inp.rows if gather_rows else None
     fresh = (inp.lengths == 0) & (inp.n_valid > 0)  # a new sequence, maybe in a reused slot
     cache = as_cache(cfg, pools, inp.block_table, inp.lengths, rows, fresh)
-    prev_hidden = jnp.take(pools.hidden, inp.rows, axis=0, mode="clip") if gather_rows else pools.hidden
+    prev_hidden = take_rows(pools.hidden, inp.rows) if gather_rows else pools.hidden
     out = model(inp.ids, cache, inp.n_valid, exec=ex)
     new_cache = out["cache"]
     if pools.mtp is not None:
@@ -131,8 +132,7 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, gather
     tok = sample_rows(x, request_keys(s.seed, s.n_gen), s.temperature, s.top_k, s.top_p)
     hid = jnp.where((inp.n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
     new_pools = with_cache(cfg, pools, new_cache, rows)
-    hidden = (pools.hidden.at[inp.rows].set(hid.astype(pools.hidden.dtype), mode="drop") if gather_rows
-              else hid.astype(pools.hidden.dtype))
+    hidden = put_rows(pools.hidden, inp.rows, hid) if gather_rows else hid.astype(pools.hidden.dtype)
     result = (new_pools._replace(hidden=hidden, stats=stats), tok, _row_logprobs(logits, tok, s.logprobs))
     if snaps is None:
         return result

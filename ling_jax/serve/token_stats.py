@@ -29,6 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ling_jax.rows import put_rows, take_rows
 from ling_jax.sampling import apply_penalties_rows
 
 
@@ -79,9 +80,9 @@ def penalize_rows(logits: jax.Array, stats: TokenStats, presence: jax.Array, fre
 
 def gather_stats(stats: TokenStats, rows: jax.Array) -> TokenStats:
     """Rows of the slots `rows` [R] (index max_slots = padding: clipped on read)."""
-    return TokenStats(*(jnp.take(x, rows, axis=0, mode="clip") for x in stats))
+    return TokenStats(*(take_rows(x, rows) for x in stats))
 
 
 def scatter_stats(stats: TokenStats, rows: jax.Array, new: TokenStats) -> TokenStats:
     """Inverse of `gather_stats` (padding rows dropped)."""
-    return TokenStats(*(x.at[rows].set(n, mode="drop") for x, n in zip(stats, new)))
+    return TokenStats(*(put_rows(x, rows, n) for x, n in zip(stats, new)))
