@@ -19,7 +19,7 @@ from ling_jax.serve import Engine, RequestParams
 from ling_jax.serve.pools import per_device_bytes
 
 KW = dict(max_slots=2, page_size=8, num_pages=24, prefill_chunk=16, prefill_rows=2, max_seq_len=64,
-          buckets=(16,), snapshot_interval=8)
+          buckets=(16,), snapshot_interval=8, prefix_cache_memory_gib=2 ** -10)
 
 
 def _specs(tree, cfg):
