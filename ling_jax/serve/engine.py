@@ -252,7 +252,7 @@ class Engine:
         budget, rows = plan_snapshots(self.sizes, min(self.prefill_chunk, self.snapshot_interval), budget_gib)
         self._prefix_budget_given = budget_gib is not None
         snapshots = SnapshotPool(self.cfg, self.sizes, rows, dtype, self.prefill_rows,
-                                 lambda snaps: placed_like(self.cfg, snaps, self.params))
+                                 lambda snaps: placed_like(self.cfg, snaps, self.params), self._pool_sharding)
         cache = PrefixCache(self.alloc, num_snapshots=rows, page_bytes=self.sizes.page_bytes,
                             snapshot_bytes=self.sizes.snapshot_bytes, budget_bytes=budget,
                             lookahead=1 if self.sizes.with_mtp else 0)

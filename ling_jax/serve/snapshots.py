@@ -109,8 +109,11 @@ class SnapshotPool:
     `save(pools, [(slot, row)])` and `restore(pools, [Restore]) -> pools` take the host cache's
     orders (prefix_cache.PrefixCache.after_prefill / take_restores) and run them, padded to R."""
 
-    def __init__(self, cfg: LingConfig, sizes: PoolSizes, rows: int, dtype, copies: int, placement):
-        """placement(snaps) -> the rows' shardings (the engine's: split by head like the slot pools)."""
+    def __init__(self, cfg: LingConfig, sizes: PoolSizes, rows: int, dtype, copies: int, placement,
+                 pool_sharding=None):
+        """placement(snaps) -> the rows' shardings (the engine's: split by head like the slot pools);
+        pool_sharding: the pools' declared shardings, fixed as the restore program's output (as every
+        step program's, `step.make_step_fns`), so no step sees a new signature after a hit."""
         self.sizes, self.rows, self.copies = sizes, rows, copies
         self.link = None  # multi-host: the engine's StepLink; every copy is broadcast before it runs
         snaps = init_snapshots(cfg, rows, dtype)
@@ -122,14 +125,14 @@ class SnapshotPool:
         # producer of the rows returns one spelling of it, so no call sees a new signature after warm-up
         self._save = jax.jit(lambda snaps, pools, slots, rows: _save(snaps, pools, slots, rows), donate_argnums=(0,),
                              out_shardings=self.sharding)
-        self._restore = None  # jitted at the first call, see `restore`
+        self._restore = jax.jit(lambda *a: _restore(*a), donate_argnums=(0,), out_shardings=pool_sharding)
 
     @property
     def bytes(self) -> int:
         return self.rows * self.sizes.snapshot_bytes
 
     def compiled_shapes(self) -> int:
-        return self._save._cache_size() + (self._restore._cache_size() if self._restore is not None else 0)
+        return self._save._cache_size() + self._restore._cache_size()
 
     def _index(self, values, pad: int) -> np.ndarray:
         out = np.full(self.copies, pad, np.int32)
@@ -148,10 +151,7 @@ class SnapshotPool:
         self.snaps = self._save(self.snaps, pools, slots, rows)
 
     def run_restore(self, pools: Pools, rows, slots, dst, src) -> Pools:
-        """One padded restore call (see `restore` for why the program is made at the first call)."""
-        if self._restore is None:
-            self._restore = jax.jit(lambda *a: _restore(*a), donate_argnums=(0,),
-                                    out_shardings=jax.tree.map(lambda x: x.sharding, pools))
+        """One padded restore call."""
         if self.link is not None and self.link.is_leader:
             self.link.send_words(OP_RESTORE, np.concatenate([rows, slots, dst, src]))
         return self._restore(pools, self.snaps, rows, slots, dst, src)
@@ -171,11 +171,7 @@ class SnapshotPool:
             self.run_save(pools, self._index([s for s, _ in group], S), self._index([r for _, r in group], self.rows))
 
     def restore(self, pools: Pools, ops: list[Restore]) -> Pools:
-        """Why the program is made at the first call, with the pools' shardings as its output
-        shardings: the step programs see the pools it returns, and an equivalent but differently
-        spelled sharding (P() vs P(None, None)) would be a new dispatch signature for them, so a
-        compile after warm-up. Its first call sees pools a step produced (a hit needs a cached
-        prefix, so never comes first), whose shardings are the steady state."""
+        """Run the host cache's restore orders, `copies` per padded call."""
         S, NP = self.sizes.max_slots, self.sizes.num_pages
         for i in range(0, len(ops), self.copies):
             g = ops[i:i + self.copies]
