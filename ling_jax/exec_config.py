@@ -25,6 +25,7 @@ GROUPED_MATMULS = ("capacity", "ragged")
 KDA_MODES = ("chunk", "recurrent")
 MLA_FORMS = ("auto", "expanded", "absorbed")
 LAYER_LOOPS = ("scan", "unroll")
+PLATFORMS = ("tpu", "gpu", "cpu")
 
 #: The layer loop unrolls schedules of at most this many layers whose hidden size is at least
 #: UNROLL_MIN_HIDDEN. Why both: a scan makes XLA:CPU copy each layer's weight slices (cost ∝ weight
@@ -35,6 +36,12 @@ UNROLL_MAX_LAYERS = 24
 #: measured 1.0–1.2× at 64 rows and slower from ~128 (tools/bench_small_matmul.py).
 CPU_WEIGHTS_FIRST_ROWS = 64
 UNROLL_MIN_HIDDEN = 512
+
+
+def normalize_platform(platform: str) -> str:
+    """'tpu' | 'gpu' | 'cpu' for a JAX platform name (cuda / rocm are 'gpu')."""
+    p = str(platform).lower()
+    return "gpu" if p in ("cuda", "rocm", "gpu") else p
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -75,6 +82,10 @@ class ExecConfig:
         under it in the backward pass (training).
     mesh: None (one device) or the `jax.sharding.Mesh` the parameters live on; the routed experts
         then run expert-parallel inside `shard_map` over its `expert`/`model` axes.
+    platform: "tpu" | "gpu" | "cpu" | None: the backend every Pallas kernel call targets (its block
+        sizes, compiler parameters, interpret or compile). None = the host's default backend. Why a
+        field: a compile-only run on a CPU host (`ling-jax aot`) compiles for a TPU or GPU target,
+        so the target cannot be read from `jax.default_backend()`; `for_backend` sets it.
     """
     kernels: str = "xla"
     experts: str = "auto"
@@ -90,6 +101,7 @@ class ExecConfig:
     skip_logits: bool = False
     remat: Optional[str] = None
     mesh: Any = None
+    platform: Optional[str] = None
 
     def __post_init__(self):
         _choice("kernels", self.kernels, KERNELS)
@@ -111,6 +123,8 @@ class ExecConfig:
                              "speculative verify, or boundary states for prefill snapshots)")
         if not isinstance(self.native_experts, bool):
             raise ValueError(f"ExecConfig.native_experts must be a bool, got {self.native_experts!r}")
+        if self.platform is not None:
+            _choice("platform", self.platform, PLATFORMS)
         if self.remat is not None:
             if not callable(getattr(jax.checkpoint_policies, str(self.remat), None)):
                 raise ValueError(f"ExecConfig.remat must be None or a jax.checkpoint_policies name, "
@@ -121,9 +135,8 @@ class ExecConfig:
         """Defaults for `platform` ("cpu" | "gpu" | "tpu"; None = `jax.default_backend()`) and, when
         given, the model config `cfg` (decides the layer loop). `overrides` replace any field;
         `kernels=None`/`kda_chunk=None`/`layer_loop=None` mean "the default" (handy for CLI flags)."""
-        if platform is None:
-            platform = jax.default_backend()
-        accel = platform in ("tpu", "gpu", "cuda", "rocm")
+        platform = normalize_platform(platform if platform is not None else jax.default_backend())
+        accel = platform in ("tpu", "gpu")
         unroll = (cfg is not None and cfg.num_hidden_layers <= UNROLL_MAX_LAYERS
                   and cfg.hidden_size >= UNROLL_MIN_HIDDEN)
         base = dict(kernels="pallas" if accel else "xla",
@@ -131,8 +144,11 @@ class ExecConfig:
                     kda_chunk=64 if accel else 16,
                     weights_first_rows=0 if accel else CPU_WEIGHTS_FIRST_ROWS,
                     native_experts=not accel,
-                    layer_loop="unroll" if unroll else "scan")
+                    layer_loop="unroll" if unroll else "scan",
+                    platform=platform)
         base.update({k: v for k, v in overrides.items() if v is not None or k in ("remat", "mesh")})
+        if base.get("platform") is not None:
+            base["platform"] = normalize_platform(base["platform"])
         return cls(**base)
 
     def replace(self, **changes) -> "ExecConfig":

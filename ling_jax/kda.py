@@ -8,6 +8,7 @@ The delta rule itself runs over the state `[batch, heads, key=128, value=128]` (
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -16,6 +17,7 @@ from flax import nnx
 
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
+from ling_jax.kernel_mesh import on_mesh
 from ling_jax.linear import Linear
 from ling_jax.norms import gated_rms_norm, l2_normalize
 from pallas_kernels.kda.chunk_kernel import kda_chunk_scan_pallas
@@ -88,6 +90,17 @@ class KimiDeltaAttention(nnx.Module):
         self.dt_bias = nnx.Param(jnp.zeros((P,), jnp.float32), axes=("heads",))
         self.o_norm = nnx.Param(jnp.ones((d,), dtype), axes=("head_dim",))  # gated RMSNorm weight shared by heads
 
+    def _per_head(self, kernel, ex: ExecConfig | None, q, k, v, g, beta, s0, chunk_states: bool = False):
+        """kernel(q, k, v, g, beta, s0) -> (o, state[, chunk states]), per device on its own heads when
+        the model runs on a mesh (`kernel_mesh.on_mesh`: a Pallas kernel cannot be partitioned by XLA)."""
+        if ex is None or ex.mesh is None:
+            return kernel(q, k, v, g, beta, s0)
+        t4 = ("batch", None, "heads", None)
+        outs = ((("batch", None, "heads", None), ("batch", "heads", None, None))
+                + ((("batch", None, "heads", None, None),) if chunk_states else ()))
+        return on_mesh(kernel, ex.mesh, (t4, t4, t4, t4, ("batch", None, "heads"), ("batch", "heads", None, None)),
+                       outs, (q, k, v, g, beta, s0), heads=self.cfg.num_attention_heads)
+
     def __call__(self, x, state: KDAState, n_valid, ex: ExecConfig):
         """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after).
 
@@ -124,11 +137,17 @@ class KimiDeltaAttention(nnx.Module):
             q, k = q.astype(jnp.bfloat16).astype(jnp.float32), k.astype(jnp.bfloat16).astype(jnp.float32)
         all_states = extra = None
         pallas = ex.kernels == "pallas"
-        chunk_scan = kda_chunk_scan_pallas if pallas else kda_chunk_scan
+        chunk_scan = kda_chunk_scan
+        if pallas:
+            def chunk_scan(q, k, v, g, beta, s0, chunk, return_chunk_states=False):
+                kern = partial(kda_chunk_scan_pallas, chunk_size=chunk, platform=ex.platform,
+                               return_chunk_states=return_chunk_states)
+                return self._per_head(kern, ex, q, k, v, g, beta, s0, chunk_states=return_chunk_states)
         if ex.kda_states:  # every per-token state is materialised anyway: the reference scan
             o, s, all_states = kda_recurrent_scan(q, k, v, g, beta, state.recurrent, return_all_states=True)
         elif ex.kda_mode == "recurrent":
-            o, s = (kda_recurrent_scan_pallas if pallas else kda_recurrent_scan)(q, k, v, g, beta, state.recurrent)
+            step = partial(kda_recurrent_scan_pallas, platform=ex.platform) if pallas else kda_recurrent_scan
+            o, s = self._per_head(step, ex if pallas else None, q, k, v, g, beta, state.recurrent)
         elif n_bounds:  # chunk ends on every boundary: chunks of gcd(kda_chunk, stride) tokens
             ch = math.gcd(ex.kda_chunk, stride)
             o, s, chunk_states = chunk_scan(q, k, v, g, beta, state.recurrent, ch, return_chunk_states=True)

@@ -8,11 +8,14 @@ the (dequantised) weight itself for code that needs it (MLA's absorbed `kv_b_pro
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
+from ling_jax.kernel_mesh import fp8_linear_on_mesh
 from ling_jax.ops import linear
 from ling_jax.quantized import BlockFP8, dequantize
 from pallas_kernels.fp8.kernel import fp8_linear_pallas
@@ -38,8 +41,11 @@ class Linear(nnx.Module):
         kernel `ex.kernels` selects (the dequantised weight is never stored)."""
         w = self.weight.get_value()
         if isinstance(w, BlockFP8):
-            matmul = fp8_linear_pallas if ex is not None and ex.kernels == "pallas" else fp8_linear
-            return matmul(x, w.values, w.scales, w.block)
+            if ex is not None and ex.kernels == "pallas":
+                kernel = partial(fp8_linear_pallas, platform=ex.platform)
+                return fp8_linear_on_mesh(kernel, fp8_linear, ex.mesh, x, w.values, w.scales, w.block,
+                                          self.weight.get_metadata()["axes"])
+            return fp8_linear(x, w.values, w.scales, w.block)
         return linear(x, w, ex.weights_first_rows if ex is not None else 0)
 
     def matrix(self, dtype=None) -> jax.Array:

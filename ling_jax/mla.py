@@ -9,6 +9,7 @@ Both are causal and mask keys beyond each sequence's length.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple, Optional
 
 import jax
@@ -23,6 +24,7 @@ from ling_jax.norms import RMSNorm
 from ling_jax.ops import einsum, linear
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
 from ling_jax.rows import put_rows
+from ling_jax.kernel_mesh import on_mesh
 from pallas_kernels.mla.kernel import latent_attention_pallas
 from pallas_kernels.mla.reference import attention_mask, latent_attention, masked_softmax
 
@@ -195,7 +197,11 @@ class MultiheadLatentAttention(nnx.Module):
         else:
             core = latent_attention
             if ex.kernels == "pallas":
-                core = lambda qh, qp, c, kp, _mask, sc: latent_attention_pallas(qh, qp, c, kp, kv_len, pos, sc)
+                def core(qh, qp, c, kp, _mask, sc):
+                    kern = partial(latent_attention_pallas, scale=sc, platform=ex.platform)
+                    bthr, bsr = ("batch", None, "heads", None), ("batch", None, None)
+                    return on_mesh(kern, ex.mesh, (bthr, bthr, bsr, bsr, ("batch",), ("batch", None)), bthr,
+                                   (qh, qp, c, kp, kv_len, pos), heads=self.cfg.num_attention_heads)
             o = mla_absorbed_attention(*args, core=core)
         gate = jax.nn.sigmoid(self.g_proj(x, ex).astype(jnp.float32)).astype(x.dtype)
         o = o * gate[..., None]

@@ -9,4 +9,4 @@ checked for cycles by tests/test_import_graph.py.
 """
 
 COMMANDS = ["make_checkpoint", "logits", "generate", "demo", "inspect", "plan", "convert"]
-COMMANDS += ["train", "export", "eval", "quantize", "batch", "serve"]
+COMMANDS += ["train", "export", "eval", "quantize", "batch", "serve", "aot"]

@@ -39,7 +39,8 @@ from flax import nnx
 from ling_jax.exec_config import ExecConfig
 from ling_jax.sampling import SamplingParams, TokenLogprob, check_logprobs, check_penalties
 from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_RESTORE, OP_SAVE, OP_SPEC, ProgramShape, make_link
-from ling_jax.serve.pools import GIB, PageAllocator, describe, init_pools, per_device_bytes, placed_like, plan_pools
+from ling_jax.serve.pools import (GIB, PageAllocator, describe, init_pools, is_abstract, make_placed, per_device_bytes,
+                                  placed_like, plan_pools)
 from ling_jax.serve.prefix_cache import PrefixCache
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
 from ling_jax.serve.snapshots import DEFAULT_BUDGET_FRACTION, SnapshotPool, plan_snapshots
@@ -208,13 +209,16 @@ class Engine:
         self.exec = exec or model.exec
         self.snapshot_interval = _check_snapshot_interval(snapshot_interval, page_size, self.exec)
         self.graphdef, self.params = nnx.split(model)
-        self.pools = init_pools(cfg, self.sizes, model.dtype)
+        # compile-only (`ling-jax aot`): shape-only parameters on devices that cannot hold data; the
+        # pools are then shapes too, and `program_calls()` lists what warmup() would compile
+        self.abstract = is_abstract(self.params)
         # Placed next to the parameters (a loaded model lives on a mesh, one device by default): KDA
         # states split by head over `model`, the rest replicated (`pools.pool_shardings`). Every program
         # that returns pools returns them with exactly these shardings (out_shardings), so the first call
         # of each shape and every later call run one compiled program.
-        self._pool_sharding = placed_like(cfg, self.pools, self.params)
-        self.pools = jax.device_put(self.pools, self._pool_sharding)
+        self.pools, self._pool_sharding = make_placed(lambda: init_pools(cfg, self.sizes, model.dtype),
+                                                      lambda pools: placed_like(cfg, pools, self.params),
+                                                      self.abstract)
         self.alloc = PageAllocator(self.sizes)
         self.prefix, self.snapshots = self._make_prefix_cache(prefix_cache, prefix_cache_memory_gib, model.dtype)
         self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, self.prefix,
@@ -252,7 +256,8 @@ class Engine:
         budget, rows = plan_snapshots(self.sizes, min(self.prefill_chunk, self.snapshot_interval), budget_gib)
         self._prefix_budget_given = budget_gib is not None
         snapshots = SnapshotPool(self.cfg, self.sizes, rows, dtype, self.prefill_rows,
-                                 lambda snaps: placed_like(self.cfg, snaps, self.params), self._pool_sharding)
+                                 lambda snaps: placed_like(self.cfg, snaps, self.params), self._pool_sharding,
+                                 abstract=self.abstract)
         cache = PrefixCache(self.alloc, num_snapshots=rows, page_bytes=self.sizes.page_bytes,
                             snapshot_bytes=self.sizes.snapshot_bytes, budget_bytes=budget,
                             lookahead=1 if self.sizes.with_mtp else 0)
@@ -306,6 +311,22 @@ class Engine:
             self._warmup_round(S, R)
             if self.snapshots is not None:
                 self.pools = self.snapshots.warmup(self.pools)
+
+    def program_calls(self) -> list:
+        """[(name, jitted program, arguments)] of every program `warmup()` compiles, in its order:
+        decode (or the speculative verify) per row bucket R and block-table width W, prefill per token
+        bucket T, and the prefix cache's two copy programs. A compile-only run (`ling-jax aot`) lowers
+        each with `program.lower(*arguments)`; the arguments are the warm-up's padding inputs."""
+        name, program = ("verify", self._spec) if self.speculative else ("decode", self._decode)
+        calls = [(f"{name}[R={n},W={w}]", program, (self.params, self.pools, self._padding_inputs(OP_DECODE, n, 1, w)))
+                 for n in self.decode_rows for w in self.widths]
+        snaps = (self.snapshots.snaps,) if self.snapshots is not None else ()
+        calls += [(f"prefill[T={T}]", self._prefill,
+                   (self.params, self.pools, self._padding_inputs(OP_PREFILL, self.prefill_rows, T)) + snaps)
+                  for T in self.buckets]
+        if self.snapshots is not None:
+            calls += self.snapshots.program_calls(self.pools)
+        return calls
 
     def _warmup_round(self, S: int, R: int) -> None:
         program = self._spec if self.speculative else self._decode  # speculative replaces decode

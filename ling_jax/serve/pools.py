@@ -191,6 +191,24 @@ def placed_like(cfg: LingConfig, tree, params):
     return jax.tree.map(lambda _: sh, tree)
 
 
+def is_abstract(tree) -> bool:
+    """True when `tree`'s leaves are ShapeDtypeStructs (a compile-only model's parameters, `ling_jax.aot`)."""
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and isinstance(leaves[0], jax.ShapeDtypeStruct)
+
+
+def make_placed(make, placement, abstract: bool = False):
+    """(tree, shardings): `make()`'s zeros put where `placement(tree)` says, or, `abstract`, only their
+    shapes with those shardings (nothing allocated: compile-only devices hold no data)."""
+    if not abstract:
+        tree = make()
+        sharding = placement(tree)
+        return jax.device_put(tree, sharding), sharding
+    shapes = jax.eval_shape(make)
+    sharding = placement(shapes)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sharding), sharding
+
+
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of a placed pytree (a split axis counts its shard only)."""
     total = 0

@@ -29,7 +29,7 @@ from ling_jax.kda import kda_zero_state
 from ling_jax.layer_stack import layer_plan
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.serve.multihost import OP_RESTORE, OP_SAVE
-from ling_jax.serve.pools import GIB, Pools, PoolSizes
+from ling_jax.serve.pools import GIB, Pools, PoolSizes, make_placed
 from ling_jax.serve.prefix_cache import Restore
 
 #: The default prefix-cache budget, as a fraction of the page pool's bytes. Why a fraction of the
@@ -110,15 +110,13 @@ class SnapshotPool:
     orders (prefix_cache.PrefixCache.after_prefill / take_restores) and run them, padded to R."""
 
     def __init__(self, cfg: LingConfig, sizes: PoolSizes, rows: int, dtype, copies: int, placement,
-                 pool_sharding=None):
+                 pool_sharding=None, abstract: bool = False):
         """placement(snaps) -> the rows' shardings (the engine's: split by head like the slot pools);
         pool_sharding: the pools' declared shardings, fixed as the restore program's output (as every
         step program's, `step.make_step_fns`), so no step sees a new signature after a hit."""
         self.sizes, self.rows, self.copies = sizes, rows, copies
         self.link = None  # multi-host: the engine's StepLink; every copy is broadcast before it runs
-        snaps = init_snapshots(cfg, rows, dtype)
-        self.sharding = placement(snaps)
-        self.snaps = jax.device_put(snaps, self.sharding)
+        self.snaps, self.sharding = make_placed(lambda: init_snapshots(cfg, rows, dtype), placement, abstract)
         # fresh function objects per pool: jit caches live on the function, so `compiled_shapes()`
         # counts this engine's programs only (as make_step_fns' lambdas do for the step programs)
         # out_shardings: the rows' own placement, as the prefill program's (step.make_step_fns): every
@@ -179,6 +177,14 @@ class SnapshotPool:
                                      self._index([o.slot for o in g], S), self._index([o.dst_page for o in g], NP),
                                      self._index([o.src_page for o in g], NP))
         return pools
+
+    def program_calls(self, pools: Pools) -> list:
+        """[(name, jitted program, arguments)] of the two copy programs on the warm-up's padding copies."""
+        S, NP, c = self.sizes.max_slots, self.sizes.num_pages, self.copies
+        save = (self.snaps, pools, self._index([], S), self._index([], self.rows))
+        restore = (pools, self.snaps, self._index([], self.rows), self._index([], S), self._index([], NP),
+                   self._index([], NP))
+        return [(f"snapshot-save[C={c}]", self._save, save), (f"snapshot-restore[C={c}]", self._restore, restore)]
 
     def warmup(self, pools: Pools) -> Pools:
         """Run both programs on padding copies (they change nothing)."""

@@ -1,0 +1,93 @@
+"""What the compiler says about one compiled program: memory per device, cost, collectives, roofline.
+
+All byte figures are per device (an SPMD program is one program per device). Sources:
+`compiled.memory_analysis()` (argument / output / temp / alias bytes; alias = outputs written into
+donated arguments, so the program's peak is argument + output - alias + temp), `compiled.cost_analysis()`
+on TPU (flops, bytes accessed, the compiler's own time estimate), and on GPU, whose plugin implements no
+cost analysis, XLA's HLO cost analysis of the optimised module. Collectives are counted in the
+optimised HLO text, with the bytes of each one's result.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                "ragged-all-to-all", "collective-broadcast")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+             "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1,
+             "f8e5m2fnuz": 1, "f8e4m3": 1, "f8e8m0fnu": 1, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5}
+# `%name = <result type> all-reduce-start(` / `... all-gather(`: the op after the result type
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(re.escape(c) for c in sorted(_COLLECTIVES, key=len, reverse=True))
+                 + r")(-start)?\(")
+_SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+
+
+def _shape_bytes(text: str) -> int:
+    """Bytes of the array shapes in an HLO result type (`bf16[8,128]{1,0}` or a tuple of them)."""
+    total = 0.0
+    for dt, dims in _SHAPE.findall(text):
+        if dt in _ITEMSIZE:
+            n = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) if dims else 1
+            total += n * _ITEMSIZE[dt]
+    return int(total)
+
+
+def collectives(hlo_text: str) -> dict:
+    """{kind: {"count", "bytes"}} of the collectives in optimised HLO text (async pairs counted once,
+    at their start; bytes: the result's, per device; for an async start the tuple holds the operand
+    too, so only its last element, the result, is counted)."""
+    out: dict = {}
+    for line in hlo_text.splitlines():
+        m = _OP.search(line)
+        if not m:
+            continue
+        rtype, kind, start = m.group(1), m.group(2), m.group(3)
+        if start and rtype.startswith("("):
+            parts = _SHAPE.findall(rtype)
+            rtype = "{}[{}]".format(*parts[-1]) if parts else rtype
+        e = out.setdefault(kind, {"count": 0, "bytes": 0})
+        e["count"] += 1
+        e["bytes"] += _shape_bytes(rtype)
+    return out
+
+
+def memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    arg, out, tmp, alias = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.temp_size_in_bytes),
+                            int(m.alias_size_in_bytes))
+    return {"argument_bytes": arg, "output_bytes": out, "temp_bytes": tmp, "alias_bytes": alias,
+            "total_bytes": arg + out - alias + tmp}
+
+
+def cost(compiled, platform: str) -> dict:
+    """{"flops", "bytes_accessed", "compiler_seconds"} per device (compiler_seconds: TPU's own estimate
+    of the step's time, None where the compiler gives none)."""
+    ca = None
+    if platform == "tpu":
+        ca = compiled.cost_analysis()
+        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    if not ca:
+        import jax
+        from jax._src.lib import _jax
+        ca = {}
+        for mod in compiled.runtime_executable().hlo_modules():
+            for k, v in _jax.hlo_module_cost_analysis(jax.extend.backend.get_backend("cpu"), mod).items():
+                ca[k] = ca.get(k, 0.0) + v
+    est = ca.get("optimal_seconds")
+    return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0)),
+            "compiler_seconds": float(est) if est is not None and est > 0 else None}
+
+
+def analyse(compiled, platform: str, hbm_bandwidth: float, peak_flops: float, tokens: int) -> dict:
+    """memory + cost + collectives of a compiled program, with its roofline time max(bytes accessed /
+    HBM bandwidth, flops / peak) and the tokens/s that time implies for a call producing `tokens` tokens."""
+    r = memory(compiled)
+    r.update(cost(compiled, platform))
+    r["collectives"] = collectives(compiled.as_text())
+    r["hbm_seconds"] = r["bytes_accessed"] / hbm_bandwidth
+    r["roofline_seconds"] = max(r["hbm_seconds"], r["flops"] / peak_flops)
+    r["tokens_per_step"] = tokens
+    r["roofline_tokens_per_second"] = tokens / r["roofline_seconds"] if r["roofline_seconds"] else None
+    return r
