@@ -7,7 +7,7 @@ lives here, outside the parameters. An ExecConfig is hashable and static under `
 function that takes one compiles once per distinct value.
 
 `ExecConfig.for_backend(platform, cfg)` is the one place where defaults depend on the backend
-(Pallas on TPU/GPU, XLA on CPU; KDA chunk 16 on CPU, 64 elsewhere; capacity-batched experts on
+(Pallas on TPU/GPU, XLA on CPU; KDA chunk 16 on CPU, 32 on GPU, 64 on TPU; capacity-batched experts on
 XLA:CPU, where `ragged_dot` is dense, and weights-first linears over few rows) or on the model's
 shape (layer loop). The model carries the resolved config as `model.exec`; a call may pass another
 (usually `dataclasses.replace(model.exec, kda_mode="recurrent")`).
@@ -36,6 +36,10 @@ UNROLL_MAX_LAYERS = 24
 #: measured 1.0–1.2× at 64 rows and slower from ~128 (tools/bench_small_matmul.py).
 CPU_WEIGHTS_FIRST_ROWS = 64
 UNROLL_MIN_HIDDEN = 512
+#: KDA chunk on GPU: Triton compiles the chunk kernel's [C, C] forward substitution in time superlinear
+#: in C (measured with `ling-jax aot` on a 2-core host, H100 target: C = 16 / 32 / 64 in 10 s / 48 s /
+#: 6 min); 32 keeps the start-up compile under a minute. Its run time against 64 is to be measured on a GPU.
+GPU_KDA_CHUNK = 32
 
 
 def normalize_platform(platform: str) -> str:
@@ -141,7 +145,7 @@ class ExecConfig:
                   and cfg.hidden_size >= UNROLL_MIN_HIDDEN)
         base = dict(kernels="pallas" if accel else "xla",
                     grouped_matmul="ragged" if accel else "capacity",
-                    kda_chunk=64 if accel else 16,
+                    kda_chunk={"tpu": 64, "gpu": GPU_KDA_CHUNK}.get(platform, 16),
                     weights_first_rows=0 if accel else CPU_WEIGHTS_FIRST_ROWS,
                     native_experts=not accel,
                     layer_loop="unroll" if unroll else "scan",

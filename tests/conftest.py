@@ -9,6 +9,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `ling-jax` commands (in-process and in subprocesses, which inherit this) never touch the user's
 # persistent compilation cache; tests of the cache point it at their own tmp_path.
 os.environ["LING_JAX_COMPILATION_CACHE"] = "off"
+# libtpu (the compile-only TPU compiler of tests/test_aot.py and test_pallas_compile.py) takes a lockfile
+# for one process per host: both xdist workers may load it; and quiet its warnings about the TPU_*
+# variables of a real TPU host
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+for _k, _v in {"TPU_STDERR_LOG_LEVEL": "3", "TPU_MIN_LOG_LEVEL": "3", "TPU_WORKER_HOSTNAMES": "localhost",
+               "TPU_WORKER_ID": "0", "TPU_SKIP_MDS_QUERY": "1"}.items():
+    os.environ.setdefault(_k, _v)
 # the native CPU experts kernel is built once for the whole run (workers and subprocesses), not in ~/.cache
 os.environ.setdefault("LING_JAX_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), "ling-jax-test-kernels"))
 sys.path.insert(0, os.path.dirname(__file__))

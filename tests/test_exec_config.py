@@ -16,8 +16,13 @@ SPEC = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "spec", "co
 def test_backend_defaults():
     cpu, tpu, gpu = (ExecConfig.for_backend(p) for p in ("cpu", "tpu", "gpu"))
     assert (cpu.kernels, cpu.grouped_matmul, cpu.kda_chunk) == ("xla", "capacity", 16)
-    for accel in (tpu, gpu):
-        assert (accel.kernels, accel.grouped_matmul, accel.kda_chunk) == ("pallas", "ragged", 64)
+    for accel, chunk in ((tpu, 64), (gpu, 32)):  # GPU: 32 (Triton's compile time, exec_config.GPU_KDA_CHUNK)
+        assert (accel.kernels, accel.grouped_matmul, accel.kda_chunk) == ("pallas", "ragged", chunk)
+    # the target platform reaches every kernel call (a compile-only run compiles for it on a CPU host)
+    assert (cpu.platform, tpu.platform, gpu.platform) == ("cpu", "tpu", "gpu")
+    assert ExecConfig.for_backend("cuda").platform == "gpu"
+    with pytest.raises(ValueError, match="platform"):
+        ExecConfig(platform="metal")
     assert ExecConfig.for_backend() == ExecConfig.for_backend(jax.default_backend())
     # None overrides mean "the default" (CLI flags left unset); other overrides win
     assert ExecConfig.for_backend("tpu", kernels=None, kda_chunk=None).kernels == "pallas"

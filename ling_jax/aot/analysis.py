@@ -53,6 +53,15 @@ def collectives(hlo_text: str) -> dict:
     return out
 
 
+_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
+
+
+def kernel_calls(hlo_text: str) -> int:
+    """Pallas kernels compiled into the program: Mosaic (`tpu_custom_call`) and Triton custom calls. Zero
+    for a program whose kernels ran in interpret mode (lowered to plain XLA ops)."""
+    return len(_KERNEL.findall(hlo_text))
+
+
 def memory(compiled) -> dict:
     m = compiled.memory_analysis()
     arg, out, tmp, alias = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.temp_size_in_bytes),
@@ -85,7 +94,9 @@ def analyse(compiled, platform: str, hbm_bandwidth: float, peak_flops: float, to
     HBM bandwidth, flops / peak) and the tokens/s that time implies for a call producing `tokens` tokens."""
     r = memory(compiled)
     r.update(cost(compiled, platform))
-    r["collectives"] = collectives(compiled.as_text())
+    text = compiled.as_text()
+    r["collectives"] = collectives(text)
+    r["kernel_calls"] = kernel_calls(text)
     r["hbm_seconds"] = r["bytes_accessed"] / hbm_bandwidth
     r["roofline_seconds"] = max(r["hbm_seconds"], r["flops"] / peak_flops)
     r["tokens_per_step"] = tokens

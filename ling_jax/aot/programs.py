@@ -61,11 +61,19 @@ def parse_families(spec: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _largest(calls: list) -> list:
-    """Per family, the call of the largest shape (the name's numbers compared in order)."""
+def _dims(name: str) -> dict:
+    """{"R": 8, "W": 512} of a program name like `decode[R=8,W=512]`."""
+    return {k: int(v) for k, v in re.findall(r"([A-Z])=(\d+)", name)}
+
+
+def _largest(calls: list, per_rows: bool = False) -> list:
+    """Per family (per family and row count R with `per_rows`), the call of the largest shape (the
+    name's numbers compared in order)."""
     best: dict = {}
     for c in calls:
         fam = c[0].split("[")[0]
+        if per_rows:
+            fam = (fam, _dims(c[0]).get("R"))
         key = tuple(int(x) for x in re.findall(r"=(\d+)", c[0]))
         if fam not in best or key > best[fam][0]:
             best[fam] = (key, c)
@@ -73,32 +81,38 @@ def _largest(calls: list) -> list:
 
 
 def _step_tokens(name: str, speculative: int) -> int:
-    nums = dict(re.findall(r"([A-Z])=(\d+)", name))
+    nums = _dims(name)
     if name.startswith("verify"):
-        return int(nums["R"]) * (speculative + 1)
+        return nums["R"] * (speculative + 1)
     if name.startswith("decode"):
-        return int(nums["R"])
+        return nums["R"]
     if name.startswith("prefill"):
-        return int(nums["T"])
+        return nums["T"]
     return 0
 
 
 def engine_programs(model, families, *, plan: Callable, shapes: str = "largest", speculative: int = 0,
-                    **engine_kw) -> list[Program]:
-    """The Engine's programs (see module doc) on the shape-only `model`."""
+                    rows: tuple | None = None, **engine_kw) -> list[Program]:
+    """The Engine's programs (see module doc) on the shape-only `model`. rows: only the decode / verify
+    row buckets R in `rows` (each at its widest block table with shapes="largest")."""
+    if rows:
+        engine_kw["decode_rows"] = tuple(sorted(set(rows) | {engine_kw["max_slots"]}))
     eng = Engine(model, speculative=speculative, **engine_kw)
     mesh = model.exec.mesh or jax.tree.leaves(eng.params)[0].sharding.mesh
     calls = eng.program_calls()
     calls = [c for c in calls if c[0].split("[")[0].split("-")[0] in families]
+    if rows:
+        calls = [c for c in calls if _dims(c[0]).get("R", rows[0]) in rows]
     if shapes == "largest":
-        calls = _largest(calls)
+        calls = _largest(calls, per_rows=bool(rows))
     out = []
     for name, fn, args in calls:
         fam = name.split("[")[0].split("-")[0]
         args = tuple(_abstract_inputs(a, mesh) for a in args)
         rows = eng.prefill_rows if fam == "prefill" else 1
+        kind = "pools" if fam == "snapshot" else "engine"
         out.append(Program(name, fam, fn, args, {}, _step_tokens(name, speculative) * rows,
-                           plan("engine", eng=eng, snapshots=fam in ("prefill", "snapshot"))))
+                           plan(kind, eng=eng, snapshots=fam in ("prefill", "snapshot"), mtp=eng.sizes.with_mtp)))
     return out
 
 
@@ -120,7 +134,8 @@ def forward_program(model, mesh, tokens: int, plan: Callable) -> Program:
         return {k: out[k] for k in OUTPUTS if k in out}
 
     ids = replicated((np.zeros((1, tokens), np.int32), np.full((1,), tokens, np.int32)), mesh)
-    return Program(f"forward[T={tokens}]", "forward", jax.jit(fwd), (params,) + ids, {}, tokens, plan("weights"))
+    return Program(f"forward[T={tokens}]", "forward", jax.jit(fwd), (params,) + ids, {}, tokens,
+                   plan("weights", mtp=False))
 
 
 def generate_programs(model, mesh, families, *, batch: int, prompt: int, max_len: int, speculative: int,
@@ -143,7 +158,7 @@ def generate_programs(model, mesh, families, *, batch: int, prompt: int, max_len
             mesh, jax.sharding.PartitionSpec()))
         out.append(Program(f"generate-prefill[B={batch},T={prompt}]", "generate-prefill", prefill,
                            args + (key_arg,), dict(sampling=SamplingParams(), with_mtp=with_mtp, fresh=True),
-                           batch * prompt, plan("generate", batch=batch, max_len=max_len)))
+                           batch * prompt, plan("generate", batch=batch, max_len=max_len, mtp=with_mtp)))
     if "generate-decode" in families:
         B, W = batch, 16
         z = lambda *s, dt=np.int32: np.zeros(s, dt)  # noqa: E731
@@ -155,5 +170,5 @@ def generate_programs(model, mesh, families, *, batch: int, prompt: int, max_len
                            (graphdef, params, state),
                            dict(sampling=SamplingParams(), stop_ids=tuple(cfg.eos_token_id),
                                 max_new=rep(np.int32(W)), speculative=speculative),
-                           batch, plan("generate", batch=batch, max_len=max_len)))
+                           batch, plan("generate", batch=batch, max_len=max_len, mtp=with_mtp)))
     return out

@@ -22,25 +22,33 @@ def _config_path(path: str) -> str:
 
 
 def plan_arguments(cfg, weights: str, mesh_shape: dict, include_mtp: bool):
-    """plan(kind, ...) -> `ling-jax plan`'s per-device bytes of a program's arguments:
-    "weights": the resident weights (`accounting.resident_bytes_per_device`); "engine": + the page pool
-    (pages x page_size x MLA bytes per token, replicated) + max_slots KDA states and conv states (split
-    by head over `model`) [+ the snapshot rows, as many KDA states]; "generate": + batch x max_len
-    tokens of MLA cache + batch KDA states. Left out (small, explained in the report): the hidden rows,
-    token statistics and step inputs."""
-    p = A.plan(cfg, weights, mesh_shape, include_mtp=include_mtp)
-    resident = p["resident_bytes_per_device"]
-    kda = p["kda_state_bytes_per_sequence_per_device"] + p["kda_conv_state_bytes_per_sequence_per_device"]
+    """plan(kind, ...) -> `ling-jax plan`'s per-device bytes of a program's arguments (jit drops the
+    arguments a program does not read, so each kind counts what its program reads):
+      "weights":  the resident weights (`accounting.resident_bytes_per_device`), without the MTP layer's
+                  unless `mtp` (the cache-free forward and plain `generate` never read it);
+      "engine":   + the page pool (pages x page_size x MLA bytes per token, main layers and MTP, replicated)
+                  + max_slots KDA and conv states (split by head over `model`) [+ the snapshot rows, as many
+                  KDA states, for the programs that take them]; "pools": the same without the weights (the
+                  snapshot copy programs);
+      "generate": + batch x max_len tokens of MLA cache + batch KDA states.
+    Left out (small; the difference the report shows): the hidden rows, the token statistics and the step
+    inputs."""
+    full = A.plan(cfg, weights, mesh_shape, include_mtp=include_mtp)
+    main_only = A.plan(cfg, weights, mesh_shape, include_mtp=False) if include_mtp else full
+    kda = full["kda_state_bytes_per_sequence_per_device"] + full["kda_conv_state_bytes_per_sequence_per_device"]
 
-    def plan(kind: str, eng=None, snapshots: bool = False, batch: int = 0, max_len: int = 0) -> int:
+    def plan(kind: str, eng=None, snapshots: bool = False, batch: int = 0, max_len: int = 0, mtp: bool = True) -> int:
+        resident = (full if mtp else main_only)["resident_bytes_per_device"]
         if kind == "weights":
             return resident
-        if kind == "engine":
+        if kind in ("engine", "pools"):
             s = eng.sizes
-            per_tok = p["mla_cache_bytes_per_token_main"] + (p["mla_cache_bytes_per_token_mtp"] if s.with_mtp else 0)
+            per_tok = full["mla_cache_bytes_per_token_main"] + (full["mla_cache_bytes_per_token_mtp"] if s.with_mtp else 0)
             rows = eng.snapshots.rows if (snapshots and eng.snapshots is not None) else 0
-            return resident + s.num_pages * s.page_size * per_tok + (s.max_slots + rows) * kda
-        return resident + batch * (max_len * p["mla_cache_bytes_per_token"] + kda)
+            pools = s.num_pages * s.page_size * per_tok + (s.max_slots + rows) * kda
+            return pools + (resident if kind == "engine" else 0)
+        per_tok = full["mla_cache_bytes_per_token_main"] + (full["mla_cache_bytes_per_token_mtp"] if mtp else 0)
+        return resident + batch * (max_len * per_tok + kda)
     return plan
 
 
@@ -55,7 +63,8 @@ def _compile(prog, target, progress, i: int, n: int) -> dict:
         text = str(e).strip()
         line = next((ln for ln in text.splitlines() if "exceeds" in ln or "RESOURCE_EXHAUSTED" in ln),
                     text.splitlines()[0] if text else type(e).__name__)
-        r.update(error=line.strip(), compile_seconds=round(time.perf_counter() - t, 2))
+        r.update(error=line.strip(), error_detail=text.splitlines()[:40],
+                 compile_seconds=round(time.perf_counter() - t, 2))
         if progress is not None:
             print(f"[{i}/{n}] {prog.name}: does not compile ({r['compile_seconds']} s): {r['error']}", file=progress,
                   flush=True)
@@ -113,7 +122,8 @@ def aot_report(args, progress=None) -> dict:
                                       max_len=memory["max_seq_len"], speculative=args.speculative, plan=plan)
     if engine_fams:
         fams = set(engine_fams) | ({"decode"} if "verify" in engine_fams else set())
-        programs += engine_programs(model, fams, plan=plan, shapes=args.shapes, max_slots=args.max_slots,
+        programs += engine_programs(model, fams, plan=plan, shapes=args.shapes, rows=args.decode_rows,
+                                    max_slots=args.max_slots,
                                     page_size=args.page_size, prefill_chunk=args.prefill_chunk, **memory,
                                     **optional_engine_keywords(args))
     build_s = time.perf_counter() - t

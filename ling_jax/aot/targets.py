@@ -75,7 +75,7 @@ GPU_KINDS = {
     "h200": GpuKind("NVIDIA H200 141GB HBM3e", 151_397_597_184, 4.8e12, 989e12),
 }
 
-_GPU_NAME = re.compile(r"^(h100|h200)x8(?::(\d+))?$")
+_GPU_NAME = re.compile(r"^(h100|h200)x([1-8])(?::(\d+))?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Target:
 
 def target_names() -> str:
     return ("any libtpu topology name (e.g. v5e:2x2, v5p:4x4x4, v6e:8x8, tpu7x:2x2x1), "
-            "h100x8 / h200x8 (one 8-GPU node) or h100x8:N / h200x8:N (N nodes)")
+            "h100x8 / h200x8 (one 8-GPU node; h200x4 etc. for fewer GPUs) or h100x8:N / h200x8:N (N nodes)")
 
 
 def resolve_target(name: str) -> Target:
@@ -103,11 +103,11 @@ def resolve_target(name: str) -> Target:
     name = str(name).strip()
     m = _GPU_NAME.match(name.lower())
     if m:
-        kind, nodes = GPU_KINDS[m.group(1)], int(m.group(2) or 1)
+        kind, per_node, nodes = GPU_KINDS[m.group(1)], int(m.group(2)), int(m.group(3) or 1)
         if nodes < 1:
             raise ValueError(f"--target {name!r}: the node count must be >= 1")
         topo = _topology(lambda: topologies.get_topology_desc(
-            platform="cuda", topology=f"1x{nodes}x8", target_config=kind.target_config()), name,
+            platform="cuda", topology=f"1x{nodes}x{per_node}", target_config=kind.target_config()), name,
             "the CUDA compile-only plugin (pip install -e '.[aot]')")
         return Target(name, "gpu", tuple(topo.devices), DeviceSpec(kind.memory_bytes, kind.bandwidth, kind.peak_flops))
     if ":" not in name:

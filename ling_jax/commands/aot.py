@@ -60,11 +60,24 @@ def add_parser(subparsers):
     p.add_argument("--shapes", choices=("largest", "all"), default="largest",
                    help="the engine's programs at their largest shape only (default), or every row bucket x width "
                         "and token bucket warmup() compiles")
+    p.add_argument("--decode-rows", type=_rows, default=None, metavar="R,R,...",
+                   help="decode / verify row buckets to compile (e.g. 1,8,64; default: the engine's largest, "
+                        "--max-slots)")
     p.add_argument("--forward-tokens", type=positive_int, default=1, metavar="N", help="tokens of the forward program")
     p.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_flags(p)
     return p
+
+
+def _rows(text: str) -> tuple:
+    try:
+        rows = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of row counts, got {text!r}") from None
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"expected row counts >= 1, got {text!r}")
+    return rows
 
 
 def run(args) -> int:
@@ -77,6 +90,8 @@ def run(args) -> int:
     if args.cache_memory is None and any(f in args.programs for f in ("decode", "verify", "prefill", "snapshot", "all")):
         raise ArgumentValueError("--cache-memory: required for the engine's programs (a compile-only target has no "
                                  "free memory to size the pools from); e.g. --cache-memory 8")
+    if args.decode_rows and max(args.decode_rows) > args.max_slots:
+        raise ArgumentValueError(f"--decode-rows: {max(args.decode_rows)} rows exceed --max-slots {args.max_slots}")
     report = aot_report(args, progress=sys.stderr)
     print_report(report, args.json, format_text)
     if any(p.get("error") for p in report["programs"]):

@@ -36,7 +36,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *scratch, qbk: int, n_sub: int, n_k: int
     cdt = x_ref.dtype  # bf16 activations → bf16 MXU operands (exact fp8 → bf16); f32 → f32 HIGHEST
 
     def step(j, acc):
-        cols = pl.ds(pl.multiple_of(j * qbk, qbk), qbk)
+        start = j * qbk  # a Python int when unrolled: Triton cannot annotate a constant with multiple_of
+        cols = pl.ds(start if isinstance(start, int) else pl.multiple_of(start, qbk), qbk)
         part = dot(x_ref[:, cols], w_ref[:, cols].astype(cdt), trans_b=True)  # [bm,bn] f32
         return acc + part * s_ref[pl.ds(k * n_sub + j, 1), :]
 

@@ -1,0 +1,152 @@
+"""`ling-jax aot`: the real TPU and GPU compilers on this CPU host, for a small config of the real layer pattern.
+
+The compile-only compilers (`pip install -e ".[aot]"`: libtpu; the CUDA 12 plugin with ptxas) compile
+the engine's, `generate`'s and the cache-free forward's programs for `v5e:2x2` (4 devices, expert=4)
+and `h100x8` (8 devices, expert=8), every Pallas kernel through Mosaic / Triton (not interpreted).
+Checked: the report's contract (`--json` keys), each program's argument bytes against `ling-jax plan`'s
+arithmetic (within 5%), its total within the target's HBM, the collectives the mesh implies (the
+routed experts' psum over `expert` as all-reduces, no all-gather of weights or all-to-all), kernels
+present in the optimised HLO, and the refusals (unknown target, a program over the HBM: exit 3 with
+the compiler's own words). Widths are multiples of 128 (FP8 blocks, TPU lanes).
+The full-scale compiles of the 560B config are a tool run (`tools/aot_sweep.py`), not tests.
+"""
+import json
+
+import pytest
+
+from ling_jax.checkpoint.synthetic_config import synthetic_config
+from ling_jax.cli import main
+
+KEYS = {"name", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "total_bytes", "plan_bytes",
+        "collectives", "flops", "bytes_accessed", "roofline_seconds", "compile_seconds"}
+
+
+def small_config_dict():
+    """4 layers [KDA KDA KDA MLA] (layer 0 dense), 2 heads of 128, 8 experts top-2, vocab 1024, MTP."""
+    return synthetic_config(
+        hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128, intermediate_size=256,
+        q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        vocab_size=1024, pad_token_id=1022, eos_token_id=1023, num_hidden_layers=4, layer_group_size=4,
+        first_k_dense_replace=1, moe_intermediate_size=128, moe_shared_expert_intermediate_size=128,
+        num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2).to_dict()
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    p = tmp_path_factory.mktemp("aot") / "config.json"
+    p.write_text(json.dumps(small_config_dict()))
+    return str(p)
+
+
+def run_aot(capsys, *argv):
+    rc = main(["aot", *argv, "--no-compilation-cache"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+ENGINE = ["--max-slots", "4", "--max-seq-len", "256", "--cache-memory", "0.05", "--json"]
+
+
+@pytest.fixture(scope="module")
+def tpu_report(config):
+    import contextlib
+    import io
+    buf, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+        rc = main(["aot", "--config", config, "--weights", "fp8", "--target", "v5e:2x2", "--mesh", "expert=4",
+                   "--programs", "forward,decode,prefill,snapshot", "--no-compilation-cache", *ENGINE])
+    assert rc == 0, err.getvalue()
+    return json.loads(buf.getvalue()), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def gpu_report(config):
+    import contextlib
+    import io
+    buf, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+        rc = main(["aot", "--config", config, "--weights", "mxfp4", "--target", "h100x8", "--mesh", "expert=8",
+                   "--programs", "verify,generate-prefill,generate-decode", "--speculative", "1",
+                   "--no-compilation-cache", *ENGINE])
+    assert rc == 0, err.getvalue()
+    return json.loads(buf.getvalue()), err.getvalue()
+
+
+def _by_family(report):
+    return {p["family"]: p for p in report["programs"]}
+
+
+def test_tpu_report_contract_and_progress(tpu_report):
+    r, err = tpu_report
+    assert r["target"] == "v5e:2x2" and r["devices"] == 4 and r["platform"] == "tpu"
+    assert r["mesh"] == {"data": 1, "expert": 4, "model": 1}
+    assert r["hbm_bytes"] == int(15.75 * 2 ** 30)
+    names = [p["name"] for p in r["programs"]]
+    assert names == ["forward[T=1]", "decode[R=4,W=16]", "prefill[T=64]", "snapshot-save[C=2]",
+                     "snapshot-restore[C=2]"]
+    for p in r["programs"]:
+        assert KEYS <= set(p), p
+        assert p["compile_seconds"] > 0 and p["flops"] > 0 and p["bytes_accessed"] > 0
+        assert p["roofline_seconds"] > 0 and p["fits"]
+    assert "[2/5] compiling decode[R=4,W=16] for v5e:2x2" in err  # progress, per program
+
+
+@pytest.mark.parametrize("family", ["forward", "decode", "prefill", "snapshot"])
+def test_tpu_memory_equals_plan(tpu_report, family):
+    p = _by_family(tpu_report[0])[family]
+    assert abs(p["argument_bytes"] - p["plan_bytes"]) <= 0.05 * p["plan_bytes"], p
+    assert p["total_bytes"] == p["argument_bytes"] + p["output_bytes"] - p["alias_bytes"] + p["temp_bytes"]
+    assert p["total_bytes"] <= tpu_report[0]["hbm_bytes"]
+
+
+def test_tpu_collectives_and_kernels(tpu_report):
+    progs = _by_family(tpu_report[0])
+    for fam in ("forward", "decode", "prefill"):
+        c = progs[fam]["collectives"]
+        # expert=4 alone: only the routed experts' psum over `expert` (weights, pools, inputs are placed
+        # where they are read: no all-gather, no all-to-all)
+        assert set(c) == {"all-reduce"} and c["all-reduce"]["count"] >= 1, (fam, c)
+        assert progs[fam]["kernel_calls"] >= 1  # Mosaic kernels compiled, not interpreted
+    assert progs["snapshot"]["collectives"] == {}  # a copy between pools: nothing crosses devices
+    assert progs["decode"]["alias_bytes"] > 0  # the donated pools are written in place
+
+
+def test_gpu_report(gpu_report):
+    r, _ = gpu_report
+    assert r["platform"] == "gpu" and r["devices"] == 8 and r["device_kind"].startswith("NVIDIA H100")
+    progs = {p["family"]: p for p in r["programs"]}
+    assert set(progs) == {"verify", "generate-prefill", "generate-decode"}
+    for fam, p in progs.items():
+        assert KEYS <= set(p) and p["flops"] > 0 and p["fits"], p
+        assert abs(p["argument_bytes"] - p["plan_bytes"]) <= 0.05 * p["plan_bytes"], p
+        assert set(p["collectives"]) <= {"all-reduce"} and p["collectives"], (fam, p["collectives"])
+        assert p["kernel_calls"] >= 1  # Triton kernels
+
+
+def test_unknown_target_is_refused(config, capsys):
+    rc, out, err = run_aot(capsys, "--config", config, "--weights", "fp8", "--target", "v9z:1x1",
+                           "--programs", "forward")
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith("error: --target 'v9z:1x1'")
+
+
+def test_mesh_must_cover_the_target(config, capsys):
+    rc, _, err = run_aot(capsys, "--config", config, "--weights", "fp8", "--target", "v5e:2x2", "--mesh", "expert=2",
+                         "--programs", "forward")
+    assert rc == 2 and "error: --mesh" in err.strip().splitlines()[-1]
+
+
+def test_engine_programs_need_cache_memory(config, capsys):
+    rc, _, err = run_aot(capsys, "--config", config, "--weights", "fp8", "--target", "v5e:2x2", "--programs", "decode")
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: --cache-memory")
+
+
+def test_a_program_over_the_hbm_exits_3_with_the_compilers_words(config, capsys):
+    rc, out, err = run_aot(capsys, "--config", config, "--weights", "bf16", "--target", "v5e:2x2", "--mesh",
+                           "expert=4", "--programs", "snapshot", "--max-slots", "4", "--cache-memory", "24",
+                           "--max-seq-len", "256", "--json")
+    assert rc == 3
+    r = json.loads(out)
+    assert all("error" in p for p in r["programs"])
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: snapshot-save[C=2] does not compile for v5e:2x2:") and "HBM" in last, last
