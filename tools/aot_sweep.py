@@ -26,7 +26,7 @@ REAL = os.path.join(ROOT, "..", "shared", "spec", "config.ling-3.1-flash.json")
 GIB = 1 << 30
 
 ENGINE_8K = ["--max-slots", "8", "--max-seq-len", "8192", "--cache-memory", "8"]
-ENGINE_64 = ["--max-slots", "64", "--max-seq-len", "8192", "--cache-memory", "16"]
+ENGINE_64 = ["--max-slots", "64", "--max-seq-len", "8192", "--cache-memory", "24"]  # the planner counts whole slots
 #: name -> aot arguments (config and --json added)
 ROWS = {
     # the example, and the FP8 release on the same 4 chips

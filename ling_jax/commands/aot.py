@@ -34,9 +34,11 @@ import sys
 
 from ling_jax.commands.common import ArgumentValueError, positive_int, print_report
 
-# libtpu reads these at load: without them it warns about TPU_* variables a compile-only host lacks
-_QUIET_TPU = {"TPU_STDERR_LOG_LEVEL": "3", "TPU_MIN_LOG_LEVEL": "3", "TPU_WORKER_HOSTNAMES": "localhost",
-              "TPU_WORKER_ID": "0", "TPU_SKIP_MDS_QUERY": "1", "GRPC_VERBOSITY": "ERROR"}
+# libtpu reads these at load: without them it warns about TPU_* variables a compile-only host lacks, and
+# its lockfile (one process per TPU host) would refuse a second compile-only process that has no TPU to share
+_TPU_ENV = {"TPU_STDERR_LOG_LEVEL": "3", "TPU_MIN_LOG_LEVEL": "3", "TPU_WORKER_HOSTNAMES": "localhost",
+            "TPU_WORKER_ID": "0", "TPU_SKIP_MDS_QUERY": "1", "GRPC_VERBOSITY": "ERROR",
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 EXIT_DOES_NOT_FIT = 3
 
 
@@ -81,10 +83,14 @@ def _rows(text: str) -> tuple:
 
 
 def run(args) -> int:
-    for k, v in _QUIET_TPU.items():
+    for k, v in _TPU_ENV.items():
         os.environ.setdefault(k, v)
     import jax
     jax.config.update("jax_platforms", "cpu")  # the host's own backend; the target's devices are compile-only
+    # A compile-only client cannot load executables (jax 0.10.2: "PjRtCompiler must be constructed with a
+    # Client to call DeserializeLoadedExecutable"), so JAX's persistent cache would only write entries of
+    # tens of MB that no later run can read: it is off for this command.
+    jax.config.update("jax_enable_compilation_cache", False)
 
     from ling_jax.aot.report import aot_report, format_text
     if args.cache_memory is None and any(f in args.programs for f in ("decode", "verify", "prefill", "snapshot", "all")):

@@ -105,15 +105,23 @@ def _loop_kernel(q_ref, qpe_ref, lim_ref, c_ref, kpe_ref, acc_ref, m_ref, l_ref,
     acc_ref[...] = acc
 
 
-def _defaults(mode, block_s, num_splits, block_q, B, plat: str):
+GPU_SMS = 132  # H100 / H200
+
+
+def _defaults(mode, block_s, num_splits, block_q, B, plat: str, rows: int = 1):
+    """rows: query rows per sequence (T·H). GPU splits fill the SMs counting every parallel program: B
+    sequences x row blocks x splits. Why not B alone: a prefill chunk (T = 64, H = 64: 128 row blocks)
+    already fills them, and 66 splits there wrote 1.1 GB of float32 partials for a 2 x 64 chunk
+    (`tools/aot_kernels.py`, h200: temp 1072 MiB -> see BENCHMARKS "Compile-only")."""
     if mode is None:
         mode = "grid" if plat == "tpu" else "loop"
     if block_s is None:
         block_s = {"tpu": 512, "gpu": 64}.get(plat, 128)
-    if num_splits is None:
-        num_splits = 1 if plat != "gpu" else max(1, 132 // max(B, 1))  # fill the H200's 132 SMs
     if block_q is None and plat == "gpu":
         block_q = 32  # [32, 512] f32 accumulator per program: fits the register file with 8 warps
+    if num_splits is None:
+        row_blocks = -(-rows // (block_q or min(256, next_pow2(max(rows, 16)))))
+        num_splits = 1 if plat != "gpu" else max(1, GPU_SMS // max(B * row_blocks, 1))
     return mode, block_s, num_splits, block_q
 
 
@@ -203,6 +211,7 @@ def latent_attention_pallas(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s:
     platform: the target backend (`_common.backend_platform`; None = the default one).
     """
     plat, interpret = target(platform, interpret)
-    mode, block_s, num_splits, block_q = _defaults(mode, block_s, num_splits, block_q, q_hat.shape[0], plat)
+    mode, block_s, num_splits, block_q = _defaults(mode, block_s, num_splits, block_q, q_hat.shape[0], plat,
+                                                   q_hat.shape[1] * q_hat.shape[2])
     return _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, float(scale), block_s, interpret, num_splits, block_q, mode,
                 plat=plat)
