@@ -150,3 +150,49 @@ def test_a_program_over_the_hbm_exits_3_with_the_compilers_words(config, capsys)
     assert all("error" in p for p in r["programs"])
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: snapshot-save[C=2] does not compile for v5e:2x2:") and "HBM" in last, last
+
+
+def test_collectives_parser_counts_async_pairs_once():
+    from ling_jax.aot.analysis import collectives, kernel_calls
+    hlo = "\n".join([
+        "  %ag = (bf16[1024,128]{0,1}, bf16[1024,1024]{0,1}) all-gather-start(%p), channel_id=1",
+        "  %agd = bf16[1024,1024]{0,1} all-gather-done(%ag)",
+        "  %ar = f32[8,4096]{1,0} all-reduce(%x), channel_id=2, to_apply=%sum",
+        "  %ars = f32[] all-reduce-start(%y), channel_id=3",
+        "  %ard = f32[] all-reduce-done(%ars)",
+        '  %k = f32[8] custom-call(%a), custom_call_target="tpu_custom_call"',
+        '  %t = f32[8] custom-call(%a), custom_call_target="__gpu$xla.gpu.triton"',
+    ])
+    c = collectives(hlo)
+    assert {k: (v["count"], v["bytes"]) for k, v in c.items()} == {"all-gather": (1, 1024 * 1024 * 2),
+                                                                    "all-reduce": (2, 8 * 4096 * 4 + 4)}
+    assert kernel_calls(hlo) == 2
+
+
+def test_collectives_per_step_follow_loop_trip_counts():
+    """A collective inside a scanned body (a while loop with a known trip count) runs once per trip."""
+    from ling_jax.aot.analysis import collectives
+    hlo = "\n".join([
+        "%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+        "  %ar = f32[8]{0} all-reduce(%x), channel_id=1, to_apply=%sum",
+        "}",
+        "%sum (a: f32[], b: f32[]) -> f32[] {",
+        "  %add = f32[] add(%a, %b)",
+        "}",
+        "ENTRY %main (x: f32[8]) -> f32[8] {",
+        '  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"56"}}',
+        "  %ag = f32[16]{0} all-gather(%y), channel_id=2, dimensions={0}",
+        "}",
+    ])
+    c = collectives(hlo)
+    assert (c["all-reduce"]["count"], c["all-reduce"]["per_step_count"], c["all-reduce"]["per_step_bytes"]) == (1, 56,
+                                                                                                              56 * 32)
+    assert (c["all-gather"]["count"], c["all-gather"]["per_step_count"]) == (1, 1)
+
+
+def test_programs_flag_is_checked():
+    from ling_jax.aot.programs import FAMILIES, parse_families
+    assert parse_families("all") == FAMILIES
+    assert parse_families("decode, prefill,decode") == ("decode", "prefill")
+    with pytest.raises(ValueError, match="--programs: unknown program 'decod'"):
+        parse_families("decod")

@@ -100,7 +100,8 @@ def summary(out: str) -> str:
                              f"{p['plan_bytes'] / GIB:.2f} | | | {r['hbm_bytes'] / GIB:.2f} | **no**: {what} | | | | "
                              f"{p['compile_seconds']:.0f} |")
                 continue
-            coll = "; ".join(f"{k} {v['count']}x {v['bytes'] / 2**20:.1f} MiB" for k, v in p["collectives"].items())
+            coll = "; ".join(f"{k} {v.get('per_step_count', v['count'])}/call "
+                             f"{v.get('per_step_bytes', v['bytes']) / 2**20:.1f} MiB" for k, v in p["collectives"].items())
             lines.append(
                 f"| {r['row']} | {p['name']} | {r['weights']} | {r['target']} ({mesh}) | {p['argument_bytes'] / GIB:.2f} | "
                 f"{p['plan_bytes'] / GIB:.2f} | {p['temp_bytes'] / GIB:.2f} | {p['total_bytes'] / GIB:.2f} | "

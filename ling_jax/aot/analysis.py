@@ -34,12 +34,59 @@ def _shape_bytes(text: str) -> int:
     return int(total)
 
 
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_WHILE_BODY = re.compile(r"\bwhile\(.*?body=%?([\w.\-]+)")
+_TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_CALLED = re.compile(r"(?:calls|to_apply|branch_computations|true_computation|false_computation)=\{?%?([\w.\-]+)")
+
+
+def _multipliers(lines: list) -> dict:
+    """{computation: how many times one call of the entry computation runs it}: a while body runs its
+    known trip count (1 when unknown) times per run of the computation holding the loop."""
+    comp, edges, entry = None, {}, None
+    for line in lines:
+        m = _COMP.match(line)
+        if m and not line.startswith(" "):
+            comp = m.group(1)
+            if line.startswith("ENTRY"):
+                entry = comp
+            continue
+        if comp is None:
+            continue
+        w = _WHILE_BODY.search(line)
+        if w:
+            t = _TRIP.search(line)
+            edges.setdefault(comp, []).append((w.group(1), int(t.group(1)) if t else 1))
+        for c in _CALLED.findall(line):
+            edges.setdefault(comp, []).append((c, 1))
+    mult = {}
+
+    def visit(c, k, depth=0):
+        if depth > 64 or mult.get(c, 0) >= k:
+            return
+        mult[c] = k
+        for child, n in edges.get(c, []):
+            visit(child, k * n, depth + 1)
+    if entry is not None:
+        visit(entry, 1)
+    return mult
+
+
 def collectives(hlo_text: str) -> dict:
-    """{kind: {"count", "bytes"}} of the collectives in optimised HLO text (async pairs counted once,
-    at their start; bytes: the result's, per device; for an async start the tuple holds the operand
-    too, so only its last element, the result, is counted)."""
+    """{kind: {"count", "bytes", "per_step_count", "per_step_bytes"}} of the collectives in optimised HLO
+    text. count / bytes: the sites in the program (async pairs counted once, at their start; bytes: the
+    result's, per device; for an async start the tuple holds the operand too, so only its last element,
+    the result, is counted). per_step_*: what one call executes, each site times the trip counts of the
+    loops around it (a collective in the scanned layer body runs once per layer)."""
+    lines = hlo_text.splitlines()
+    mult = _multipliers(lines)
     out: dict = {}
-    for line in hlo_text.splitlines():
+    comp = None
+    for line in lines:
+        cm = _COMP.match(line)
+        if cm and not line.startswith(" "):
+            comp = cm.group(1)
+            continue
         m = _OP.search(line)
         if not m:
             continue
@@ -47,9 +94,12 @@ def collectives(hlo_text: str) -> dict:
         if start and rtype.startswith("("):
             parts = _SHAPE.findall(rtype)
             rtype = "{}[{}]".format(*parts[-1]) if parts else rtype
-        e = out.setdefault(kind, {"count": 0, "bytes": 0})
+        e = out.setdefault(kind, {"count": 0, "bytes": 0, "per_step_count": 0, "per_step_bytes": 0})
+        n, k = _shape_bytes(rtype), mult.get(comp, 1)
         e["count"] += 1
-        e["bytes"] += _shape_bytes(rtype)
+        e["bytes"] += n
+        e["per_step_count"] += k
+        e["per_step_bytes"] += k * n
     return out
 
 

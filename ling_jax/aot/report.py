@@ -151,7 +151,8 @@ def format_text(r: dict) -> str:
         if "argument_bytes" not in p:
             lines.append(f"{p['name']:28s} DOES NOT COMPILE ({p['compile_seconds']} s): {p['error']}")
             continue
-        coll = ", ".join(f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)" for k, v in p["collectives"].items()) or "none"
+        coll = ", ".join(f"{k} {v['per_step_count']}/call at {v['count']} sites ({v['per_step_bytes'] / 2**20:.1f} MiB)"
+                         for k, v in p["collectives"].items()) or "none"
         rt = p["roofline_seconds"]
         lines.append(f"{p['name']:28s} {g(p['argument_bytes'])} {g(p['plan_bytes'])} {g(p['temp_bytes'])} "
                      f"{g(p['output_bytes'] - p['alias_bytes'])} {g(p['total_bytes'])}              "
