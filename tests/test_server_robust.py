@@ -278,7 +278,7 @@ def test_edge_values_of_every_field_give_200_or_4xx_naming_it(served):
     JSON naming the field, never a 5xx; the engine alive throughout and, afterwards, idle and exact."""
     seen = []
 
-    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def prop(data):
