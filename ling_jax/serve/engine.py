@@ -76,7 +76,7 @@ class RequestParams:
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", int(self.logprobs))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or not 1 <= self.max_tokens <= INT32_MAX:
-            raise ValueError(f"RequestParams.max_tokens must be an int in [1, 2**31-1], got {self.max_tokens!r}")
+            raise ValueError(f"RequestParams.max_tokens must be an int >= 1 and <= 2**31-1, got {self.max_tokens!r}")
         if not 0 <= int(self.seed) < 2 ** 32:
             raise ValueError(f"RequestParams.seed must be in [0, 2**32), got {self.seed!r}")
         if self.stop_ids is not None:
