@@ -331,6 +331,16 @@ def test_lone_surrogates_are_400_naming_the_field_and_the_connection_stays(serve
         assert ok.status_code == 200
 
 
+def test_stop_strings_are_bounded(served):
+    """A stop string is matched on the event loop against every piece of text: at most 1024
+    characters (a 4 MiB one made each token's match quadratic in it)."""
+    err = _error(served.http.post("/v1/completions", json=dict(prompt=PROMPT, max_tokens=2, stop=["y" * 1025])),
+                 400, "stop")
+    assert "1024" in err["message"]
+    r = served.http.post("/v1/completions", json=dict(prompt=PROMPT, max_tokens=2, stop=["y" * 1024]))
+    assert r.status_code == 200, r.text
+
+
 def test_large_prompts_do_not_stall_running_streams(served):
     """While three ~1.5 MB prompts are tokenised (each takes seconds; refused afterwards for the
     context), streams keep receiving chunks: the longest gap stays far below a tokenisation."""

@@ -40,6 +40,17 @@ def scalar_text(s: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(scalar_text)]
+MAX_STOP_CHARS = 1024  # a stop string is matched on the event loop against every streamed piece
+
+
+def stop_text(s: str) -> str:
+    scalar_text(s)
+    if len(s) > MAX_STOP_CHARS:
+        raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, this one has {len(s)}")
+    return s
+
+
+StopText = Annotated[str, AfterValidator(stop_text)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
@@ -63,7 +74,7 @@ class SamplingFields(Strict):
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = 0  # extra field; 0 or -1 = off
     n: Annotated[int, Field(ge=1, le=128)] = 1
     seed: Optional[Annotated[int, Field(ge=0, lt=SEED_LIMIT)]] = None
-    stop: Optional[Union[Text, Annotated[list[Text], Field(max_length=16)]]] = None
+    stop: Optional[Union[StopText, Annotated[list[StopText], Field(max_length=16)]]] = None
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
