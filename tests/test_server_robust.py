@@ -341,6 +341,17 @@ def test_stop_strings_are_bounded(served):
     assert r.status_code == 200, r.text
 
 
+def test_prompt_lists_are_bounded(served):
+    """At most 2048 prompts in one request (a 4 MiB body of [[1],[1],...] was 800k request plans)."""
+    err = _error(served.http.post("/v1/completions", json=dict(prompt=[[1]] * 2049, max_tokens=1)), 400, "prompt")
+    assert "2048" in err["message"]
+    _error(served.http.post("/v1/completions", json=dict(prompt=["a"] * 2049, max_tokens=1)), 400, "prompt")
+    # within the bound, but more choices than the server holds: refused naming n's budget, at once
+    _error(served.http.post("/v1/completions", json=dict(prompt=[[1]] * 2048, max_tokens=1)), 400, "n")
+    assert served.http.post("/detokenize", json=dict(tokens=[1, 2, 3])).status_code == 200
+    _error(served.http.post("/detokenize", json=dict(tokens=[1, 10 ** 6])), 400, "tokens")
+
+
 def test_large_prompts_do_not_stall_running_streams(served):
     """While three ~1.5 MB prompts are tokenised (each takes seconds; refused afterwards for the
     context), streams keep receiving chunks: the longest gap stays far below a tokenisation."""

@@ -192,9 +192,13 @@ async def _collect(run: ChoiceRun, n: int, request: Request) -> list[Delta]:
     return merged
 
 
-def _text_chars(req) -> int:
-    """How much text a request carries for the tokenizer / chat template (a cheap upper bound)."""
+def _text_chars(req, request: Optional[Request] = None) -> int:
+    """How much work a request carries for the tokenizer / chat template / request checks: its text
+    (a cheap upper bound) or, when larger, its body size (many prompts, long id lists)."""
     n = 0
+    if request is not None:
+        length = request.headers.get("content-length", "")
+        n = int(length) if length.isdigit() else 0
     for v in (getattr(req, "prompt", None), getattr(req, "messages", None)):
         if isinstance(v, str):
             n += len(v)
@@ -209,9 +213,10 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
                body_timeout_s: Optional[float] = DEFAULT_BODY_TIMEOUT_S,
                tokenize_workers: int = TOKENIZE_WORKERS) -> FastAPI:
     """The server's ASGI app. The driver is started (if not yet) at start-up and, when the app owns
-    it, stopped at shutdown (requests still running then finish with "abort"). Tokenisation and
-    chat templating of inputs with more than OFF_LOOP_CHARS characters of text run on a bounded
-    pool of `tokenize_workers` threads, so a 4 MiB prompt never stalls other clients' streams."""
+    it, stopped at shutdown (requests still running then finish with "abort"). Tokenisation, chat
+    templating and the request checks of inputs with more than OFF_LOOP_CHARS characters of text
+    (or bytes of body) run on a bounded pool of `tokenize_workers` threads, so a 4 MiB prompt never
+    stalls other clients' streams."""
     metrics = ServerMetrics(lambda: driver.stats, lambda: driver.in_flight)
     fmt = _Formatter(info.tokenizer)
     created = int(time.time())
@@ -269,22 +274,25 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
         return card()
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
+    async def tokenize(req: TokenizeRequest, request: Request):
         check_model(info, req.model)
         ids = await off_loop(tokenize_ids, info, req.prompt, req.messages, req.add_special_tokens,
-                             size=_text_chars(req))
+                             size=_text_chars(req, request))
         return {"tokens": ids, "count": len(ids), "max_model_len": info.max_seq_len}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         check_model(info, req.model)
-        check_ids(info, req.tokens, "tokens")
-        return {"prompt": await off_loop(info.tokenizer.decode, req.tokens, size=len(req.tokens) * 4)}
+
+        def decode(ids):
+            check_ids(info, ids, "tokens")
+            return info.tokenizer.decode(ids)
+        return {"prompt": await off_loop(decode, req.tokens, size=len(req.tokens) * 4)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(info, req.model)
-        plans, n_prompt = await off_loop(completion_plans, info, req, size=_text_chars(req))
+        plans, n_prompt = await off_loop(completion_plans, info, req, size=_text_chars(req, request))
         run = ChoiceRun(driver, info.tokenizer, metrics, plans)
         rid, top = f"cmpl-{uuid.uuid4().hex}", req.logprobs or 0
         offsets = [0] * len(plans)
@@ -323,7 +331,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         check_model(info, req.model)
-        plans, n_prompt = await off_loop(chat_plans, info, req, size=_text_chars(req))
+        plans, n_prompt = await off_loop(chat_plans, info, req, size=_text_chars(req, request))
         run = ChoiceRun(driver, info.tokenizer, metrics, plans)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         want_lp = req.logprobs

@@ -87,7 +87,9 @@ class SamplingFields(Strict):
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Prompt = Union[Text, list[Text], TokenIds, list[TokenIds]]
+MAX_PROMPTS = 2048  # prompts of one completions request (OpenAI's limit for a prompt array)
+Prompt = Union[Text, Annotated[list[Text], Field(max_length=MAX_PROMPTS)], TokenIds,
+               Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)]]
 
 
 class CompletionRequest(SamplingFields):
