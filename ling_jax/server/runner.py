@@ -54,10 +54,11 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 1024
 
 
-def _raw_json_response(status: int, reason: str, body: dict, extra: bytes = b"") -> bytes:
+def _raw_json_response(status: int, reason: str, body: dict) -> bytes:
+    """A whole HTTP/1.1 response (written to the transport directly: no request cycle exists yet)."""
     data = json.dumps(body).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            f"content-length: {len(data)}\r\n").encode() + extra + b"\r\n" + data
+            f"content-length: {len(data)}\r\n\r\n").encode() + data
 
 
 async def _over_capacity(scope, receive, send):
