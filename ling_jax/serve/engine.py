@@ -75,7 +75,8 @@ class RequestParams:
         check_logprobs(self.logprobs, "RequestParams.")
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", int(self.logprobs))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or not 1 <= self.max_tokens <= INT32_MAX:
+        m = self.max_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= INT32_MAX:
             raise ValueError(f"RequestParams.max_tokens must be an int >= 1 and <= 2**31-1, got {self.max_tokens!r}")
         if not 0 <= int(self.seed) < 2 ** 32:
             raise ValueError(f"RequestParams.seed must be in [0, 2**32), got {self.seed!r}")

@@ -20,8 +20,8 @@ from ling_jax.server.protocol import ErrorBody, ErrorResponse
 log = logging.getLogger("ling_jax.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          503: "service_unavailable_error"}
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 class APIError(Exception):
