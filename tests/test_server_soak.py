@@ -32,6 +32,7 @@ def test_soak_mixed_traffic_no_leak_reference_exact(tmp_path):
         growth = (S.rss_bytes() - rss0) / 2 ** 20
         print(f"soak: {res['requests']} requests in {SOAK_S:.0f} s {res['counts']}; RSS growth {growth:.1f} MiB")
         assert not res["failures"], res["failures"]
+        assert res["requests"] > 2 * SOAK_S, res  # every worker kept going until the end
         c = res["counts"]
         assert c.get("cancelled", 0) > 0 and c.get("stream 200", 0) > 0 and c.get("valid 200", 0) > 0
         assert sum(v for k, v in c.items() if k.startswith("invalid 4")) > 0

@@ -44,12 +44,12 @@ _INVALID = [
 ]
 
 
-def _body(path: str, max_tokens: int, **change) -> dict:
+def _body(path: str, max_tokens: int, change: dict | None = None) -> dict:
     if path == "/v1/completions":
         b = dict(prompt=PROMPT, max_tokens=max_tokens)
     else:
         b = dict(messages=[{"role": "user", "content": "Tell me about rivers"}], max_tokens=max_tokens)
-    b.update(change)
+    b.update(change or {})
     return b
 
 
@@ -78,16 +78,17 @@ class Soak:
 
     def _valid(self, c, rng) -> None:
         path = rng.choice(["/v1/completions", "/v1/chat/completions"])
-        body = _body(path, rng.randint(1, self.max_tokens), temperature=rng.choice([0, 0.7, 1.0]),
-                     seed=rng.randrange(2 ** 32), top_k=rng.choice([0, 5, 2 ** 31 - 1]),
-                     n=rng.choice([1, 1, 2]))
+        body = _body(path, rng.randint(1, self.max_tokens), dict(
+            temperature=rng.choice([0, 0.7, 1.0]), seed=rng.randrange(2 ** 32), top_k=rng.choice([0, 5, 2 ** 31 - 1]),
+            n=rng.choice([1, 1, 2])))
         r = self._post(c, path, body)
         ok = r.status_code == 200 or r.status_code == 429
         self._note(f"valid {r.status_code}", None if ok else f"valid {path} -> {r.status_code} {r.text[:200]}")
 
     def _stream(self, c, rng, cancel: bool) -> None:
         path = rng.choice(["/v1/completions", "/v1/chat/completions"])
-        body = _body(path, self.max_tokens, stream=True, ignore_eos=True, temperature=0.8, seed=rng.randrange(99))
+        body = _body(path, self.max_tokens, dict(stream=True, ignore_eos=True, temperature=0.8,
+                                                 seed=rng.randrange(99)))
         if self.model is not None:
             body["model"] = self.model
         with c.stream("POST", path, json=body) as r:
@@ -108,7 +109,7 @@ class Soak:
 
     def _invalid(self, c, rng) -> None:
         path, change, field = rng.choice(_INVALID)
-        r = self._post(c, path, _body(path, 2, **change))
+        r = self._post(c, path, _body(path, 2, change))
         try:
             err = r.json()["error"]
         except Exception:
@@ -142,6 +143,8 @@ class Soak:
                         self._note(f"tokenize {r.status_code}", None if r.status_code == 200 else r.text[:200])
                 except httpx.HTTPError as e:
                     self._note("transport error", f"{kind}: {type(e).__name__}: {e}")
+                except Exception as e:  # a bug of this client (or an answer it cannot read): a failure too
+                    self._note("client error", f"{kind}: {type(e).__name__}: {e}")
 
     def run(self) -> dict:
         deadline = time.monotonic() + self.duration
