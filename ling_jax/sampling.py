@@ -63,6 +63,11 @@ _NEG_INF = float("-inf")
 MAX_LOGPROBS = 20  # the most top alternatives a caller may ask for per token (the OpenAI API's limit)
 
 
+INT32_MAX = 2 ** 31 - 1
+SEED_LIMIT = 2 ** 32
+MAX_TEMPERATURE = 1e4  # far beyond any use (100 already flattens any logit gap); finite in float32
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings; frozen and hashable so it can be a static jit argument.
@@ -85,12 +90,20 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k must be a non-negative int, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        # bounded to what the sampling programs hold (float32 temperature/top_p, int32 top_k, a
+        # uint32 seed), so no value that passes here can fail later inside a jitted step
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (0.0 <= t <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, numbers.Real) or int(k) != k or not 0 <= k <= INT32_MAX:
+            raise ValueError(f"top_k must be an int in [0, 2**31-1] (0 = off), got {k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        sd = self.seed
+        if isinstance(sd, bool) or not isinstance(sd, numbers.Integral) or not 0 <= sd < SEED_LIMIT:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {sd!r}")
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     @property

@@ -27,6 +27,9 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG_FILE = "generation_config.json"
+# texts longer than this are encoded through `encode_batch`, which releases the GIL while the Rust
+# tokenizer runs: a server tokenising a 4 MiB prompt on a worker thread keeps its event loop going
+_GIL_FREE_CHARS = 4096
 
 
 def _read_json(path: str) -> dict:
@@ -143,7 +146,10 @@ class Tokenizer:
         The default (False) suits text rendered by `apply_chat_template`, which carries its
         own special tokens.
         """
-        ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        if len(text) > _GIL_FREE_CHARS:  # the batch call releases the GIL (`encode` holds it throughout)
+            ids = list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        else:
+            ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
         if add_special_tokens and self.add_bos_token:
             bos = self.bos_token_id
             if bos is not None and (not ids or ids[0] != bos):

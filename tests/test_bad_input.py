@@ -153,9 +153,17 @@ FILE_FAULTS = {
     "nan_scale": (lambda ck: _set_values(ck, QS, lambda a: a.__setitem__((0, 0), np.nan)), [QS, "non-finite"]),
     "inf_scale": (lambda ck: _set_values(ck, QS, lambda a: a.__setitem__((0, 1), np.inf)), [QS, "non-finite"]),
     "zero_scale": (lambda ck: _set_values(ck, QS, lambda a: a.__setitem__((0, 0), 0.0)), [QS, "positive"]),
-    "f32_param_as_bf16": (lambda ck: _rewrite(ck, "model.layers.0.attention.A_log",
-                                              lambda a: a.astype(ml_dtypes.bfloat16)),
-                          ["model.layers.0.attention.A_log", "BF16", "F32"]),
+    # issue 24 item 5: what cannot be a float weight is refused by name (F32 / BF16 anywhere is valid:
+    # test_float_variants_load_and_give_their_logits)
+    "i32_matrix": (lambda ck: _rewrite(ck, "model.layers.0.mlp.gate_proj.weight", lambda a: np.ones(a.shape, np.int32)),
+                   ["model.layers.0.mlp.gate_proj.weight", "I32", "integer"]),
+    "bool_norm": (lambda ck: _rewrite(ck, NORM, lambda a: np.ones(a.shape, np.bool_)), [NORM, "BOOL"]),
+    "f16_norm": (lambda ck: _rewrite(ck, NORM, lambda a: a.astype(np.float16)), [NORM, "F16"]),
+    "e5m2_matrix": (lambda ck: _rewrite(ck, Q, lambda a: a.astype(np.float32).astype(ml_dtypes.float8_e5m2)),
+                    [Q, "F8_E5M2", "F8_E4M3"]),
+    "f16_norm_and_extra_tensor": (lambda ck: (_rewrite(ck, NORM, lambda a: a.astype(np.float16)),
+                                              _add(ck, "model.layers.0.bonus.weight")),
+                                  [NORM, "F16", "model.layers.0.bonus.weight"]),
 }
 
 
@@ -202,6 +210,35 @@ def test_broken_checkpoint_named(fault, pristine, tmp_path, capsys):
     line = _check_refusal(capsys, ["logits", "--checkpoint", str(ck), "--input-ids", "1,2", "--out", str(out)],
                           needles, ck, [out])
     assert "total_size" not in line  # the specific reason, never the byte-count summary
+
+
+def test_float_variants_load_and_give_their_logits(pristine, tmp_path):
+    """An F32 router gate, an F32 norm and a BF16 A_log (issue 24 item 5) load, and the logits are
+    the ones their values imply: those of a reference checkpoint holding the same values in the
+    release dtypes (A_log rounded to bf16, stored F32; gate and norm exact in F32)."""
+    gate = "model.layers.1.mlp.gate.weight"
+    a_log = "model.layers.0.attention.A_log"
+    var, ref = tmp_path / "variant", tmp_path / "reference"
+    shutil.copytree(pristine, var)
+    shutil.copytree(pristine, ref)
+    _rewrite(var, gate, lambda a: a.astype(np.float32))
+    _rewrite(var, NORM, lambda a: a.astype(np.float32))
+    _rewrite(var, a_log, lambda a: a.astype(ml_dtypes.bfloat16))
+    _rewrite(ref, a_log, lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32))
+    for d in (var, ref):  # the index's total_size follows the new sizes (the rewrite kept the old)
+        idx = json.loads((d / INDEX).read_text())
+        idx["metadata"].pop("total_size", None)
+        (d / INDEX).write_text(json.dumps(idx))
+    got = {}
+    for d in (var, ref):
+        out = tmp_path / f"{d.name}.npz"
+        assert main(["logits", "--checkpoint", str(d), "--input-ids", "1,2,3", "--dtype", "float32",
+                     "--out", str(out)]) == 0
+        with np.load(out) as z:
+            got[d.name] = {k: z[k] for k in z.files}
+    assert set(got["variant"]) == set(got["reference"])
+    for k in got["reference"]:
+        np.testing.assert_array_equal(got["variant"][k], got["reference"][k])
 
 
 def test_total_size_alone_is_reported(pristine, tmp_path, capsys):

@@ -163,6 +163,61 @@ def test_dtype_not_allowed(ck):
     _raises(ck, "model.layers.0.input_layernorm.weight", "I32", S1)
 
 
+GATE = "model.layers.1.mlp.gate.weight"
+NORM = "model.layers.0.input_layernorm.weight"
+A_LOG = "model.layers.0.attention.A_log"
+
+
+def _shard(ck, name):
+    return _index(ck)["weight_map"][name]
+
+
+def _retype(ck, name, fn):
+    _rewrite(ck, _shard(ck, name), lambda t: t.__setitem__(name, fn(t[name])))
+
+
+def test_f32_and_bf16_accepted_for_every_float_tensor(ck):
+    """Issue 24 item 5: an F32 router gate (what a framework keeping routers in float32 writes), an
+    F32 norm and a BF16 A_log (released F32) are valid: converted to the model's dtype on load."""
+    import ml_dtypes
+    _retype(ck, GATE, lambda a: a.astype(np.float32))
+    _retype(ck, NORM, lambda a: a.astype(np.float32))
+    _retype(ck, A_LOG, lambda a: a.astype(ml_dtypes.bfloat16))
+    r = CheckpointReader(str(ck))
+    assert r.spec(GATE)[1] == "F32" and r.spec(A_LOG)[1] == "BF16"
+    r.validate()
+    assert r.get(GATE).dtype == np.float32 and r.get(A_LOG, np.float32).dtype == np.float32
+
+
+@pytest.mark.parametrize("name,make,needles", [
+    (GATE, lambda a: np.ones(a.shape, np.int32), ["I32", "integer"]),
+    (Q, lambda a: np.ones(a.shape, np.int32), ["I32", "integer"]),
+    (NORM, lambda a: np.ones(a.shape, np.bool_), ["BOOL", "boolean"]),
+    (NORM, lambda a: a.astype(np.float16), ["F16", "refused"]),
+    (Q, lambda a: a.astype(np.float32).astype("float8_e5m2"), ["F8_E5M2", "F8_E4M3"]),
+])
+def test_unrepresentable_dtypes_refused_by_name(ck, name, make, needles):
+    import ml_dtypes  # noqa: F401  (registers the float8 dtypes by name)
+    _retype(ck, name, make)
+    msg = _raises(ck, name, _shard(ck, name), *needles)
+    assert msg.index(name) < 200  # the tensor is named in the first problem
+
+
+def test_two_problems_all_listed_most_specific_first(ck):
+    """An F16 norm and an extra tensor: the broken tensor first, the extra one listed after it."""
+    extra = "model.layers.0.bonus.weight"
+
+    def f(t):
+        t[NORM] = t[NORM].astype(np.float16)
+        t[extra] = np.zeros((2, 2), np.float32)
+    _rewrite(ck, _shard(ck, NORM), f)
+    r = CheckpointReader(str(ck))
+    probs = r.problems()
+    assert len(probs) == 2 and NORM in probs[0] and "F16" in probs[0] and extra in probs[1]
+    msg = _raises(ck, NORM, extra, "1 more problem")
+    assert msg.index(NORM) < msg.index(extra)
+
+
 def test_fp8_not_allowed_for_router(pristine, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(pristine, ck)

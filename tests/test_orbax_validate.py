@@ -74,7 +74,23 @@ CASES = {
                           ["model__norm__weight", "[7]", "[192]"]),
     "param_missing": (_meta_edit(lambda m: m["params"].pop("model__norm__weight")), ["model__norm__weight", "missing"]),
     "param_bad_dtype": (_meta_edit(lambda m: m["params"]["model__norm__weight"].update(dtype="int4")),
-                        ["model__norm__weight", "int4"]),
+                        ["model__norm__weight", "'int4'"]),
+    # issue 24 item 5: the dtype rule of the converted path, each refusal naming the parameter
+    "param_int32": (_meta_edit(lambda m: m["params"]["model__norm__weight"].update(dtype="int32")),
+                    ["model__norm__weight", "int32", "float"]),
+    "param_bool": (_meta_edit(lambda m: m["params"]["model__norm__weight"].update(dtype="bool")),
+                   ["model__norm__weight", "bool"]),
+    "param_float16": (_meta_edit(lambda m: m["params"]["model__norm__weight"].update(dtype="float16")),
+                      ["model__norm__weight", "float16", "refused"]),
+    "param_e5m2": (_meta_edit(lambda m: m["params"]["model__norm__weight"].update(dtype="float8_e5m2")),
+                   ["model__norm__weight", "float8_e5m2", "float8_e4m3fn"]),
+    "param_fp8_without_scale": (_meta_edit(lambda m: m.update(keep_fp8=True) or m["params"][
+                                    "model__layers__0__attention__q_proj__weight"].update(dtype="float8_e4m3fn")),
+                                ["model__layers__0__attention__q_proj__weight", "float8_e4m3fn",
+                                 "model__layers__0__attention__q_proj__weight_scale_inv"]),
+    "param_fp8_not_kept": (_meta_edit(lambda m: m["params"]["model__layers__0__attention__q_proj__weight"].update(
+                               dtype="float8_e4m3fn")),
+                           ["model__layers__0__attention__q_proj__weight", "keep_fp8"]),
     "commit_marker_deleted": (lambda d: os.remove(d / "params" / "layer_000" / "commit_success.txt"),
                               ["layer_000", "commit_success.txt"]),
     "group_dir_deleted": (lambda d: shutil.rmtree(d / "params" / "mtp"), ["mtp", "missing"]),
@@ -139,3 +155,34 @@ def test_valid_dir_relative_path_no_mesh(converted, tmp_path, monkeypatch):
     out = tmp_path / "x.npz"
     assert main(["logits", "--checkpoint", "conv", "--input-ids", "1,2,3", "--out", str(out)]) == 0
     assert np.isfinite(np.load(out)["logits"]).all()
+
+
+def test_converted_float_variants_give_the_direct_logits(converted, tmp_path):
+    """Issue 24 item 5 on the converted path: a checkpoint with an F32 router gate, an F32 norm and a
+    BF16 A_log converts (float32) and gives the logits the direct load gives."""
+    import ml_dtypes
+    from ling_jax.checkpoint.safetensors_io import load_file, save_file
+    ck = tmp_path / "ck"
+    shutil.copytree(converted.parent / "ck", ck)
+    idx_path = ck / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    change = {"model.layers.1.mlp.gate.weight": np.float32, "model.layers.0.input_layernorm.weight": np.float32,
+              "model.layers.0.attention.A_log": ml_dtypes.bfloat16}
+    for shard in sorted({idx["weight_map"][n] for n in change}):
+        t = load_file(str(ck / shard))
+        for n, dt in change.items():
+            if n in t:
+                t[n] = t[n].astype(dt)
+        save_file(t, str(ck / shard))
+    idx["metadata"].pop("total_size", None)
+    idx_path.write_text(json.dumps(idx))
+    conv = tmp_path / "conv"
+    assert main(["convert", "--checkpoint", str(ck), "--out", str(conv), "--dtype", "float32", "--quiet"]) == 0
+    validate_converted(str(conv), expected_shapes)
+    got = {}
+    for d in (ck, conv):
+        out = tmp_path / f"{d.name}.npz"
+        assert main(["logits", "--checkpoint", str(d), "--input-ids", "1,2,3", "--dtype", "float32",
+                     "--out", str(out)]) == 0
+        got[d.name] = np.load(out)["logits"]
+    np.testing.assert_array_equal(got["conv"], got["ck"])

@@ -9,7 +9,9 @@ commit marker is gone or a truncated data file were accepted, or failed deep ins
 1. the marker `ling_jax_orbax.json`: a JSON object of the current format and version;
 2. `config.json` (the full config parser);
 3. the manifest: `groups` a list of plain names, `params` an object whose every entry names a group
-   of that list, a shape (non-negative integers) and a known dtype;
+   of that list, a shape (non-negative integers) and a dtype a weight can have (float32 or bfloat16
+   anywhere; float8_e4m3fn / uint8 only kept quantised and with their scales; never an integer,
+   bool, float16 or float8_e5m2), each refusal naming the parameter;
 4. shapes: every parameter the model of `config.json` has (MTP layer iff the manifest says so) is
    recorded, with the shape that model expects; no extra ones;
 5. per group: the directory `params/<group>` with Orbax's commit marker `commit_success.txt` and its
@@ -26,13 +28,15 @@ import contextlib
 import os
 import re
 
-from ling_jax.checkpoint.orbax import FORMAT, META, VERSION
+from ling_jax.checkpoint.orbax import FORMAT, META, VERSION, scale_key
 from ling_jax.checkpoint.safetensors_io import CheckpointError
 from ling_jax.config import ConfigError, LingConfig, read_json_file
 
 COMMIT_MARKER = "commit_success.txt"
 ORBAX_METADATA = "_METADATA"
 STORED_DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "uint8")  # uint8: MXFP4 codes / E8M0 scales
+FLOAT_DTYPES = ("float32", "bfloat16")
+QUANT_DTYPES = ("float8_e4m3fn", "uint8")
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_]+$")
 
 
@@ -85,8 +89,39 @@ def _check_manifest(path: str, meta: dict) -> None:
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
             raise CheckpointError(f"{p}: parameter {k}: bad shape {shape!r}")
-        if e.get("dtype") not in STORED_DTYPES:
-            raise CheckpointError(f"{p}: parameter {k}: dtype {e.get('dtype')!r} is not one of {STORED_DTYPES}")
+        problem = _param_dtype_problem(k, e.get("dtype"), params, meta["keep_fp8"])
+        if problem is not None:
+            raise CheckpointError(f"{p}: parameter {k}: {problem}")
+
+
+def _param_dtype_problem(key: str, dtype, params: dict, keep_fp8: bool):
+    """The converted path's dtype rule (the reader's, `reader.dtype_problem`): float32 or bfloat16 for
+    any parameter (cast to the model's dtype on restore); float8_e4m3fn only for a parameter kept FP8,
+    with its float32/bfloat16 scales beside it; uint8 only for MXFP4 codes with their uint8 scales
+    (or for those scales). Integers, bools, float16 and float8_e5m2 are refused."""
+    if dtype in FLOAT_DTYPES:
+        return None
+    scale = scale_key(key.split("__"))
+    owners = [k for k, e in params.items() if k != key and isinstance(e, dict) and
+              e.get("dtype") in QUANT_DTYPES and scale_key(k.split("__")) == key]
+    if dtype == "uint8" and owners and params[owners[0]].get("dtype") == "uint8":
+        return None  # MXFP4 E8M0 scales
+    if dtype in QUANT_DTYPES:
+        if not keep_fp8:
+            return (f"dtype {dtype} but the manifest says keep_fp8 false (expected float32 or bfloat16; a "
+                    f"quantised value restored as a float would be garbage)")
+        s = params.get(scale)
+        want = FLOAT_DTYPES if dtype == "float8_e4m3fn" else ("uint8",)
+        if not isinstance(s, dict) or s.get("dtype") not in want:
+            got = "missing" if not isinstance(s, dict) else f"of dtype {s.get('dtype')!r}"
+            return f"dtype {dtype} needs its block scales {scale} of dtype {' or '.join(want)} ({got})"
+        return None
+    if dtype == "float16":
+        return ("dtype float16 is refused (a bfloat16 value relabelled float16 would load as garbage): expected "
+                "float32 or bfloat16")
+    if isinstance(dtype, str) and dtype.startswith("float8"):
+        return f"dtype {dtype}: FP8 values must be float8_e4m3fn with block scales"
+    return f"dtype {dtype!r} is not one of {STORED_DTYPES} (a weight must be a float)"
 
 
 def check_param_shapes(path: str, meta: dict, expected: dict[str, tuple], subset: bool = False) -> None:

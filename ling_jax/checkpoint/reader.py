@@ -23,9 +23,14 @@ other is a problem naming the tensor. `get` decodes them exactly (float32) and r
 byte (0xFF); `get_mxfp4_codes` / `get_mxfp4_scales` return the raw bytes for the loader's
 `--keep-quantized`.
 
-Stored dtypes must be the ones the release layout stores for that tensor (`layout.TensorSpec.dtype`:
-BF16, F32 for A_log/dt_bias/expert_bias, BF16 or F32 conv taps; F8_E4M3 for a linear matrix with its
-F32/BF16 scale); a BF16 tensor relabelled F16 has the right size and would load as garbage.
+Stored dtypes (`dtype_problem`): every unquantised float tensor may be stored BF16 or F32, whatever
+the release stores (a framework that keeps routers or norms in float32 writes F32; the values are
+converted to the model's dtype as any other stored value is); F8_E4M3 only for a linear matrix and
+then with its F32/BF16 `weight_scale_inv`. Refused, naming the tensor: integers and BOOL (no float
+weight), F8 without its scale, F8_E5M2 (E4M3 is the format), and F16 (a BF16 tensor relabelled
+F16 has the right size and would load as garbage). Problems are listed most specific first: those
+of a stored tensor (dtype, shape, scale) before unexpected and missing tensors, and the index's
+`total_size` last.
 """
 from __future__ import annotations
 
@@ -42,17 +47,40 @@ from ling_jax.checkpoint.safetensors_io import CheckpointError, TensorInfo, _nor
 from ling_jax.config import ConfigError, LingConfig
 
 SCALE_DTYPES = ("F32", "BF16")
+FLOAT_DTYPES = ("BF16", "F32")  # any unquantised float tensor, converted to the model's dtype on load
 FP8 = "F8_E4M3"
+MAX_LISTED = 8  # problems listed after the first in a validate() error
+_INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
 #: environment switch for the value checks of every reader created without `check_values=` (CLI flag
 #: `--skip-value-checks` sets it): "1" skips them.
 SKIP_VALUE_CHECKS_ENV = "LING_JAX_SKIP_VALUE_CHECKS"
 
 
 def allowed_dtypes(spec: L.TensorSpec) -> tuple[str, ...]:
-    """Stored dtypes the release layout allows for a tensor: its unquantised dtype (BF16, or F32 for the
-    FP32 parameters; BF16/F32 for conv taps) and F8_E4M3 for a linear matrix."""
-    base = L.CONV_DTYPES if spec.kind == L.CONV else (spec.dtype,)
-    return base + ((FP8,) if spec.kind == L.LINEAR else ())
+    """Stored dtypes accepted for a tensor: BF16 or F32 for any (whatever the release stores), and
+    F8_E4M3 for a linear matrix (with its block scale, checked apart)."""
+    return FLOAT_DTYPES + ((FP8,) if spec.kind == L.LINEAR else ())
+
+
+def dtype_problem(name: str, dtype: str, spec: L.TensorSpec) -> str | None:
+    """Why `name` cannot be stored as `dtype` (None when it can; an F8_E4M3 matrix's scale is checked
+    apart). The reason says what was expected."""
+    allowed = allowed_dtypes(spec)
+    if dtype in allowed:
+        return None
+    want = "BF16 or F32" + (f" (or {FP8} with its block scale {L.scale_name(name)!r})" if FP8 in allowed else "")
+    if dtype in _INTEGER_DTYPES:
+        what = "a boolean" if dtype == "BOOL" else "an integer"
+        return f"tensor {name!r} has dtype {dtype}, {what} type; a weight must be a float: {want}"
+    if dtype == "F16":
+        return (f"tensor {name!r} has dtype F16, which is refused (a BF16 tensor relabelled F16 has the same "
+                f"size and would load as garbage): expected {want}")
+    if dtype.startswith("F8_"):
+        if FP8 not in allowed:
+            return (f"tensor {name!r} is stored {dtype}, but only linear matrices may be FP8 (this is a "
+                    f"{spec.kind} tensor): expected BF16 or F32")
+        return f"tensor {name!r} is stored {dtype}, but FP8 weights must be {FP8} with a block scale: expected {want}"
+    return f"tensor {name!r} has dtype {dtype}: expected {want}"
 
 
 class CheckpointReader:
@@ -249,11 +277,14 @@ class CheckpointReader:
         return out, covered
 
     def problems(self, include_mtp: bool = True) -> list[str]:
-        """Every disagreement between the stored tensors and `expected_tensors(config)`."""
+        """Every disagreement between the stored tensors and `expected_tensors(config)`, most
+        specific first: a stored tensor's own problems (dtype, shape, scale), then unexpected
+        tensors, then missing ones, then the index's total_size (only when nothing else explains it)."""
         cfg = self.config
         expected = L.expected_tensors(cfg, include_mtp=True)
         mtp_prefix = f"model.layers.{cfg.num_hidden_layers}." if cfg.has_mtp else None
         out, mx_covered = self._mxfp4_problems(expected)
+        unexpected: list[str] = []
         cfg_file = os.path.join(self.dir, "config.json")
         for name, t in self._where.items():
             if name in mx_covered:
@@ -275,21 +306,23 @@ class CheckpointReader:
                 continue
             spec = expected.get(name)
             if spec is None:
-                out.append(f"{t.file}: unexpected tensor {name!r} (not part of the model described by {cfg_file})")
+                unexpected.append(f"{t.file}: unexpected tensor {name!r} (not part of the model described by "
+                                  f"{cfg_file})")
                 continue
             if t.shape != spec.shape:
                 out.append(f"{t.file}: tensor {name!r} has shape {list(t.shape)} but {cfg_file} implies "
                            f"{list(spec.shape)}")
-            allowed = allowed_dtypes(spec)
-            if t.dtype not in allowed:
-                if spec.kind == L.LINEAR and L.scale_name(name) in self._where:
+            why = dtype_problem(name, t.dtype, spec)
+            if why is not None:
+                if spec.kind == L.LINEAR and L.scale_name(name) in self._where and t.dtype not in _INTEGER_DTYPES:
                     out.append(f"{t.file}: tensor {name!r} has a block scale {L.scale_name(name)!r} but is "
                                f"stored {t.dtype}, not {FP8}")
                 else:
-                    out.append(f"{t.file}: tensor {name!r} has dtype {t.dtype}, but the release layout stores "
-                               f"it as {' or '.join(allowed)}")
-            if t.dtype == FP8 and L.scale_name(name) not in self._where:
-                out.append(f"{t.file}: tensor {name!r} is {FP8} but its scale {L.scale_name(name)!r} is missing")
+                    out.append(f"{t.file}: {why}")
+            if t.dtype == FP8 and spec.kind == L.LINEAR and L.scale_name(name) not in self._where:
+                out.append(f"{t.file}: tensor {name!r} is {FP8} but its scale {L.scale_name(name)!r} is missing "
+                           f"(an FP8 matrix needs its block scale)")
+        out += unexpected
         for name in expected:
             if name in self._where or (not include_mtp and mtp_prefix and name.startswith(mtp_prefix)):
                 continue
@@ -301,10 +334,15 @@ class CheckpointReader:
         return out
 
     def validate(self, include_mtp: bool = True) -> None:
-        """Raise CheckpointError (first problem + count of the others) unless the checkpoint matches."""
+        """Raise CheckpointError unless the checkpoint matches: the most specific problem first, then
+        every other one (up to MAX_LISTED of them, on the same line)."""
         probs = self.problems(include_mtp)
         if probs:
-            more = f" (and {len(probs) - 1} more problem{'s' if len(probs) > 2 else ''})" if len(probs) > 1 else ""
+            more = ""
+            if len(probs) > 1:
+                rest = probs[1:1 + MAX_LISTED]
+                more = (f" (and {len(probs) - 1} more problem{'s' if len(probs) > 2 else ''}: " + "; ".join(rest)
+                        + ("; ..." if len(probs) - 1 > MAX_LISTED else "") + ")")
             err = CheckpointError(probs[0] + more)
             err.problems = probs
             raise err

@@ -36,6 +36,12 @@ def add_parser(sub):
     p.add_argument("--max-queue", type=non_negative_int, default=256,
                    help="requests that may wait for a slot; beyond that the server answers 429")
     p.add_argument("--max-body-bytes", type=non_negative_int, default=4 * 2 ** 20)
+    p.add_argument("--header-timeout", type=positive_seconds, default=10.0, metavar="S",
+                   help="seconds a request's head (request line and headers) may take to arrive (default 10)")
+    p.add_argument("--body-timeout", type=positive_seconds, default=60.0, metavar="S",
+                   help="seconds a request's body may take to arrive (default 60); past either: 408, closed")
+    p.add_argument("--max-connections", type=non_negative_int, default=1024, metavar="N",
+                   help="open connections (or running requests) at most; past it: 503 with Retry-After")
     p.add_argument("--graceful-timeout", type=positive_seconds, default=30.0, metavar="S",
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
@@ -75,15 +81,25 @@ def run(args) -> int:
         return 0
     eos = eos_token_ids(load_generation_config(args.checkpoint), tok) or list(cfg.eos_token_id)
     on_exit = engine.shutdown if jax.process_count() > 1 else None
-    driver = EngineDriver(engine, max_queue=args.max_queue, on_exit=on_exit)
+    server = None
+
+    def on_failure(reason: str) -> None:  # the engine died: stop serving, exit non-zero (below)
+        if server is not None:
+            server.should_exit = True
+
+    driver = EngineDriver(engine, max_queue=args.max_queue, on_exit=on_exit, on_failure=on_failure)
     app = create_app(driver, model_info(engine, tok, name, eos), api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes)
-    server = uvicorn_server(app, args.graceful_timeout, args.log_level)
+                     max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
+    server = uvicorn_server(app, args.graceful_timeout, args.log_level, header_timeout_s=args.header_timeout,
+                            max_connections=args.max_connections or None)
     host, port = sock.getsockname()[:2]
     print(f"serving {name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has shut down; a handler that only notes
     # it makes that an ordinary return (exit 0) instead of death by the default action
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run(sockets=[sock])
+    if driver.failed is not None:  # a supervisor watching the process restarts it
+        print(f"error: the engine failed ({driver.failed}); the server stopped", file=sys.stderr, flush=True)
+        return 1
     print("server stopped", file=sys.stderr, flush=True)
     return 0

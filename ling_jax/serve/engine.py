@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import numbers
 from typing import Callable, Iterator, Optional, Sequence
 
 import jax
@@ -37,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
-from ling_jax.sampling import SamplingParams, TokenLogprob, check_logprobs, check_penalties
+from ling_jax.sampling import INT32_MAX, SamplingParams, TokenLogprob, check_logprobs, check_penalties
 from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_RESTORE, OP_SAVE, OP_SPEC, ProgramShape, make_link
 from ling_jax.serve.pools import (GIB, PageAllocator, describe, init_pools, is_abstract, make_placed, per_device_bytes,
                                   placed_like, plan_pools)
@@ -75,12 +76,17 @@ class RequestParams:
         check_logprobs(self.logprobs, "RequestParams.")
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", int(self.logprobs))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"RequestParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        m = self.max_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= INT32_MAX:
+            raise ValueError(f"RequestParams.max_tokens must be an int >= 1 and <= 2**31-1, got {self.max_tokens!r}")
         if not 0 <= int(self.seed) < 2 ** 32:
             raise ValueError(f"RequestParams.seed must be in [0, 2**32), got {self.seed!r}")
         if self.stop_ids is not None:
-            object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
+            ids = tuple(self.stop_ids)
+            for s in ids:
+                if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s <= INT32_MAX:
+                    raise ValueError(f"RequestParams.stop_ids: each must be an int in [0, 2**31-1], got {s!r}")
+            object.__setattr__(self, "stop_ids", tuple(int(s) for s in ids))
 
 
 class RequestHandle:

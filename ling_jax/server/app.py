@@ -2,7 +2,7 @@
 
     app = create_app(driver, info, api_key=None)   # then serve it with uvicorn (`runner`)
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
 GET /metrics, POST /tokenize, POST /detokenize. Streaming responses are server-sent events in
 OpenAI's chunk format (framed by `fastapi.sse.format_sse_event`), ending with `data: [DONE]`.
 With an api key, everything but /health and /metrics needs `Authorization: Bearer KEY` (checked
@@ -10,7 +10,10 @@ before the body is read, so a bad body without the key is a 401, not a 400).
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import json
 import secrets
 import time
@@ -18,7 +21,7 @@ import uuid
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.sse import format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,6 +38,10 @@ from ling_jax.server.requests import (ModelInfo, chat_plans, check_ids, check_mo
                                       tokenize_ids)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2 ** 20
+DRAIN_BYTES = 64 * 2 ** 20  # an oversize body up to this is read and dropped before its 413
+DEFAULT_BODY_TIMEOUT_S = 60.0
+TOKENIZE_WORKERS = 4  # threads that tokenise / template large inputs (off the event loop)
+OFF_LOOP_CHARS = 16 * 1024  # inputs with more text than this are tokenised on those threads
 _OPEN_PATHS = ("/health", "/metrics")
 
 
@@ -57,28 +64,75 @@ class APIKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """ASGI middleware: a request body over the limit gets a 413 in OpenAI's error JSON: at once when
-    its Content-Length says so, else (a chunked body) as soon as the bytes read pass the limit: the
-    receive wrapper raises an HTTPException, which the app's handlers turn into the JSON."""
+    """ASGI middleware bounding a request body in size and in time.
 
-    def __init__(self, app, max_body_bytes: int):
-        self.app, self.limit = app, max_body_bytes
+    Size: a body over `max_body_bytes` gets a 413 in OpenAI's error JSON that the client can read:
+    the body is read and discarded first (up to `drain_bytes`; a client such as urllib sends the
+    whole body before it reads an answer, and closing on unread bytes would reset its connection
+    mid-send), then the 413 goes out with `Connection: close`. A Content-Length over `drain_bytes`
+    is answered at once. A chunked body is counted as it is read; once past the limit the rest is
+    drained the same way and the receive wrapper raises an HTTPException(413), which the app's
+    handlers turn into the JSON.
+    Time: the whole body must arrive within `body_timeout_s` of the first read (a client dripping
+    a byte at a time cannot hold a connection open): else a 408, also with `Connection: close`.
+    """
+
+    def __init__(self, app, max_body_bytes: int, body_timeout_s: Optional[float] = None,
+                 drain_bytes: int = DRAIN_BYTES):
+        self.app, self.limit, self.timeout, self.drain_limit = app, max_body_bytes, body_timeout_s, drain_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        deadline = None
+        done = False
+
+        async def timed():
+            nonlocal deadline, done
+            if done:
+                return await receive()
+            if self.timeout is None:
+                message = await receive()
+            else:
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    done = True
+                    raise StarletteHTTPException(
+                        408, f"the request body did not arrive within {self.timeout:g} s") from None
+            if message.get("type") != "http.request" or not message.get("more_body", False):
+                done = True
+            return message
+
+        async def drain(already: int) -> None:
+            """Read and drop the rest of the body (up to drain_limit bytes in all)."""
+            while not done and already <= self.drain_limit:
+                message = await timed()
+                already += len(message.get("body", b""))
+
+        def too_large(n: int) -> JSONResponse:
+            return error_response(413, f"request body of {n} bytes exceeds the limit of {self.limit} bytes",
+                                  code="request_too_large", headers={"Connection": "close"})
+
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
-            response = error_response(413, f"request body of {int(length)} bytes exceeds the limit of "
-                                           f"{self.limit} bytes", code="request_too_large")
-            return await response(scope, receive, send)
+            if int(length) <= self.drain_limit:
+                try:
+                    await drain(0)
+                except StarletteHTTPException as e:
+                    return await error_response(408, str(e.detail), code="request_timeout",
+                                                headers={"Connection": "close"})(scope, receive, send)
+            return await too_large(int(length))(scope, receive, send)
         seen = 0
 
         async def counted():
             nonlocal seen
-            message = await receive()
+            message = await timed()
             seen += len(message.get("body", b""))
             if seen > self.limit:
+                await drain(seen)
                 raise StarletteHTTPException(413)
             return message
 
@@ -138,25 +192,54 @@ async def _collect(run: ChoiceRun, n: int, request: Request) -> list[Delta]:
     return merged
 
 
+def _text_chars(req, request: Optional[Request] = None) -> int:
+    """How much work a request carries for the tokenizer / chat template / request checks: its text
+    (a cheap upper bound) or, when larger, its body size (many prompts, long id lists)."""
+    n = 0
+    if request is not None:
+        length = request.headers.get("content-length", "")
+        n = int(length) if length.isdigit() else 0
+    for v in (getattr(req, "prompt", None), getattr(req, "messages", None)):
+        if isinstance(v, str):
+            n += len(v)
+        elif isinstance(v, list):
+            for x in v:
+                n += len(x) if isinstance(x, str) else len(x.text()) if hasattr(x, "text") else 0
+    return n
+
+
 def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, owns_driver: bool = True) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, owns_driver: bool = True,
+               body_timeout_s: Optional[float] = DEFAULT_BODY_TIMEOUT_S,
+               tokenize_workers: int = TOKENIZE_WORKERS) -> FastAPI:
     """The server's ASGI app. The driver is started (if not yet) at start-up and, when the app owns
-    it, stopped at shutdown (requests still running then finish with "abort")."""
+    it, stopped at shutdown (requests still running then finish with "abort"). Tokenisation, chat
+    templating and the request checks of inputs with more than OFF_LOOP_CHARS characters of text
+    (or bytes of body) run on a bounded pool of `tokenize_workers` threads, so a 4 MiB prompt never
+    stalls other clients' streams."""
     metrics = ServerMetrics(lambda: driver.stats, lambda: driver.in_flight)
     fmt = _Formatter(info.tokenizer)
     created = int(time.time())
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=tokenize_workers, thread_name_prefix="ling-jax-tokenize")
+
+    async def off_loop(fn, *args, size: int = OFF_LOOP_CHARS + 1):
+        """fn(*args), on the tokenizer pool when the input is large (inline when small: no hop)."""
+        if size <= OFF_LOOP_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         driver.start()
         yield
+        pool.shutdown(wait=False, cancel_futures=True)
         if owns_driver:
             driver.stop()
 
     app = FastAPI(title="ling-jax", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.driver, app.state.info, app.state.metrics = driver, info, metrics
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     if api_key:  # added last = runs first: no key, no reading of the body
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -166,8 +249,11 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
 
     @app.get("/health")
     async def health():
+        if driver.failed is not None:
+            return error_response(503, f"engine failed: {driver.failed} (the server is exiting)",
+                                  code="engine_failed")
         if not driver.alive:
-            return error_response(503, f"engine not running: {driver.failed or 'stopped'}", code="engine_unavailable")
+            return error_response(503, "engine not running: stopped", code="engine_unavailable")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -175,26 +261,38 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    def card() -> ModelCard:
+        return ModelCard(id=info.name, created=created, max_model_len=info.max_seq_len)
+
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=info.name, created=created, max_model_len=info.max_seq_len)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(info, model_id)
+        return card()
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
+    async def tokenize(req: TokenizeRequest, request: Request):
         check_model(info, req.model)
-        ids = tokenize_ids(info, req.prompt, req.messages, req.add_special_tokens)
+        ids = await off_loop(tokenize_ids, info, req.prompt, req.messages, req.add_special_tokens,
+                             size=_text_chars(req, request))
         return {"tokens": ids, "count": len(ids), "max_model_len": info.max_seq_len}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         check_model(info, req.model)
-        check_ids(info, req.tokens, "tokens")
-        return {"prompt": info.tokenizer.decode(req.tokens)}
+
+        def decode(ids):
+            check_ids(info, ids, "tokens")
+            return info.tokenizer.decode(ids)
+        return {"prompt": await off_loop(decode, req.tokens, size=len(req.tokens) * 4)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(info, req.model)
-        plans, n_prompt = completion_plans(info, req)
+        plans, n_prompt = await off_loop(completion_plans, info, req, size=_text_chars(req, request))
         run = ChoiceRun(driver, info.tokenizer, metrics, plans)
         rid, top = f"cmpl-{uuid.uuid4().hex}", req.logprobs or 0
         offsets = [0] * len(plans)
@@ -233,7 +331,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         check_model(info, req.model)
-        plans, n_prompt = chat_plans(info, req)
+        plans, n_prompt = await off_loop(chat_plans, info, req, size=_text_chars(req, request))
         run = ChoiceRun(driver, info.tokenizer, metrics, plans)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         want_lp = req.logprobs

@@ -52,10 +52,18 @@ class EngineDriver:
 
     max_queue: requests allowed to wait for a slot beyond the engine's max_slots.
     on_exit: called on the driver thread after the loop ends (multi-host: `engine.shutdown`).
+    on_failure: called on the driver thread (after every request in flight got its error) when the
+        engine failed and the loop ended: the server's cue to exit non-zero, so a supervisor
+        watching the process restarts it instead of finding a live process that only answers 503.
+
+    Supervision: a submission the engine refuses (any exception from `Engine.submit`: its data
+    is that request's alone) is answered with a 400 naming the field and the loop goes on; only
+    an exception from `Engine.step` (or `cancel`), which leaves the engine's state unknown, stops
+    it: then every request in flight or queued gets a final error event, `failed` says why.
     """
 
     def __init__(self, engine: Engine, max_queue: int = 64, on_exit: Callable[[], None] | None = None,
-                 idle_wait_s: float = 0.05):
+                 idle_wait_s: float = 0.05, on_failure: Callable[[str], None] | None = None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         self.engine = engine
@@ -67,6 +75,7 @@ class EngineDriver:
         self._in_flight = 0
         self._live: set[Submission] = set()
         self._on_exit = on_exit
+        self._on_failure = on_failure
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._loop, name="ling-jax-engine-driver", daemon=True)
         self._stopping = False
@@ -142,9 +151,12 @@ class EngineDriver:
                 sub.handle = self.engine.submit(sub.prompt_ids, sub.params,
                                                 on_tokens=lambda h, t, s=sub: self._on_tokens(s, h, t))
                 self._live.add(sub)
-            except (ValueError, TypeError) as e:
+            except Exception as e:  # this request's data only: refuse it, the engine goes on
+                if not isinstance(e, (ValueError, TypeError)):
+                    log.warning("engine refused a request: %s: %s", type(e).__name__, e)
                 self._release(sub)
-                self._deliver(sub, TokenEvent(error=str(e), param=getattr(e, "field", None)))
+                self._deliver(sub, TokenEvent(error=f"request refused by the engine: {e}",
+                                              param=getattr(e, "field", None)))
         elif kind == "cancel" and not sub.done:
             if sub.handle is not None:
                 self.engine.cancel(sub.handle)
@@ -168,10 +180,12 @@ class EngineDriver:
                 self.stats = self.engine.stats()  # after cancels too, which free slots without a step
         except Exception as e:  # an engine failure: fail every request, report unhealthy, stop
             log.exception("engine step failed")
-            self.failed = f"{type(e).__name__}: {e}"
+            with self._lock:  # no new admissions from here on
+                self.failed = f"{type(e).__name__}: {e}"
             for sub in list(self._live):
                 self._release(sub)
-                self._deliver(sub, TokenEvent(error="internal engine error", status=503))
+                self._deliver(sub, TokenEvent(error="internal engine error: the engine stopped; the server "
+                                                    "is exiting", status=503))
         finally:
             while True:  # submissions that never reached the engine
                 try:
@@ -180,12 +194,20 @@ class EngineDriver:
                     break
                 if kind == "submit" and not sub.done:
                     self._release(sub)
-                    self._deliver(sub, TokenEvent(finish_reason="abort"))
+                    self._deliver(sub, TokenEvent(finish_reason="abort") if self.failed is None else
+                                  TokenEvent(error="internal engine error: the engine stopped", status=503))
             for sub in list(self._live):
-                if sub.handle is not None and not sub.handle.finished:
+                if self.failed is None and sub.handle is not None and not sub.handle.finished:
                     self.engine.cancel(sub.handle)
                 self._release(sub)
                 self._deliver(sub, TokenEvent(finish_reason="abort"))
-            self.stats = self.engine.stats()
-            if self._on_exit is not None:
-                self._on_exit()
+            try:
+                self.stats = self.engine.stats()
+            except Exception:  # a broken engine: keep the last snapshot
+                log.debug("engine stats after the loop failed", exc_info=True)
+            try:
+                if self._on_exit is not None:
+                    self._on_exit()
+            finally:
+                if self.failed is not None and self._on_failure is not None:
+                    self._on_failure(self.failed)

@@ -20,16 +20,18 @@ from ling_jax.server.protocol import ErrorBody, ErrorResponse
 log = logging.getLogger("ling_jax.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          503: "service_unavailable_error"}
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 class APIError(Exception):
     """A refusal with its HTTP status; `param` names the request field at fault."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
@@ -57,8 +59,20 @@ _UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or 
                  "stop": "a string or a list of strings"}
 
 
+_MISMATCH = ("_type", "missing", "union_tag_invalid", "union_tag_not_found")
+
+
+def _is_tag(part) -> bool:
+    """A pydantic union member's label in an error location (`list[constrained-int]`, `str`,
+    `TextPart`), which is not a field of the request."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part[:1].isupper()
+                                      or part in ("str", "int", "float", "bool"))
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
-    """(message, param) for the first validation error: param is the top-level field."""
+    """(message, param) for the first validation error: param is the top-level field. Of a union
+    field's errors (one per member) the first that is not a mere type mismatch is reported: a
+    string prompt with a lone surrogate says so, not "expected a string or ..."."""
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
@@ -73,20 +87,33 @@ def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]
         return f"unrecognized request argument supplied: {_loc_text(loc)}", field
     if e.get("type") == "missing":
         return f"missing required field: {_loc_text(loc)}", field
-    if field in _UNION_FIELDS and len(loc) > 1 and not isinstance(loc[1], int):
-        return f"{field}: expected {_UNION_FIELDS[field]}", field
+    same = [x for x in errors if [p for p in x.get("loc", ()) if p != "body"][:1] == [loc[0]]]
+    specific = [x for x in same if not str(x.get("type", "")).endswith(_MISMATCH)]
+    if any(_is_tag(p) for p in loc[1:]):  # a union: its most specific member error, if any
+        if not specific:
+            if field in _UNION_FIELDS:
+                return f"{field}: expected {_UNION_FIELDS[field]}", field
+        else:
+            e = specific[0]
+    loc = [p for p in e.get("loc", ()) if p != "body" and not _is_tag(p)]
+    msg = str(e.get("msg", "")).removeprefix("Value error, ")
     got = e.get("input")
     got_text = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     if len(got_text) > 60:
         got_text = got_text[:57] + "..."
-    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
-    return f"{_loc_text(loc)}: {e.get('msg')}, got {got_text}{more}", field
+    def strip(x):
+        return tuple(p for p in x.get("loc", ()) if p != "body" and not _is_tag(p))
+    real = {strip(x) for x in errors
+            if not (any(_is_tag(p) for p in x.get("loc", ())) and str(x.get("type", "")).endswith(_MISMATCH))}
+    others = len(real - {tuple(loc)})
+    more = f" (and {others} more error(s))" if others > 0 else ""
+    return f"{_loc_text(loc)}: {msg}, got {got_text}{more}", field
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else exc.headers
         return error_response(exc.status, exc.message, exc.param, exc.code, headers)
 
     @app.exception_handler(RequestValidationError)
@@ -99,7 +126,10 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             return error_response(404, f"no route {request.method} {request.url.path}", code="not_found")
         if exc.status_code == 413:
-            return error_response(413, "request body too large", code="request_too_large")
+            return error_response(413, "request body too large", code="request_too_large",
+                                  headers={"Connection": "close"})
+        if exc.status_code == 408:
+            return error_response(408, str(exc.detail), code="request_timeout", headers={"Connection": "close"})
         if exc.status_code == 405:
             return error_response(405, f"method {request.method} is not allowed on {request.url.path}",
                                   headers=getattr(exc, "headers", None))
@@ -108,4 +138,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unexpected error answering %s %s", request.method, request.url.path)
-        return error_response(500, "internal server error", code="internal_error")
+        # uvicorn closes the connection after an unhandled exception: say so, so a client's pool
+        # does not send its next request down a dead keep-alive connection
+        return error_response(500, "internal server error", code="internal_error", headers={"Connection": "close"})

@@ -22,6 +22,7 @@ from ling_jax.server.metrics import ServerMetrics
 from ling_jax.server.text import IncrementalDetokenizer, StopMatcher
 
 DISCONNECT_POLL_S = 0.5
+RETRY_AFTER_S = 1  # the 429's Retry-After: a slot frees within a few steps of a busy engine
 
 
 @dataclasses.dataclass
@@ -79,8 +80,10 @@ class ChoiceRun:
             raise APIError(400, f"n: {len(self.plans)} choices in all is more than this server holds at once "
                                 f"({self.driver.capacity})", param="n")
         if not self.driver.try_reserve(len(self.plans)):
+            if not self.driver.alive:
+                raise APIError(503, "the engine is not running", code="engine_unavailable")
             raise APIError(429, f"the request queue is full ({self.driver.capacity} requests in flight); "
-                                f"retry later", code="queue_full")
+                                f"retry later", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
         loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
         for i, plan in enumerate(self.plans):
@@ -94,10 +97,12 @@ class ChoiceRun:
         return sum(s.n_tokens for s in self.states)
 
     def close(self) -> None:
-        """Cancel every choice that has not finished (idempotent)."""
+        """Cancel every choice that has not finished (idempotent); each counts as "cancelled" in
+        `requests_total`."""
         for sub, st in zip(self.subs, self.states):
             if not st.finished:
                 st.finished = True
+                self.metrics.requests.labels("cancelled").inc()
                 self.driver.cancel(sub)
 
     def _finish(self, st: _ChoiceState, reason: str) -> None:
@@ -112,6 +117,7 @@ class ChoiceRun:
         st = self.states[i]
         if ev.error is not None:
             st.finished = True
+            self.metrics.requests.labels("error").inc()
             self.close()
             raise APIError(ev.status, ev.error, param=(ev.param or "prompt") if ev.status == 400 else None)
         d = Delta(i)
@@ -154,6 +160,9 @@ class ChoiceRun:
                     i, ev = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     i = None
+                    if not self.driver.alive and self._queue.empty():  # stopped without a word for us
+                        self.close()
+                        raise APIError(503, "the engine stopped", code="engine_unavailable")
                 if time.monotonic() >= next_check:  # checked on time, not only when idle
                     if await is_disconnected():
                         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from typing import Optional
 
 from ling_jax.serve import RequestParams
@@ -34,7 +35,8 @@ class ModelInfo:
 
 def check_model(info: ModelInfo, requested: Optional[str]) -> None:
     if requested is not None and requested != info.name:
-        raise APIError(404, f"the model {requested!r} does not exist (this server serves {info.name!r})",
+        shown = repr(requested) if len(requested) <= 100 else repr(requested[:100]) + "..."
+        raise APIError(404, f"the model {shown} does not exist (this server serves {info.name!r})",
                        param="model", code="model_not_found")
 
 
@@ -82,12 +84,13 @@ def chat_prompt(info: ModelInfo, messages: list[ChatMessage]) -> list:
     return ids
 
 
-def _max_tokens(info: ModelInfo, n_prompt: int, asked: Optional[int], default: Optional[int], field: str) -> int:
+def _max_tokens(info: ModelInfo, n_prompt: int, asked: Optional[int], default: Optional[int], field: str,
+                prompt_field: str = "prompt") -> int:
     room = info.max_seq_len - n_prompt
     if room < 1:
-        raise APIError(400, f"the prompt has {n_prompt} tokens, which leaves no room in this model's context of "
-                            f"{info.max_seq_len} tokens", param="messages" if field == "max_completion_tokens"
-                       else "prompt", code="context_length_exceeded")
+        raise APIError(400, f"{prompt_field}: the prompt has {n_prompt} tokens, which leaves no room in this "
+                            f"model's context of {info.max_seq_len} tokens", param=prompt_field,
+                       code="context_length_exceeded")
     if asked is None:
         return room if default is None else min(default, room)
     if asked > room:
@@ -126,7 +129,8 @@ def _engine_params(req: SamplingFields, info: ModelInfo, max_tokens: int, seed: 
     try:
         return RequestParams(**kw)
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        m = re.match(r"(?:RequestParams\.)?(\w+)", str(e))
+        raise APIError(400, str(e), param=m.group(1) if m and m.group(1) in _ENGINE_FIELDS else None) from None
 
 
 def _seeds(req: SamplingFields, count: int) -> list[int]:
@@ -160,7 +164,7 @@ def chat_plans(info: ModelInfo, req: ChatCompletionRequest) -> tuple[list[Choice
     ids = chat_prompt(info, req.messages)
     field = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
     max_tokens = _max_tokens(info, len(ids), req.max_tokens or req.max_completion_tokens, CHAT_DEFAULT_MAX_TOKENS,
-                             field)
+                             field, prompt_field="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     stops = _stop_strings(req)
     plans = []
