@@ -144,7 +144,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
     it, stopped at shutdown (requests still running then finish with "abort")."""
     metrics = ServerMetrics(lambda: driver.stats, lambda: driver.in_flight)
     fmt = _Formatter(info.tokenizer)
-    created = int(time.time())
+    started = int(time.time())  # /v1/models' `created`; every response has its own (the time it began)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -155,6 +155,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
 
     app = FastAPI(title="ling-jax", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.driver, app.state.info, app.state.metrics = driver, info, metrics
+    app.state.abort = driver.stop if owns_driver else None  # runner.GracefulServer's abort on shutdown
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:  # added last = runs first: no key, no reading of the body
@@ -177,7 +178,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
 
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=info.name, created=created, max_model_len=info.max_seq_len)])
+        return ModelList(data=[ModelCard(id=info.name, created=started, max_model_len=info.max_seq_len)])
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -196,7 +197,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
         check_model(info, req.model)
         plans, n_prompt = completion_plans(info, req)
         run = ChoiceRun(driver, info.tokenizer, metrics, plans)
-        rid, top = f"cmpl-{uuid.uuid4().hex}", req.logprobs or 0
+        rid, top, created = f"cmpl-{uuid.uuid4().hex}", req.logprobs or 0, int(time.time())
         offsets = [0] * len(plans)
 
         def choice(d: Delta, final: bool = False) -> CompletionChoice:
@@ -235,7 +236,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
         check_model(info, req.model)
         plans, n_prompt = chat_plans(info, req)
         run = ChoiceRun(driver, info.tokenizer, metrics, plans)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = req.logprobs
 
         def lps(d: Delta) -> Optional[ChatLogprobs]:
