@@ -20,30 +20,12 @@ from __future__ import annotations
 import os
 import sys
 
+from ling_jax.checkpoint.locate import SHIPPED, cache_dir, demo_checkpoint  # noqa: F401 (re-exported)
 from ling_jax.commands.common import finite_float, non_negative_float, non_negative_int
 
 # temperature, top_p, frequency_penalty, seed: why these, see the module docstring
 DEMO_SAMPLING = dict(temperature=0.7, top_p=0.9, frequency_penalty=0.3, seed=0)
 
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")
-
-
-def cache_dir() -> str:
-    return os.environ.get("LING_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ling-jax"))
-
-
-def demo_checkpoint(verbose: bool = True) -> str:
-    if os.path.isfile(os.path.join(SHIPPED, "config.json")):
-        return SHIPPED
-    path = os.path.join(cache_dir(), "demo-random-v1")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        from ling_jax.checkpoint.synthetic_config import synthetic_config
-        from ling_jax.checkpoint.writer import write_checkpoint
-        if verbose:
-            print(f"building the demo checkpoint in {path} (once)", file=sys.stderr)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_checkpoint(synthetic_config(), path, dtype="fp8", seed=0, progress=False)
-    return path
 
 
 def add_parser(sub):

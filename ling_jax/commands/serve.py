@@ -26,11 +26,12 @@ def positive_seconds(text: str) -> float:
 
 def add_parser(sub):
     p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (with tokenizer.json)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (with tokenizer.json), `demo` (the "
+                   "shipped demo model) or a Hugging Face Hub id ORG/NAME[@REVISION]")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=non_negative_int, default=8000, help="port (0: any free port, printed)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the "
-                   "checkpoint directory's name)")
+                   "checkpoint directory's name; a Hub id without @REVISION; demo_model for `demo`)")
     p.add_argument("--api-key", default=os.environ.get("LING_JAX_API_KEY"),
                    help="require `Authorization: Bearer KEY` (default: env LING_JAX_API_KEY; none = open)")
     p.add_argument("--max-queue", type=non_negative_int, default=256,
@@ -52,6 +53,7 @@ def add_parser(sub):
 def run(args) -> int:
     import jax
 
+    from ling_jax.checkpoint.locate import model_name
     from ling_jax.commands.common import load_for_args
     from ling_jax.server.app import create_app
     from ling_jax.server.driver import EngineDriver
@@ -62,7 +64,7 @@ def run(args) -> int:
     tok = Tokenizer.from_dir(args.checkpoint)
     if tok is None:
         raise ValueError(f"--checkpoint: {args.checkpoint} has no tokenizer.json (the server needs one)")
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    name = args.served_model_name or model_name(getattr(args, "checkpoint_spec", args.checkpoint))
     apply_value_check_flag(args)
     sock = bind(args.host, args.port)  # before loading: a taken port fails fast
     model, _ = load_for_args(args, with_mtp=args.speculative > 0)
