@@ -12,9 +12,9 @@ import os
 import signal
 import sys
 
-from ling_jax.commands.common import (add_kernel_flags, add_value_check_flag, apply_value_check_flag,
-                                      checkpoint_config, finite_float, non_negative_int)
-from ling_jax.commands.engine_args import add_engine_flags, engine_from_args
+from ling_jax.commands.common import (ArgumentValueError, add_kernel_flags, add_value_check_flag,
+                                      apply_value_check_flag, checkpoint_config, finite_float, non_negative_int)
+from ling_jax.commands.engine_args import add_engine_flags, engine_from_args, warmup_reporter
 
 
 def positive_seconds(text: str) -> float:
@@ -66,7 +66,15 @@ def run(args) -> int:
         raise ValueError(f"--checkpoint: {args.checkpoint} has no tokenizer.json (the server needs one)")
     name = args.served_model_name or model_name(getattr(args, "checkpoint_spec", args.checkpoint))
     apply_value_check_flag(args)
-    sock = bind(args.host, args.port)  # before loading: a taken port fails fast
+    try:
+        sock = bind(args.host, args.port)  # before loading: a taken port fails fast
+    except OSError as e:
+        raise ArgumentValueError(f"--host/--port: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
+                                 "(another server there? choose another --port, or --port 0 for a free one; "
+                                 "--host sets the address)") from None
+    nproc = getattr(args, "num_processes", None) or os.environ.get("JAX_NUM_PROCESSES") or 1
+    if args.warmup == "lazy" and str(nproc) != "1":
+        raise ArgumentValueError("--warmup lazy: single-process only (multi-host: --warmup full or off)")
     model, _ = load_for_args(args, with_mtp=args.speculative > 0)
     if args.impl:
         model.exec = model.exec.replace(kernels=args.impl)
@@ -77,11 +85,16 @@ def run(args) -> int:
         return 0
     eos = eos_token_ids(load_generation_config(args.checkpoint), tok) or list(cfg.eos_token_id)
     on_exit = engine.shutdown if jax.process_count() > 1 else None
-    driver = EngineDriver(engine, max_queue=args.max_queue, on_exit=on_exit)
+    lazy = engine.warmup_items() if args.warmup == "lazy" else None
+    driver = EngineDriver(engine, max_queue=args.max_queue, on_exit=on_exit, warmup_items=lazy,
+                          warmup_progress=warmup_reporter(sys.stderr, "warm-up (lazy)"))
     app = create_app(driver, model_info(engine, tok, name, eos), api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes)
     server = uvicorn_server(app, args.graceful_timeout, args.log_level)
     host, port = sock.getsockname()[:2]
+    if lazy:
+        print(f"warm-up (lazy): {len(lazy)} programs compile in the background; /health answers \"starting\" "
+              "until they are done", file=sys.stderr, flush=True)
     print(f"serving {name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has shut down; a handler that only notes
     # it makes that an ordinary return (exit 0) instead of death by the default action

@@ -169,6 +169,9 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
     async def health():
         if not driver.alive:
             return error_response(503, f"engine not running: {driver.failed or 'stopped'}", code="engine_unavailable")
+        warming = getattr(driver, "warming", None)
+        if warming is not None:  # `--warmup lazy`: requests are served meanwhile
+            return {"status": "starting", "warmup": {"done": warming[0], "total": warming[1]}}
         return {"status": "ok"}
 
     @app.get("/metrics")
