@@ -131,3 +131,45 @@ def test_sigterm_aborts_requests_that_outlive_the_graceful_timeout(tiny_dir):
         assert "server stopped" in err
     finally:
         srv.kill()
+
+
+def _readme_block(marker: str) -> str:
+    """The README's fenced python block that contains `marker`."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"{len(found)} README python blocks contain {marker!r}"
+    return found[0]
+
+
+@pytest.mark.slow
+def test_readme_chat_example_against_serve_checkpoint_demo_lazy(tmp_path):
+    """`ling-jax serve --checkpoint demo --warmup lazy`: it answers at once, /health says "starting"
+    with the warm-up's progress while programs compile, the README's streamed `openai` chat example
+    runs as written (only the port differs) and prints the demo model's text; a request without
+    `model` is served (the documented choice); progress lines name each program; then "ok"."""
+    srv = Served(["--checkpoint", "demo", "--warmup", "lazy", "--max-slots", "2", "--max-seq-len", "256",
+                  "--prefill-chunk", "32", "--cache-memory", "0.05"])
+    try:
+        assert "warm-up (lazy): " in srv.stderr and "'demo_model'" in srv.stderr
+        h = httpx.get(srv.url + "/health", timeout=30).json()
+        assert h["status"] == "starting" and h["warmup"]["done"] < h["warmup"]["total"], h
+        code = _readme_block("client.chat.completions.create(").replace("http://127.0.0.1:8000", srv.url)
+        script = tmp_path / "readme_chat.py"
+        script.write_text(code)
+        p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=_env())
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.stdout.strip(), "the chat example printed nothing"
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "def parse", "max_tokens": 4}, timeout=300)
+        assert r.status_code == 200 and r.json()["model"] == "demo_model"
+        deadline = time.monotonic() + 600
+        while httpx.get(srv.url + "/health", timeout=30).json()["status"] != "ok":
+            assert time.monotonic() < deadline, "the lazy warm-up did not finish:\n" + srv.stderr[-3000:]
+            time.sleep(1)
+        lines = [l for l in srv.lines if l.startswith("warm-up (lazy) ")]
+        n = h["warmup"]["total"]
+        assert len(lines) == n and lines[-1].startswith(f"warm-up (lazy) {n}/{n}: ") and "(0 left)" in lines[-1]
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.wait(120) == 0
+    finally:
+        srv.kill()
