@@ -3,7 +3,10 @@
 Process 0 serves HTTP on --host/--port (127.0.0.1 unless told otherwise); in a multi-host run
 every other process builds the same engine and follows process 0's steps (`engine.follow()`).
 SIGTERM or Ctrl-C: stop accepting connections, let running requests finish for up to
---graceful-timeout seconds, abort the rest, exit 0.
+--graceful-timeout seconds, abort the rest (each still gets its final "abort" chunk and [DONE], or
+its whole JSON body: `runner.GracefulServer`), exit 0. `--warmup lazy`: serve at once while the
+step programs compile between steps (/health: "starting"). `--checkpoint demo` serves the shipped
+demo model (as `demo_model`); `--checkpoint ORG/NAME[@REV]` a Hugging Face Hub checkpoint.
 """
 from __future__ import annotations
 
