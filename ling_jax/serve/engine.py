@@ -325,7 +325,8 @@ class Engine:
             return (f"{'speculative decode' if spec else 'decode'} {n} row(s) x {w} page(s)", call)
 
         def prefill(T):
-            return (f"prefill {R} row(s) x {T} tokens", lambda: self._run_prefill(self._padding_inputs(OP_PREFILL, R, T)))
+            return (f"prefill {R} row(s) x {T} tokens",
+                    lambda: self._run_prefill(self._padding_inputs(OP_PREFILL, R, T)))
 
         first = [prefill(self.buckets[0]), decode(self.decode_rows[0], self.widths[0])]
         rest = ([decode(n, w) for w in self.widths for n in self.decode_rows
