@@ -147,7 +147,8 @@ def test_readme_chat_example_against_serve_checkpoint_demo_lazy(tmp_path):
     """`ling-jax serve --checkpoint demo --warmup lazy`: it answers at once, /health says "starting"
     with the warm-up's progress while programs compile, the README's streamed `openai` chat example
     runs as written (only the port differs) and prints the demo model's text; a request without
-    `model` is served (the documented choice); progress lines name each program; then "ok"."""
+    `model` is served (the documented choice) with its own `created`; progress lines name each
+    program; then "ok"."""
     srv = Served(["--checkpoint", "demo", "--warmup", "lazy", "--max-slots", "2", "--max-seq-len", "256",
                   "--prefill-chunk", "32", "--cache-memory", "0.05"])
     try:
@@ -162,6 +163,9 @@ def test_readme_chat_example_against_serve_checkpoint_demo_lazy(tmp_path):
         assert p.stdout.strip(), "the chat example printed nothing"
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "def parse", "max_tokens": 4}, timeout=300)
         assert r.status_code == 200 and r.json()["model"] == "demo_model"
+        # `created` is each response's own time (it was the server's start time in every response)
+        started = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["created"]
+        assert started < r.json()["created"] <= time.time()
         deadline = time.monotonic() + 600
         while httpx.get(srv.url + "/health", timeout=30).json()["status"] != "ok":
             assert time.monotonic() < deadline, "the lazy warm-up did not finish:\n" + srv.stderr[-3000:]
