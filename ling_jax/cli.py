@@ -46,6 +46,18 @@ def _one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def resolve_checkpoint_args(args) -> None:
+    """`--checkpoint` (and `inspect DIR`) may name a local directory, `demo` or a Hub id
+    ORG/NAME[@REVISION] (`ling_jax/checkpoint/locate.py`): replaced by the local directory; the
+    spelling stays in `args.checkpoint_spec` (a server's default model name)."""
+    from ling_jax.checkpoint.locate import resolve_checkpoint
+    for attr, what in (("checkpoint", "--checkpoint"), ("dir", "DIR")):
+        spec = getattr(args, attr, None)
+        if isinstance(spec, str):
+            args.checkpoint_spec = spec
+            setattr(args, attr, resolve_checkpoint(spec, what=what))
+
+
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -53,6 +65,7 @@ def main(argv=None) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         apply_compilation_cache_args(args)  # before the command compiles anything
+        resolve_checkpoint_args(args)
         rc = args._run(args)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -234,11 +234,15 @@ def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_ne
                                              "stream_fn", "exec"), donate_argnames=("state",))
 def decode_loop(graphdef, params, state: DecodeState, *, sampling: SamplingParams, stop_ids: tuple,
                 max_new, speculative: int = 0, stream_fn: Callable | None = None,
-                exec: ExecConfig | None = None) -> DecodeState:
+                exec: ExecConfig | None = None, max_steps=None) -> DecodeState:
     """Run decode steps until every sequence is done, all inside one `lax.while_loop`.
 
     max_new: new tokens per sequence, a traced int (not a static shape: a new value does not
-    compile again), at most `state.out`'s width."""
+    compile again), at most `state.out`'s width. max_steps: None, or a traced int: stop after that
+    many steps even if not done (`generate` streams by calling the loop again with the returned
+    state: the same steps, the same tokens, and no host callback in the program, so the persistent
+    compilation cache can store it). stream_fn: a host callback inside the loop (`io_callback`;
+    such a program is never written to the persistent cache)."""
     model = nnx.merge(graphdef, params)
     ex = (exec or model.exec).replace(skip_logits=False, kda_states=False)
     stacked = model.stacked_layers(ex)  # loop-invariant: stacked once, not in every step
@@ -246,7 +250,10 @@ def decode_loop(graphdef, params, state: DecodeState, *, sampling: SamplingParam
         body = lambda s: _spec_step(model, stacked, s, speculative, sampling, stop_ids, max_new, stream_fn, ex)
     else:
         body = lambda s: _plain_step(model, stacked, s, sampling, stop_ids, max_new, stream_fn, ex)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    if max_steps is None:
+        return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done) & (c[1] < max_steps),
+                              lambda c: (body(c[0]), c[1] + 1), (state, jnp.int32(0)))[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,12 +295,38 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.n
     return ids, lens
 
 
+STREAM_CHUNK = 8  # decode steps per compiled call when streaming (`generate(stream=..., stream_chunk=...)`)
+
+
+def _decode_streamed(graphdef, params, state: DecodeState, stream, chunk: int, **kw) -> DecodeState:
+    """`decode_loop` in calls of at most `chunk` steps, handing the tokens each call emitted to
+    `stream(tokens [B,n], counts [B])` between calls. The steps are the loop's own (the state,
+    random key included, is carried from call to call), so the tokens equal one whole call's; the
+    program has no host callback, so the persistent compilation cache stores it, and every call
+    after the first reuses it (`max_steps` is traced)."""
+    if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"stream_chunk must be an int >= 1, got {chunk!r}")
+    seen = np.asarray(state.n_out)
+    while True:
+        state = decode_loop(graphdef, params, state, max_steps=np.int32(chunk), **kw)
+        out, n_out, done = np.asarray(state.out), np.asarray(state.n_out), np.asarray(state.done)
+        new = n_out - seen
+        if new.any():
+            toks = np.zeros((out.shape[0], int(new.max())), out.dtype)
+            for b in range(out.shape[0]):
+                toks[b, :new[b]] = out[b, seen[b]:n_out[b]]
+            stream(toks, new.astype(np.int32))
+        seen = n_out
+        if done.all():
+            return state
+
+
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              sampling: SamplingParams = SamplingParams(), speculative: int = 0,
              stop_ids: Sequence[int] | None = None, max_len: int | None = None,
              stream: Callable[[np.ndarray, np.ndarray], None] | None = None,
              exec: ExecConfig | None = None, kv_cache_dtype: str | None = None,
-             logprobs: int | None = None) -> GenerationResult:
+             logprobs: int | None = None, stream_chunk: int = STREAM_CHUNK) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids of any lengths).
 
     sampling: greedy by default; `SamplingParams(temperature, top_k, top_p, seed)` otherwise, with
@@ -304,8 +337,10 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     top-p): `result.logprobs[b]` is a list of `TokenLogprob` aligned with `result.tokens[b]`.
     speculative: number of MTP drafts per round (0 = plain decoding). stop_ids: default the
     config's EOS ids. Compiles once per batch size and bucket (`length_bucket`) of the prompt
-    width, the cache length and `max_new_tokens`. stream(tokens [B,n], counts [B]) is called from inside the compiled loop
-    as tokens are produced (tokens[b, :counts[b]] are new for sequence b). exec: how to run
+    width, the cache length and `max_new_tokens`. stream(tokens [B,n], counts [B]) is called on the host as tokens are
+    produced (tokens[b, :counts[b]] are new for sequence b): the first token after prefill, then
+    after every `stream_chunk` decode steps (the decode loop runs in compiled calls of that many
+    steps; the tokens are those of the unstreamed run). exec: how to run
     (default `model.exec`; e.g. `model.exec.replace(kernels="pallas", kda_chunk=32)`).
     kv_cache_dtype: "auto" (None: the MLA cache in the model dtype) or "fp8" (`ling_jax.kv_quant`).
     """
@@ -361,8 +396,12 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                         _logprob_values(logits[:, None], tok[:, None], state))
     if stream is not None:
         stream(np.asarray(tok[:, None]), np.asarray(take))
-    state = decode_loop(graphdef, params, state, sampling=sampling, stop_ids=stop, max_new=np.int32(max_new_tokens),
-                        speculative=speculative, stream_fn=stream, exec=exec)
+    if stream is None:
+        state = decode_loop(graphdef, params, state, sampling=sampling, stop_ids=stop,
+                            max_new=np.int32(max_new_tokens), speculative=speculative, exec=exec)
+    else:
+        state = _decode_streamed(graphdef, params, state, stream, stream_chunk, sampling=sampling, stop_ids=stop,
+                                 max_new=np.int32(max_new_tokens), speculative=speculative, exec=exec)
     out, n_out = np.asarray(state.out), np.asarray(state.n_out)
     toks = [out[b, :n_out[b]].tolist() for b in range(B)]
     finished = [bool(len(t) and t[-1] in stop) for t in toks]

@@ -304,7 +304,8 @@ def open_validated(checkpoint_dir: str, with_mtp: bool, keep_quantized: bool):
 def load_model(checkpoint: str, dtype=None, *, mesh=None, with_mtp: bool = True, keep_quantized: bool | None = None,
                keep_fp8: bool | None = None, progress: bool = True) -> LingForCausalLM:
     """Load a checkpoint directory — HF release layout or a `ling-jax convert` output, detected by
-    its marker — onto `mesh` (default: one device). Relative paths are fine.
+    its marker — onto `mesh` (default: one device). Relative paths are fine; `"demo"` and Hugging
+    Face Hub ids `ORG/NAME[@REVISION]` are resolved first (`ling_jax.checkpoint.locate`).
 
     dtype: storage/compute dtype of the parameters not kept quantised (default `ops.default_dtype()`:
     float32 on CPU, bfloat16 on accelerators). with_mtp: also load the MTP layer (if the config has
@@ -314,6 +315,8 @@ def load_model(checkpoint: str, dtype=None, *, mesh=None, with_mtp: bool = True,
     """
     if keep_quantized is None:
         keep_quantized = keep_fp8
+    from ling_jax.checkpoint.locate import resolve_checkpoint
+    checkpoint = resolve_checkpoint(checkpoint, what="checkpoint")  # `demo`, a Hub id ORG/NAME[@REV]
     if not os.path.isdir(checkpoint):
         raise FileNotFoundError(f"{checkpoint}: checkpoint directory not found")
     dtype = as_dtype(dtype or default_dtype())

@@ -96,8 +96,10 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, checkpoint_dir: Union[str, os.PathLike]) -> Optional["Tokenizer"]:
-        """Load from a checkpoint directory; None when it has no tokenizer.json."""
-        checkpoint_dir = os.fspath(checkpoint_dir)
+        """Load from a checkpoint directory (or `demo`, a Hub id ORG/NAME[@REVISION]: its tokenizer
+        files, `ling_jax.checkpoint.locate`); None when it has no tokenizer.json."""
+        from ling_jax.checkpoint.locate import resolve_checkpoint
+        checkpoint_dir = resolve_checkpoint(os.fspath(checkpoint_dir), weights=False, what="checkpoint")
         path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
         if not os.path.isfile(path):
             return None

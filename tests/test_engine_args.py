@@ -26,9 +26,10 @@ def flags(*argv):
 
 def test_defaults():
     a = flags()
-    assert (a.max_slots, a.page_size, a.prefill_chunk, a.speculative, a.warmup) == (8, 16, 64, 0, True)
+    assert (a.max_slots, a.page_size, a.prefill_chunk, a.speculative, a.warmup) == (8, 16, 64, 0, "full")
     assert a.cache_memory is a.max_seq_len is a.prefix_cache_memory is None and not a.no_prefix_cache
-    assert flags("--no-warmup").warmup is False
+    assert flags("--no-warmup").warmup == flags("--warmup", "off").warmup == "off"
+    assert flags("--warmup").warmup == "full" and flags("--warmup", "lazy").warmup == "lazy"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -137,6 +138,26 @@ def test_engine_from_args_reports_on_stderr(tiny_model):
     assert eng.prefill_chunk == 16 and eng.compiled_shapes() == 0  # --no-warmup: nothing compiled
     assert text.startswith("engine memory: 10 pages x 8 tokens") and "from default: test budget" in text
     assert eng.describe() in text and "warm-up" not in text
+
+
+def test_warmup_prints_one_progress_line_per_program(tiny_model, capsys):
+    """Start-up progress: `warm-up i/N: <program> <s> s (k left)` per compiled program, the ones a
+    first short request needs first; `batch --warmup lazy` is refused by name."""
+    import re
+    out = io.StringIO()
+    args = flags("--max-slots", "2", "--page-size", "8", "--prefill-chunk", "16", "--max-seq-len", "40",
+                 "--no-prefix-cache")
+    eng = engine_from_args(args, tiny_model, report=out, budget=(GIB, "test budget"))
+    lines = [l for l in out.getvalue().splitlines() if re.match(r"warm-up \d+/\d+: ", l)]
+    items = eng.warmup_items()
+    assert len(lines) == len(items) >= 3, out.getvalue()
+    n = len(items)
+    for i, (line, (label, _)) in enumerate(zip(lines, items)):
+        assert re.fullmatch(rf"warm-up {i + 1}/{n}: {re.escape(label)} \d+\.\d s \({n - i - 1} left\)", line), line
+    assert lines[0].startswith(f"warm-up 1/{n}: prefill") and lines[1].startswith(f"warm-up 2/{n}: decode 1 row(s)")
+    assert "warm-up: " in out.getvalue() and eng.compiled_shapes() > 0
+    assert main(["batch", "--checkpoint", "x", "--requests", "-", "--warmup", "lazy"]) == 2
+    assert "--warmup lazy: only `ling-jax serve`" in capsys.readouterr().err
 
 
 def test_output_may_not_overwrite_the_requests(tmp_path, capsys):

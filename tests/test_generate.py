@@ -133,6 +133,28 @@ def test_stop_ids_and_streaming(tiny_model):
     assert got == res.tokens[0]
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_streamed_by_chunks_equals_unstreamed(tiny_cfg, chunk):
+    """Streaming runs the decode loop in calls of `stream_chunk` steps (no host callback inside the
+    program): the streamed tokens, the result and the logprobs equal the unstreamed run's, sampled
+    with penalties, batched with different lengths and with speculation."""
+    model = load_from_dict(tiny_cfg, _predictable_params(tiny_cfg, 0.5, 7))
+    prompts = [[1, 2, 3, 4, 5], [17, 3]]
+    for kw in (dict(sampling=SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.3, seed=2), logprobs=2),
+               dict(speculative=2, sampling=SamplingParams(temperature=0.7, top_k=20, seed=5))):
+        base = generate(model, prompts, 13, stop_ids=(), **kw)
+        got = [[], []]
+
+        def stream(t, n):
+            for b in range(2):
+                got[b].extend(t[b, :n[b]].tolist())
+        res = generate(model, prompts, 13, stop_ids=(), stream=stream, stream_chunk=chunk, **kw)
+        assert res.tokens == base.tokens == got and all(len(t) == 13 for t in got)
+        assert res.logprobs == base.logprobs and res.acceptance_length == base.acceptance_length
+    with pytest.raises(ValueError, match="stream_chunk"):
+        generate(model, prompts, 4, stream=stream, stream_chunk=0)
+
+
 def test_generate_errors(tiny_model, tiny_cfg):
     with pytest.raises(ValueError, match="empty"):
         generate(tiny_model, [[]], 4)

@@ -133,6 +133,8 @@ def _read_lines(path: str) -> list:
 
 def run(args) -> int:
     check_engine_flags(args)
+    if args.warmup == "lazy":
+        raise ArgumentValueError("--warmup lazy: only `ling-jax serve` warms up lazily (batch: full or off)")
     cfg = checkpoint_config(args.checkpoint)
     S.init_from_args(args)  # multi-host: before anything touches the devices
     tok = requests = None

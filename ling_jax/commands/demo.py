@@ -20,36 +20,22 @@ from __future__ import annotations
 import os
 import sys
 
-from ling_jax.commands.common import finite_float, non_negative_float, non_negative_int
+from ling_jax.checkpoint.locate import SHIPPED, cache_dir, demo_checkpoint  # noqa: F401 (re-exported)
+from ling_jax.commands.common import (ArgumentValueError, finite_float, non_negative_float, non_negative_int,
+                                      positive_int)
 
 # temperature, top_p, frequency_penalty, seed: why these, see the module docstring
 DEMO_SAMPLING = dict(temperature=0.7, top_p=0.9, frequency_penalty=0.3, seed=0)
+# not "def ": the tokenizer makes its trailing space a token of its own, after which the model writes
+# "def (self" (names carry their leading space: " parse" is one token)
+DEFAULT_PROMPT = "def parse"
 
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_model")
-
-
-def cache_dir() -> str:
-    return os.environ.get("LING_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ling-jax"))
-
-
-def demo_checkpoint(verbose: bool = True) -> str:
-    if os.path.isfile(os.path.join(SHIPPED, "config.json")):
-        return SHIPPED
-    path = os.path.join(cache_dir(), "demo-random-v1")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        from ling_jax.checkpoint.synthetic_config import synthetic_config
-        from ling_jax.checkpoint.writer import write_checkpoint
-        if verbose:
-            print(f"building the demo checkpoint in {path} (once)", file=sys.stderr)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_checkpoint(synthetic_config(), path, dtype="fp8", seed=0, progress=False)
-    return path
 
 
 def add_parser(sub):
     p = sub.add_parser("demo", help="generate text with the small demo model")
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"default {DEFAULT_PROMPT!r}")
+    p.add_argument("--max-new-tokens", type=positive_int, default=40)
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="MTP drafts per step (1..3; implies no penalties unless given)")
     p.add_argument("--greedy", action="store_true", help="plain greedy decoding, no penalties (loops on this model)")
@@ -85,6 +71,7 @@ def run(args) -> int:
     from ling_jax.commands import generate as gen
 
     ckpt = demo_checkpoint(verbose=not args.json)
+    check_demo_length(ckpt, args.prompt, args.max_new_tokens)
     if ckpt != SHIPPED and not args.json:
         print(f"note: {SHIPPED} is missing, so this is a random-weight model and the text is noise "
               "(the architecture and every code path are real)", file=sys.stderr)
@@ -95,6 +82,20 @@ def run(args) -> int:
     if not args.json:
         print(args.prompt, end="", flush=True)
     return gen.run(ns)
+
+
+def check_demo_length(ckpt: str, prompt: str, max_new_tokens: int) -> None:
+    """The demo's own refusal of a prompt + --max-new-tokens beyond the demo model's context
+    (`generate`'s would suggest --allow-long-context, which the demo does not take)."""
+    from ling_jax.config import LingConfig
+    from ling_jax.tokenizer import Tokenizer
+    limit = LingConfig.from_json(os.path.join(ckpt, "config.json")).max_position_embeddings
+    tok = Tokenizer.from_dir(ckpt)
+    n = len(tok.encode(prompt, add_special_tokens=True)) if tok is not None else 0
+    if n + max_new_tokens > limit:
+        raise ArgumentValueError(f"--max-new-tokens: the prompt's {n} tokens + {max_new_tokens} new tokens exceed "
+                                 f"the demo model's context of {limit} positions (at most {max(limit - n, 0)} new "
+                                 f"tokens after this prompt)")
 
 
 class _Sub:

@@ -46,6 +46,8 @@ from ling_jax import accounting as A
 from ling_jax.config import LingConfig
 from sharding.mesh import parse_mesh_shape
 
+DEFAULT_RESERVE_GIB = 6.0  # per device: what the seed's verdict (4xH100, ~1 GiB free, ~96K tokens) holds back
+
 
 def add_parser(subparsers):
     p = subparsers.add_parser("plan", help="weight and cache memory per device for a config and mesh",
@@ -58,8 +60,9 @@ def add_parser(subparsers):
                    help="mesh axes, e.g. data=1,expert=8,model=4 (axes data, expert, model; default one device)")
     p.add_argument("--device-memory", metavar="GiB", default=None,
                    help="memory per device in GiB (e.g. 80 for H100, 141 for H200); enables tokens_fit")
-    p.add_argument("--reserve", metavar="GiB", default="0",
-                   help="memory per device held back for activations, workspaces, CUDA graphs (default 0)")
+    p.add_argument("--reserve", metavar="GiB", default=str(DEFAULT_RESERVE_GIB),
+                   help="memory per device held back for activations, workspaces, CUDA graphs (default "
+                        f"{DEFAULT_RESERVE_GIB:g}: the seed's 4xH100 verdict, ~96K tokens, assumes it; 0 = none)")
     p.add_argument("--sequences", metavar="N", default="1",
                    help="concurrent sequences whose KDA state must fit next to the MLA cache (default 1)")
     p.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer's weights and cache")

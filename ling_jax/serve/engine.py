@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import math
 import numbers
+import time
 from typing import Callable, Iterator, Optional, Sequence
 
 import jax
@@ -304,19 +305,55 @@ class Engine:
                 f"{sz.page_bytes}) (one per {every} tokens: snapshots every {self.snapshot_interval} tokens inside a "
                 f"prefill chunk and at chunk ends) = {self.snapshots.bytes / GIB:.4f} GiB beside the pools\n")
 
-    def warmup(self) -> None:
+    def warmup(self, progress=None) -> None:
         """Compile every step shape now, on padding rows that change no state. On processes > 0 of
-        a multi-host run it does nothing: they run process 0's warm-up calls inside `follow()`."""
+        a multi-host run it does nothing: they run process 0's warm-up calls inside `follow()`.
+        progress(done, total, label, seconds): called after each item of `warmup_items()`."""
+        items = self.warmup_items()
+        for i, (label, call) in enumerate(items):
+            t = time.perf_counter()
+            call()
+            if progress is not None:
+                progress(i + 1, len(items), label, time.perf_counter() - t)
+
+    def warmup_items(self) -> list:
+        """The warm-up as [(label, call)]: one item per step program (each call compiles it, on
+        padding rows that change no state), those a first short request needs first (the smallest
+        prefill bucket, then one-row decode at the narrowest width), then the rest, the prefix
+        cache's copies, and a last item running every program once more (it compiles nothing: it
+        records the steady-state argument placement in the dispatch cache). Running them one by one
+        between steps (`ling-jax serve --warmup lazy`) is as safe as at start-up. Empty on
+        processes > 0 of a multi-host run."""
         if self.is_follower:
-            return
+            return []
         S, R = self.sizes.max_slots, self.prefill_rows
-        # twice: the second round feeds each program pools that a step produced, so the dispatch cache
-        # also holds the steady-state argument placement (the first round compiles; the second only
-        # records that signature, no compilation)
-        for _ in range(2):
+        spec = self.speculative
+
+        def decode(n, w):
+            def call():
+                program = self._spec if self.speculative else self._decode
+                self.pools = program(self.params, self.pools, self._padding_inputs(OP_DECODE, n, 1, w))[0]
+            return (f"{'speculative decode' if spec else 'decode'} {n} row(s) x {w} page(s)", call)
+
+        def prefill(T):
+            return (f"prefill {R} row(s) x {T} tokens",
+                    lambda: self._run_prefill(self._padding_inputs(OP_PREFILL, R, T)))
+
+        first = [prefill(self.buckets[0]), decode(self.decode_rows[0], self.widths[0])]
+        rest = ([decode(n, w) for w in self.widths for n in self.decode_rows
+                 if (n, w) != (self.decode_rows[0], self.widths[0])] + [prefill(T) for T in self.buckets[1:]])
+        items = first + rest
+        if self.snapshots is not None:
+            items.append(("prefix-cache snapshot copies", self._warmup_snapshots))
+
+        def again():
             self._warmup_round(S, R)
             if self.snapshots is not None:
-                self.pools = self.snapshots.warmup(self.pools)
+                self._warmup_snapshots()
+        return items + [("every program once more (placement; no compile)", again)]
+
+    def _warmup_snapshots(self) -> None:
+        self.pools = self.snapshots.warmup(self.pools)
 
     def program_calls(self) -> list:
         """[(name, jitted program, arguments)] of every program `warmup()` compiles, in its order:

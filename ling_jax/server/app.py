@@ -219,7 +219,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
     stalls other clients' streams."""
     metrics = ServerMetrics(lambda: driver.stats, lambda: driver.in_flight)
     fmt = _Formatter(info.tokenizer)
-    created = int(time.time())
+    started = int(time.time())  # /v1/models' `created`; every response has its own (the time it began)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=tokenize_workers, thread_name_prefix="ling-jax-tokenize")
 
     async def off_loop(fn, *args, size: int = OFF_LOOP_CHARS + 1):
@@ -238,6 +238,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
 
     app = FastAPI(title="ling-jax", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.driver, app.state.info, app.state.metrics = driver, info, metrics
+    app.state.abort = driver.stop if owns_driver else None  # runner.GracefulServer's abort on shutdown
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     if api_key:  # added last = runs first: no key, no reading of the body
@@ -253,7 +254,10 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
             return error_response(503, f"engine failed: {driver.failed} (the server is exiting)",
                                   code="engine_failed")
         if not driver.alive:
-            return error_response(503, "engine not running: stopped", code="engine_unavailable")
+            return error_response(503, f"engine not running: {driver.failed or 'stopped'}", code="engine_unavailable")
+        warming = getattr(driver, "warming", None)
+        if warming is not None:  # `--warmup lazy`: requests are served meanwhile
+            return {"status": "starting", "warmup": {"done": warming[0], "total": warming[1]}}
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -262,7 +266,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
         return Response(body, media_type=content_type)
 
     def card() -> ModelCard:
-        return ModelCard(id=info.name, created=created, max_model_len=info.max_seq_len)
+        return ModelCard(id=info.name, created=started, max_model_len=info.max_seq_len)
 
     @app.get("/v1/models")
     async def models():
@@ -294,7 +298,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
         check_model(info, req.model)
         plans, n_prompt = await off_loop(completion_plans, info, req, size=_text_chars(req, request))
         run = ChoiceRun(driver, info.tokenizer, metrics, plans)
-        rid, top = f"cmpl-{uuid.uuid4().hex}", req.logprobs or 0
+        rid, top, created = f"cmpl-{uuid.uuid4().hex}", req.logprobs or 0, int(time.time())
         offsets = [0] * len(plans)
 
         def choice(d: Delta, final: bool = False) -> CompletionChoice:
@@ -333,7 +337,7 @@ def create_app(driver: EngineDriver, info: ModelInfo, *, api_key: Optional[str] 
         check_model(info, req.model)
         plans, n_prompt = await off_loop(chat_plans, info, req, size=_text_chars(req, request))
         run = ChoiceRun(driver, info.tokenizer, metrics, plans)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = req.logprobs
 
         def lps(d: Delta) -> Optional[ChatLogprobs]:

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from typing import Callable, Optional
 
 from ling_jax.serve import Engine, RequestHandle, RequestParams
@@ -63,7 +64,8 @@ class EngineDriver:
     """
 
     def __init__(self, engine: Engine, max_queue: int = 64, on_exit: Callable[[], None] | None = None,
-                 idle_wait_s: float = 0.05, on_failure: Callable[[str], None] | None = None):
+                 idle_wait_s: float = 0.05, on_failure: Callable[[str], None] | None = None,
+                 warmup_items: list | None = None, warmup_progress=None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         self.engine = engine
@@ -79,6 +81,10 @@ class EngineDriver:
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._loop, name="ling-jax-engine-driver", daemon=True)
         self._stopping = False
+        # lazy warm-up (`serve --warmup lazy`): Engine.warmup_items() run one at a time whenever the
+        # engine has nothing to do; a request that comes first compiles the shapes it needs itself
+        self._warmup = list(warmup_items or [])
+        self._warmup_total, self._warmup_progress = len(self._warmup), warmup_progress
 
     # -- called from any thread -----------------------------------------------------------------
     def start(self) -> "EngineDriver":
@@ -95,6 +101,12 @@ class EngineDriver:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failed is None
+
+    @property
+    def warming(self) -> Optional[tuple]:
+        """(items done, items in all) while a lazy warm-up is still running, else None."""
+        left = len(self._warmup)
+        return (self._warmup_total - left, self._warmup_total) if left else None
 
     def try_reserve(self, n: int) -> bool:
         """Take n places of the bounded queue; False (nothing taken) when they do not fit."""
@@ -142,6 +154,15 @@ class EngineDriver:
             self._release(sub)
         self._deliver(sub, TokenEvent(tuple(int(t) for t in toks), lps, finish))
 
+    def _warm_one(self) -> None:
+        label, call = self._warmup[0]
+        t = time.perf_counter()
+        call()
+        self._warmup.pop(0)
+        if self._warmup_progress is not None:
+            self._warmup_progress(self._warmup_total - len(self._warmup), self._warmup_total, label,
+                                  time.perf_counter() - t)
+
     def _apply(self, kind: str, sub: Optional[Submission]) -> bool:
         """Apply one command; False when it is the stop command."""
         if kind == "stop":
@@ -168,7 +189,7 @@ class EngineDriver:
         try:
             while running:
                 try:  # block briefly only when the engine has nothing to do
-                    wait = not self.engine.has_work()
+                    wait = not self.engine.has_work() and not self._warmup
                     cmd = self._commands.get(timeout=self._idle_wait_s) if wait else self._commands.get_nowait()
                     running = self._apply(*cmd)
                     while running:
@@ -177,6 +198,8 @@ class EngineDriver:
                     pass
                 if running and self.engine.has_work():
                     self.engine.step()
+                elif running and self._warmup:
+                    self._warm_one()
                 self.stats = self.engine.stats()  # after cancels too, which free slots without a step
         except Exception as e:  # an engine failure: fail every request, report unhealthy, stop
             log.exception("engine step failed")

@@ -14,8 +14,10 @@ a client that connects in between is queued, not refused.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -31,6 +33,8 @@ from ling_jax.server.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, 
 from ling_jax.server.driver import EngineDriver
 from ling_jax.server.errors import error_body, error_response
 from ling_jax.server.requests import ModelInfo
+
+log = logging.getLogger("ling_jax.server")
 
 
 def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -152,15 +156,68 @@ def guarded_protocol(header_timeout_s: Optional[float]) -> type:
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": header_timeout_s})
 
 
-def uvicorn_server(app, graceful_timeout_s: float = 30.0, log_level: str = "warning", *,
+ABORT_GRACE_S = 10.0  # after the abort: how long the handlers get to write their final chunk / body
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with a shutdown that aborts instead of cancelling.
+
+    uvicorn's own shutdown, once `timeout_graceful_shutdown` has passed, cancels the request
+    handlers (a stream cut without its last chunk, a non-streamed request answered by a bare 500,
+    a CancelledError traceback) and only then runs the lifespan shutdown that stops the engine
+    driver. Here the order is: stop accepting; let running requests finish for up to the graceful
+    timeout; then `abort()` (the driver's stop: every request still in flight gets
+    finish_reason "abort", so each handler writes its final chunk and `[DONE]`, or its complete
+    JSON body); wait up to ABORT_GRACE_S for those responses; only what is still running then is
+    cancelled (uvicorn's behaviour); then the lifespan shutdown."""
+
+    def __init__(self, config: uvicorn.Config, abort=None):
+        super().__init__(config)
+        self.abort = abort
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:  # stop accepting
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):  # no keep-alive after this response
+            connection.shutdown()
+        await asyncio.sleep(0.1)
+        if not await self._drain(self.config.timeout_graceful_shutdown) and self.abort is not None:
+            if self.server_state.tasks or self.server_state.connections:
+                log.warning("graceful timeout of %s s passed: aborting the requests still running",
+                            self.config.timeout_graceful_shutdown)
+            await asyncio.get_running_loop().run_in_executor(None, self.abort)
+            await self._drain(ABORT_GRACE_S)
+        if self.server_state.tasks:
+            log.error("cancelling %d request(s) that did not end after the abort", len(self.server_state.tasks))
+            for t in self.server_state.tasks:
+                t.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    async def _drain(self, timeout_s: float) -> bool:
+        """Wait until no connection or request task is left (True), at most timeout_s (False)."""
+        try:
+            await asyncio.wait_for(self._wait_tasks_to_complete(), timeout=timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+def uvicorn_server(app, graceful_timeout_s: float = 30.0, log_level: str = "warning", abort=None, *,
                    header_timeout_s: Optional[float] = DEFAULT_HEADER_TIMEOUT_S,
                    max_connections: Optional[int] = DEFAULT_MAX_CONNECTIONS) -> uvicorn.Server:
-    """uvicorn on the guarded h11 protocol; `max_connections` is uvicorn's limit_concurrency
-    (connections or running requests past it get a 503 with Retry-After)."""
+    """The server for `app` on the guarded h11 protocol (`GuardedH11Protocol`: header read timeout,
+    OpenAI-shaped protocol errors); `max_connections` is uvicorn's limit_concurrency (connections or
+    running requests past it get a 503 with Retry-After). On shutdown `abort` (default: the app's
+    driver's stop) ends the requests still running after `graceful_timeout_s` (GracefulServer)."""
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=graceful_timeout_s,
                             access_log=False, http=guarded_protocol(header_timeout_s),
                             limit_concurrency=max_connections)
-    return uvicorn.Server(config)
+    if abort is None:  # create_app's: the driver's stop when the app owns its driver
+        abort = getattr(getattr(app, "state", None), "abort", None)
+    return GracefulServer(config, abort)
 
 
 class ServerThread:
