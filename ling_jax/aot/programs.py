@@ -109,9 +109,9 @@ def engine_programs(model, families, *, plan: Callable, shapes: str = "largest",
     for name, fn, args in calls:
         fam = name.split("[")[0].split("-")[0]
         args = tuple(_abstract_inputs(a, mesh) for a in args)
-        rows = eng.prefill_rows if fam == "prefill" else 1
+        per_row = eng.prefill_rows if fam == "prefill" else 1
         kind = "pools" if fam == "snapshot" else "engine"
-        out.append(Program(name, fam, fn, args, {}, _step_tokens(name, speculative) * rows,
+        out.append(Program(name, fam, fn, args, {}, _step_tokens(name, speculative) * per_row,
                            plan(kind, eng=eng, snapshots=fam in ("prefill", "snapshot"), mtp=eng.sizes.with_mtp)))
     return out
 
