@@ -131,7 +131,7 @@ def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, len
         nv = np.clip(lens - i * chunk, 0, chunk).astype(np.int32)
         cache, lg, _, hid = prefill(graphdef, params, cache, jnp.asarray(ids[:, i * chunk:(i + 1) * chunk]),
                                     jnp.asarray(nv), hid, key, sampling=SamplingParams(), with_mtp=with_mtp,
-                                    fresh=i == 0, exec=exec)
+                                    fresh=i == 0 or not with_mtp, exec=exec)  # (ignored without MTP: one program)
         logits = lg if logits is None else jnp.where(jnp.asarray(nv > 0)[:, None], lg, logits)
     return cache, logits, hid
 

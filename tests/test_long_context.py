@@ -42,29 +42,33 @@ def test_chunked_forward_equals_whole_and_float64(tiny_model, tiny_cfg, tiny_par
         assert same.mean() > 0.95, layer
 
 
-@pytest.mark.parametrize("speculative", [0, 1])
-def test_chunked_generate_prefill_equals_one_call(tiny_model, tiny_cfg, speculative):
+def test_chunked_generate_prefill_equals_one_call_and_float64(tiny_model, tiny_cfg, tiny_params):
     """Prompts of 40 and 13 tokens prefilled in chunks of 16 (the short one ends in the first chunk)
-    give the same greedy tokens as a single prefill call, plain and with MTP speculation (whose cache
-    is built across the chunk ends)."""
+    give the same greedy tokens as a single prefill call, and each prompt's first-token
+    log-probability is the float64 reference's."""
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, tiny_cfg.vocab_size, size=n).tolist() for n in (40, 13)]
-    one = generate(tiny_model, prompts, 10, speculative=speculative)
-    chunked = generate(tiny_model, prompts, 10, speculative=speculative,
+    one = generate(tiny_model, prompts, 8)
+    chunked = generate(tiny_model, prompts, 8, logprobs=0, exec=tiny_model.exec.replace(prefill_chunk=16, attn_block=8))
+    assert chunked.tokens == one.tokens
+    for b, prompt in enumerate(prompts):
+        ref = R.forward(tiny_params, tiny_cfg, np.asarray(prompt), mtp=False)["logits"][-1]
+        ref_lp = ref - (np.log(np.exp(ref - ref.max()).sum()) + ref.max())
+        tok = chunked.tokens[b][0]
+        assert tok == int(np.argmax(ref))
+        assert abs(chunked.logprobs[b][0].logprob - ref_lp[tok]) < 1e-4
+
+
+@pytest.mark.slow
+def test_chunked_generate_prefill_with_speculation_equals_one_call(tiny_model, tiny_cfg):
+    """With MTP speculation the MTP cache is built across the chunk ends (fresh first chunk, then
+    each token paired with the hidden before it): the same tokens as one prefill call."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, tiny_cfg.vocab_size, size=n).tolist() for n in (40, 13)]
+    one = generate(tiny_model, prompts, 8, speculative=1)
+    chunked = generate(tiny_model, prompts, 8, speculative=1,
                        exec=tiny_model.exec.replace(prefill_chunk=16, attn_block=8))
     assert chunked.tokens == one.tokens
-
-
-def test_chunked_generate_first_token_logprob_matches_float64(tiny_model, tiny_cfg, tiny_params):
-    """The first new token's log-probability after a chunked prefill is the float64 reference's."""
-    rng = np.random.default_rng(7)
-    prompt = rng.integers(0, tiny_cfg.vocab_size, size=37).tolist()
-    res = generate(tiny_model, [prompt], 1, logprobs=0, exec=tiny_model.exec.replace(prefill_chunk=16, attn_block=8))
-    ref = R.forward(tiny_params, tiny_cfg, np.asarray(prompt), mtp=False)["logits"][-1]
-    ref_lp = ref - (np.log(np.exp(ref - ref.max()).sum()) + ref.max())
-    tok = res.tokens[0][0]
-    assert tok == int(np.argmax(ref))
-    assert abs(res.logprobs[0][0].logprob - ref_lp[tok]) < 1e-4
 
 
 PEAK_RSS_SCRIPT = textwrap.dedent("""
@@ -109,3 +113,35 @@ def test_logits_over_16k_tokens_stays_under_3_gib():
     gib = peak_rss_gib(T, 2048)
     print(f"peak RSS over {T} tokens: {gib:.2f} GiB")
     assert gib < 3.0, gib
+
+
+def test_engine_prefill_reads_pages_up_to_its_width_bucket(tiny_model, tiny_cfg):
+    """Prefill chunks run at the block-table width bucket of their rows' lengths (2 or 12 pages of 8),
+    not always at max_blocks: the tokens equal `generate` (which attends over a contiguous cache), every
+    width was used, and nothing compiles after warm-up (buckets x widths programs)."""
+    from conftest import xla_compiles
+    from ling_jax.serve import Engine, RequestParams
+
+    eng = Engine(tiny_model, max_slots=2, page_size=8, num_pages=24, prefill_chunk=16, prefill_rows=2,
+                 max_seq_len=96, buckets=(16,), widths=(2, 12))
+    eng.warmup()
+    assert eng._prefill._cache_size() >= 1 * 2
+    widths, program = [], eng._prefill
+
+    def spy(params, pools, inp, *snaps):
+        widths.append(inp.block_table.shape[1])
+        return program(params, pools, inp, *snaps)
+
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, tiny_cfg.vocab_size, size=n).tolist() for n in (5, 70)]
+    eng._prefill = spy
+    try:
+        with xla_compiles() as events:
+            handles = [eng.submit(p, RequestParams(max_tokens=6)) for p in prompts]
+            eng.run_until_done()
+    finally:
+        eng._prefill = program
+    assert events == []
+    assert set(widths) == {2, 12}, widths  # the short prompt's chunk gathered 2 pages, not 12
+    want = generate(tiny_model, prompts, 6, stop_ids=()).tokens
+    assert [h.generated for h in handles] == want
