@@ -115,6 +115,7 @@ def test_logits_over_16k_tokens_stays_under_3_gib():
     assert gib < 3.0, gib
 
 
+@pytest.mark.slow
 def test_engine_prefill_reads_pages_up_to_its_width_bucket(tiny_model, tiny_cfg):
     """Prefill chunks run at the block-table width bucket of their rows' lengths (2 or 12 pages of 8),
     not always at max_blocks: the tokens equal `generate` (which attends over a contiguous cache), every
@@ -145,3 +146,28 @@ def test_engine_prefill_reads_pages_up_to_its_width_bucket(tiny_model, tiny_cfg)
     assert set(widths) == {2, 12}, widths  # the short prompt's chunk gathered 2 pages, not 12
     want = generate(tiny_model, prompts, 6, stop_ids=()).tokens
     assert [h.generated for h in handles] == want
+
+
+def test_kda_chunked_over_8k_tokens_matches_float64():
+    """KDA prefill (the float32 chunked scan, chunks of 16 and 64) over 8,192 tokens with slowly
+    decaying channels stays at float32 rounding of the float64 recurrence, outputs at the end of the
+    prompt and final state included (`tools/measure_kda_drift.py` does 16K…256K)."""
+    import jax
+    import importlib.util
+
+    from pallas_kernels.kda.reference import kda_chunk_scan
+
+    spec = importlib.util.spec_from_file_location("kda_drift", os.path.join(ROOT, "tools", "measure_kda_drift.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    T, H, dk = 8192, 2, 16
+    q, k, v, g, beta = tool.prepared_inputs(T, H, dk, dk, seed=3)
+    o64, s64 = R.kda_recurrent(q, k, v, g, beta, normalize=False)  # the independent float64 reference
+    s0 = jnp.zeros((1, H, dk, dk), jnp.float32)
+    for c in (16, 64):
+        o, s = jax.jit(kda_chunk_scan, static_argnames="chunk_size")(*(jnp.asarray(a)[None] for a in (q, k, v, g, beta)),
+                                                                    s0, chunk_size=c)
+        o, s = np.asarray(o[0]), np.asarray(s[0])
+        assert rel_err(o, o64) < 1e-5, c
+        assert rel_err(o[-1024:], o64[-1024:]) < 1e-5, c
+        assert rel_err(s, s64) < 1e-5, c
