@@ -294,10 +294,20 @@ def length_bucket(n: int) -> int:
         b *= 2
 
 
-def cache_length(prompt_len: int, max_new_tokens: int, speculative: int = 0) -> int:
+def prompt_width(prompt_len: int, prefill_chunk: int = ExecConfig.prefill_chunk) -> int:
+    """The padded prompt width `generate` feeds: its length bucket, or for a prompt longer than
+    `prefill_chunk` whole chunks (prefilled one call each)."""
+    if prompt_len <= prefill_chunk:
+        return length_bucket(prompt_len)
+    return -(-prompt_len // prefill_chunk) * prefill_chunk
+
+
+def cache_length(prompt_len: int, max_new_tokens: int, speculative: int = 0,
+                 prefill_chunk: int = ExecConfig.prefill_chunk) -> int:
     """The cache length `generate` allocates (without `max_len`): room for the prompt, the new
     tokens and a verify chunk, at least the padded prompt width, bucketed."""
-    return length_bucket(max(prompt_len + max_new_tokens + speculative + 1, length_bucket(prompt_len)))
+    return max(length_bucket(max(prompt_len + max_new_tokens + speculative + 1, length_bucket(prompt_len))),
+               prompt_width(prompt_len, prefill_chunk))
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -336,6 +346,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     as tokens are produced (tokens[b, :counts[b]] are new for sequence b). exec: how to run
     (default `model.exec`; e.g. `model.exec.replace(kernels="pallas", kda_chunk=32)`).
     kv_cache_dtype: "auto" (None: the MLA cache in the model dtype) or "fp8" (`ling_jax.kv_quant`).
+    A prompt batch longer than `exec.prefill_chunk` tokens is prefilled in whole chunks of that
+    many (`prefill_in_chunks`: one compiled program, activation memory of one chunk).
     """
     cfg = model.cfg
     if max_new_tokens < 1:
@@ -352,16 +364,16 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     B = len(prompts)
     ex = exec or model.exec
     chunk = ex.prefill_chunk
-    # bucketed prompt width (right padding is exact); a longer prompt: whole chunks, prefilled one by one
-    width = length_bucket(ids.shape[1]) if ids.shape[1] <= chunk else -(-ids.shape[1] // chunk) * chunk
+    one_call = ids.shape[1] <= chunk
+    width = prompt_width(ids.shape[1], chunk)  # right padding is exact
     ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])))
     need = int(lens.max()) + max_new_tokens + speculative + 1
     if max_len is not None and int(lens.max()) + max_new_tokens > max_len:
         raise ValueError(f"prompt of {int(lens.max())} tokens + {max_new_tokens} new tokens does not fit the "
                          f"cache of max_len={max_len}")
     # the padded prompt is written whole: the cache must hold its width too
-    max_len = max(max_len, need, width) if max_len is not None else max(
-        cache_length(int(lens.max()), max_new_tokens, speculative), width)
+    max_len = max(max_len, need, width) if max_len is not None else cache_length(int(lens.max()), max_new_tokens,
+                                                                                 speculative, chunk)
     stop = tuple(int(s) for s in (cfg.eos_token_id if stop_ids is None else stop_ids))
     graphdef, params = nnx.split(model)
     with_mtp = bool(speculative)
@@ -371,7 +383,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     hidden0 = jnp.zeros((B, cfg.hidden_size), model.dtype)
     penalized = sampling.penalized
     # with penalties the first token is drawn below (prefill's own draw, then a cheap argmax, is unused)
-    if width <= chunk:
+    if one_call:
         cache, logits, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0, k0,
                                           sampling=SamplingParams() if penalized else sampling, with_mtp=with_mtp,
                                           fresh=True, exec=exec)
