@@ -6,8 +6,8 @@ tokens/s after the prompt, each beside what the arithmetic predicts from the sho
 Model: the real layer pattern at small width (`checkpoint.synthetic_config` with hidden 256, 4 heads,
 8 layers = 7 KDA + 1 MLA, 8 experts; random weights, float32, max_position_embeddings 2^20), one
 sequence. Each length runs in a fresh process (its own peak RSS, `ru_maxrss`), which calls
-`generate` twice with the same shapes (the first compiles) and times the second through its stream
-callback: prefill = call start → first token; decode = first → last token over `--new` tokens.
+`generate` twice with the same compiled shapes (first on a two-chunk prefix of the prompt with the
+same cache length: it compiles) and times the second through its stream callback: prefill = call start → first token; decode = first → last token over `--new` tokens.
 
 Predicted (the "pred" columns): counted FLOPs at the rate measured at the shortest length.
 Prefill FLOPs = L · 2 · active params + the blockwise MLA attention as it runs (absorbed form:
@@ -32,7 +32,7 @@ CHILD = textwrap.dedent("""
     import numpy as np, jax.numpy as jnp
     from flax import nnx
     from ling_jax.checkpoint.synthetic_config import synthetic_config
-    from ling_jax.generate import generate
+    from ling_jax.generate import cache_length, generate
     from ling_jax.model import LingForCausalLM
     L, new = int(sys.argv[1]), int(sys.argv[2])
     cfg = synthetic_config(**json.loads(sys.argv[3]))
@@ -42,14 +42,16 @@ CHILD = textwrap.dedent("""
     stamps = []
     stream = lambda t, n: stamps.append((time.perf_counter(), int(n.sum())))  # one object: a static argument
 
-    def timed():
+    max_len = cache_length(L, new)
+
+    def timed(p):
         stamps.clear()
         t0 = time.perf_counter()
-        generate(model, [prompt], new, stop_ids=(), stream=stream)
+        generate(model, [p], new, stop_ids=(), stream=stream, max_len=max_len)
         return t0, list(stamps)
 
-    timed()  # compiles
-    t0, stamps = timed()
+    timed(prompt[:model.exec.prefill_chunk + 1])  # compiles the same programs (same cache) on two chunks
+    t0, stamps = timed(prompt)
     first = stamps[0][0]
     n_dec = sum(n for _, n in stamps[1:])
     print(json.dumps({"tokens": L, "prefill_s": first - t0, "decode_tokens": n_dec, "decode_s": stamps[-1][0] - first,
