@@ -82,6 +82,11 @@ class ExecConfig:
         chunk, `ling_jax.serve.snapshots`); the scan then runs chunks of gcd(kda_chunk, N) tokens,
         so its chunk ends pass through those boundaries.
     skip_logits: do not compute full-sequence logits (prefill needs only the last position's).
+    attn_block: keys per block of the XLA blockwise MLA attention (`pallas_kernels.mla.blockwise`):
+        its temporaries are [B,H,T,attn_block] scores, whatever the key count.
+    prefill_chunk: tokens per model call when `generate` prefills or `forward` runs a longer
+        sequence (the KDA states and MLA cache carry across calls), so activation memory is bounded
+        by the chunk, not the prompt.
     remat: None, or a `jax.checkpoint_policies` name: every decoder layer body is rematerialised
         under it in the backward pass (training).
     mesh: None (one device) or the `jax.sharding.Mesh` the parameters live on; the routed experts
@@ -103,6 +108,8 @@ class ExecConfig:
     kda_states: bool = False
     kda_boundary_states: int = 0
     skip_logits: bool = False
+    attn_block: int = 512
+    prefill_chunk: int = 2048
     remat: Optional[str] = None
     mesh: Any = None
     platform: Optional[str] = None
@@ -116,6 +123,10 @@ class ExecConfig:
         _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
         if not isinstance(self.kda_chunk, int) or isinstance(self.kda_chunk, bool) or self.kda_chunk < 1:
             raise ValueError(f"ExecConfig.kda_chunk must be a positive int, got {self.kda_chunk!r}")
+        for name in ("attn_block", "prefill_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ExecConfig.{name} must be a positive int, got {v!r}")
         if (not isinstance(self.weights_first_rows, int) or isinstance(self.weights_first_rows, bool)
                 or self.weights_first_rows < 0):
             raise ValueError(f"ExecConfig.weights_first_rows must be an int >= 0, got {self.weights_first_rows!r}")

@@ -48,5 +48,59 @@ def forward(model, ids, *, n_valid=None, mtp: bool = False, forced_routing=None,
             forced_routing = {k: global_batch(np.asarray(v), mesh) for k, v in forced_routing.items()}
     else:
         ids, nv = jnp.asarray(ids), jnp.asarray(nv, jnp.int32)
-    out = _forward(model, ids, nv, forced_routing, mtp, exec)
+    if T > exec.prefill_chunk:
+        out = _chunked_forward(model, ids, nv, forced_routing, mtp, exec)
+    else:
+        out = _forward(model, ids, nv, forced_routing, mtp, exec)
     return jax.tree.map(lambda x: x if x.is_fully_addressable else to_host(x), out)
+
+
+@nnx.jit(static_argnames=("mtp", "exec"), donate_argnames=("cache",))
+def _forward_chunk(model, cache, ids, n_valid, forced_routing, mtp_ids, mtp: bool, exec):
+    """One chunk [B,C] of a chunked forward through `cache` (holding the earlier chunks): the same
+    outputs as `_forward` for these positions, plus the cache."""
+    out = model(ids, cache, n_valid, mtp=mtp, mtp_ids=mtp_ids, exec=exec, forced_routing=forced_routing)
+    return out["cache"], {k: out[k] for k in OUTPUTS if k in out}
+
+
+def chunk_valid(n_valid, start: int, chunk: int):
+    """[B] real tokens of each row inside the chunk [start, start + chunk) of a right-padded batch."""
+    return jnp.clip(n_valid - start, 0, chunk).astype(jnp.int32)
+
+
+def _chunked_forward(model, ids, n_valid, forced_routing, mtp: bool, exec: ExecConfig) -> dict:
+    """`_forward` of a sequence longer than `exec.prefill_chunk`, as consecutive chunks of that many
+    tokens through a cache (`model.init_cache`: KDA states carried exactly, MLA latents kept), so the
+    activations (attention scores, MoE buffers, KDA chunk tensors) are those of one chunk, not of T.
+
+    Why a cache and not one call: a cache-free call over T tokens holds [B,T,...] activations in
+    every layer at once; here only the outputs ([B,T,V] logits) and the latent cache grow with T.
+    The MTP inputs (tokens shifted left by one, spec §11) are formed over the whole sequence first,
+    so a chunk's last slot pairs with the next chunk's first token. Same values as `_forward` (the
+    cache path attends over the same keys; tests/test_long_context.py).
+    """
+    from ling_jax.model import init_cache
+
+    B, T = ids.shape
+    C = exec.prefill_chunk
+    n_chunks = -(-T // C)
+    pad = n_chunks * C - T
+    ids_p = jnp.pad(ids, ((0, 0), (0, pad)))
+    mtp_ids = None
+    if mtp:
+        t = jnp.arange(n_chunks * C)[None, :]
+        nxt = jnp.concatenate([ids_p[:, 1:], jnp.zeros((B, 1), ids_p.dtype)], axis=1)
+        mtp_ids = jnp.where(t + 1 < n_valid[:, None], nxt, 0)
+    forced = None if forced_routing is None else {k: jnp.pad(v, ((0, 0), (0, pad), (0, 0)))
+                                                  for k, v in forced_routing.items()}
+    cache = init_cache(model.cfg, B, n_chunks * C, model.dtype, with_mtp=mtp)
+    pieces = []
+    for i in range(n_chunks):
+        sl = slice(i * C, (i + 1) * C)
+        cache, out = _forward_chunk(model, cache, ids_p[:, sl], chunk_valid(n_valid, i * C, C),
+                                    None if forced is None else {k: v[:, sl] for k, v in forced.items()},
+                                    None if mtp_ids is None else mtp_ids[:, sl], mtp, exec)
+        pieces.append(out)
+    del cache
+    joined = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1)[:, :T], *pieces)
+    return joined

@@ -108,6 +108,34 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, key
     return new, logits, tok, hid
 
 
+@functools.partial(jax.jit, static_argnames=("sampling",))
+def _sample_first(logits, key, *, sampling: SamplingParams):
+    return sample(logits, key, sampling)
+
+
+def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, lens: np.ndarray, hidden0, key,
+                      chunk: int, *, with_mtp: bool, exec: ExecConfig | None = None):
+    """`prefill` of a right-padded prompt batch ids [B, n·chunk] as n calls of `chunk` tokens (one
+    compiled program), so activation memory is that of one chunk, not of the prompt.
+
+    The cache carries everything across calls: KDA states, MLA latents, lengths; the MTP layer
+    pairs the first call's tokens among themselves (`fresh`) and each later token with the hidden
+    before it (`prev_hidden`, the previous call's last). A row whose prompt ended in an earlier chunk
+    feeds nothing more (n_valid 0: padding never enters a state) and keeps its logits and hidden.
+    Returns (cache, logits at each row's last prompt token [B,V], last hidden [B,D]); the first
+    token is drawn by the caller from those logits with the same key as a single `prefill` would.
+    """
+    B, W = ids.shape
+    logits, hid = None, hidden0
+    for i in range(W // chunk):
+        nv = np.clip(lens - i * chunk, 0, chunk).astype(np.int32)
+        cache, lg, _, hid = prefill(graphdef, params, cache, jnp.asarray(ids[:, i * chunk:(i + 1) * chunk]),
+                                    jnp.asarray(nv), hid, key, sampling=SamplingParams(), with_mtp=with_mtp,
+                                    fresh=i == 0 or not with_mtp, exec=exec)  # (ignored without MTP: one program)
+        logits = lg if logits is None else jnp.where(jnp.asarray(nv > 0)[:, None], lg, logits)
+    return cache, logits, hid
+
+
 # ---------------------------------------------------------------------------------------------
 # decode loops
 
@@ -273,10 +301,20 @@ def length_bucket(n: int) -> int:
         b *= 2
 
 
-def cache_length(prompt_len: int, max_new_tokens: int, speculative: int = 0) -> int:
+def prompt_width(prompt_len: int, prefill_chunk: int = ExecConfig.prefill_chunk) -> int:
+    """The padded prompt width `generate` feeds: its length bucket, or for a prompt longer than
+    `prefill_chunk` whole chunks (prefilled one call each)."""
+    if prompt_len <= prefill_chunk:
+        return length_bucket(prompt_len)
+    return -(-prompt_len // prefill_chunk) * prefill_chunk
+
+
+def cache_length(prompt_len: int, max_new_tokens: int, speculative: int = 0,
+                 prefill_chunk: int = ExecConfig.prefill_chunk) -> int:
     """The cache length `generate` allocates (without `max_len`): room for the prompt, the new
     tokens and a verify chunk, at least the padded prompt width, bucketed."""
-    return length_bucket(max(prompt_len + max_new_tokens + speculative + 1, length_bucket(prompt_len)))
+    return max(length_bucket(max(prompt_len + max_new_tokens + speculative + 1, length_bucket(prompt_len))),
+               prompt_width(prompt_len, prefill_chunk))
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -343,6 +381,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     steps; the tokens are those of the unstreamed run). exec: how to run
     (default `model.exec`; e.g. `model.exec.replace(kernels="pallas", kda_chunk=32)`).
     kv_cache_dtype: "auto" (None: the MLA cache in the model dtype) or "fp8" (`ling_jax.kv_quant`).
+    A prompt batch longer than `exec.prefill_chunk` tokens is prefilled in whole chunks of that
+    many (`prefill_in_chunks`: one compiled program, activation memory of one chunk).
     """
     cfg = model.cfg
     if max_new_tokens < 1:
@@ -357,7 +397,10 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     check_logprobs(logprobs)
     ids, lens = pad_prompts(prompts, cfg.vocab_size)
     B = len(prompts)
-    width = length_bucket(ids.shape[1])  # bucketed prompt width: right padding is exact
+    ex = exec or model.exec
+    chunk = ex.prefill_chunk
+    one_call = ids.shape[1] <= chunk
+    width = prompt_width(ids.shape[1], chunk)  # right padding is exact
     ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])))
     need = int(lens.max()) + max_new_tokens + speculative + 1
     if max_len is not None and int(lens.max()) + max_new_tokens > max_len:
@@ -365,7 +408,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                          f"cache of max_len={max_len}")
     # the padded prompt is written whole: the cache must hold its width too
     max_len = max(max_len, need, width) if max_len is not None else cache_length(int(lens.max()), max_new_tokens,
-                                                                                 speculative)
+                                                                                 speculative, chunk)
     stop = tuple(int(s) for s in (cfg.eos_token_id if stop_ids is None else stop_ids))
     graphdef, params = nnx.split(model)
     with_mtp = bool(speculative)
@@ -375,9 +418,14 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     hidden0 = jnp.zeros((B, cfg.hidden_size), model.dtype)
     penalized = sampling.penalized
     # with penalties the first token is drawn below (prefill's own draw, then a cheap argmax, is unused)
-    cache, logits, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0, k0,
-                                      sampling=SamplingParams() if penalized else sampling, with_mtp=with_mtp,
-                                      fresh=True, exec=exec)
+    if one_call:
+        cache, logits, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0, k0,
+                                          sampling=SamplingParams() if penalized else sampling, with_mtp=with_mtp,
+                                          fresh=True, exec=exec)
+    else:
+        cache, logits, hid = prefill_in_chunks(graphdef, params, cache, ids, lens, hidden0, k0, chunk,
+                                               with_mtp=with_mtp, exec=exec)
+        tok = _sample_first(logits, k0, sampling=SamplingParams() if penalized else sampling)
     zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the loop state is donated
     out_width = length_bucket(max_new_tokens)  # the output buffer is bucketed; max_new is traced
     V = cfg.vocab_size

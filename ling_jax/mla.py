@@ -23,8 +23,9 @@ from ling_jax.linear import Linear
 from ling_jax.norms import RMSNorm
 from ling_jax.ops import einsum, linear
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
-from ling_jax.rows import put_rows
 from ling_jax.kernel_mesh import on_mesh
+from ling_jax.rows import put_rows
+from pallas_kernels.mla.blockwise import blockwise_expanded_attention, blockwise_latent_attention
 from pallas_kernels.mla.kernel import latent_attention_pallas
 from pallas_kernels.mla.reference import attention_mask, latent_attention, masked_softmax
 
@@ -111,6 +112,50 @@ def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, co
     return einsum("bthr,hdr->bthd", c_hat, w_uv)
 
 
+#: Queries per sequence up to which the XLA path keeps the dense score tensor (decode steps and
+#: speculative verifies: [B,H,T,S] is then no bigger than one key block of a prefill chunk, and one
+#: fused pass beats a loop over blocks).
+DENSE_MAX_ROWS = 8
+
+
+def uses_blockwise(n_queries: int, n_keys: int, block: int) -> bool:
+    """Whether the XLA attention runs over key blocks (`pallas_kernels.mla.blockwise`): when there is
+    more than one block of keys and more queries than a decode/verify step has."""
+    return n_keys > block and n_queries > DENSE_MAX_ROWS
+
+
+def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype, ex: ExecConfig):
+    """MLA attention in `form` ("expanded" | "absorbed") the way `ex` says: the Pallas latent kernel
+    (absorbed, kernels="pallas"), else the XLA blockwise form (over key blocks of `ex.attn_block`:
+    memory of one block of scores, not [B,H,T,S]) or, for decode-sized T or a single block, the dense
+    form. All equal (tests/test_mla_blockwise.py).
+
+    q_nope [B,T,H,dn]; q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; w_kv_b [H*(dn+dv), r];
+    q_pos [B,T] absolute positions; kv_len [B] valid keys. Returns o [B,T,H,dv] in `dtype`.
+    """
+    T, S = q_nope.shape[1], c.shape[1]
+    blockwise = uses_blockwise(T, S, ex.attn_block)
+    if form == "expanded":
+        if blockwise:
+            return blockwise_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype,
+                                                ex.attn_block)
+        return mla_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, attention_mask(q_pos, S, kv_len), scale, dtype)
+    if ex.kernels == "pallas":
+        def core(qh, qp, c_, kp, _mask, sc):  # per device on its own heads on a mesh (kernel_mesh.on_mesh)
+            kern = partial(latent_attention_pallas, scale=sc, platform=ex.platform)
+            bthr, bsr = ("batch", None, "heads", None), ("batch", None, None)
+            return on_mesh(kern, ex.mesh, (bthr, bthr, bsr, bsr, ("batch",), ("batch", None)), bthr,
+                           (qh, qp, c_, kp, kv_len, q_pos), heads=qh.shape[2])
+        mask = None
+    elif blockwise:
+        core = lambda qh, qp, c_, kp, _mask, sc: blockwise_latent_attention(qh, qp, c_, kp, q_pos, kv_len, sc,
+                                                                             ex.attn_block)
+        mask = None
+    else:
+        core, mask = latent_attention, attention_mask(q_pos, S, kv_len)
+    return mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, core=core)
+
+
 class MultiheadLatentAttention(nnx.Module):
     def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs):
         D, H = cfg.hidden_size, cfg.num_attention_heads
@@ -187,22 +232,10 @@ class MultiheadLatentAttention(nnx.Module):
             if form == "auto":
                 form = "absorbed"
         kv_len = lengths + n_valid
-        mask = attention_mask(pos, c_all.shape[1], kv_len)
         # kv_b_proj is read as a matrix (split into W_UK / W_UV by the absorbed form): an FP8-kept one is
         # dequantised here, in-graph (a transient of one layer), like the XLA twin of the FP8 matmul.
-        args = (q[..., :dn], q_pe, c_all.astype(x.dtype), kpe_all.astype(x.dtype), self.kv_b_proj.matrix(x.dtype),
-                mask, self.scale, x.dtype)
-        if form == "expanded":
-            o = mla_expanded_attention(*args)
-        else:
-            core = latent_attention
-            if ex.kernels == "pallas":
-                def core(qh, qp, c, kp, _mask, sc):
-                    kern = partial(latent_attention_pallas, scale=sc, platform=ex.platform)
-                    bthr, bsr = ("batch", None, "heads", None), ("batch", None, None)
-                    return on_mesh(kern, ex.mesh, (bthr, bthr, bsr, bsr, ("batch",), ("batch", None)), bthr,
-                                   (qh, qp, c, kp, kv_len, pos), heads=self.cfg.num_attention_heads)
-            o = mla_absorbed_attention(*args, core=core)
+        o = mla_attention(form, q[..., :dn], q_pe, c_all.astype(x.dtype), kpe_all.astype(x.dtype),
+                          self.kv_b_proj.matrix(x.dtype), pos, kv_len, self.scale, x.dtype, ex)
         gate = jax.nn.sigmoid(self.g_proj(x, ex).astype(jnp.float32)).astype(x.dtype)
         o = o * gate[..., None]
         return self.dense(o.reshape(B, T, -1), ex), new_cache

@@ -8,6 +8,8 @@ and never the reverse (tests/test_import_graph.py checks this). One folder per o
     kda/step_kernel.py   kda_recurrent_step_pallas, kda_recurrent_scan_pallas    (Pallas, decode)
     mla/reference.py     attention_mask, masked_softmax, latent_attention        (XLA)
     mla/kernel.py        latent_attention_pallas                                 (Pallas)
+    mla/blockwise.py     blockwise_latent_attention, blockwise_expanded_attention (XLA, online
+                         softmax over key blocks: the references' twins for long key sets)
     fp8/blocks.py        DEFAULT_BLOCK, scale_grid_shape, check_block, check_scale_grid
     fp8/reference.py     block_dequant_fp8_jax, fp8_linear                       (XLA)
     fp8/kernel.py        fp8_linear_pallas                                       (Pallas)

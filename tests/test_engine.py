@@ -24,8 +24,8 @@ def engine(tiny_model):
     with xla_compiles() as events:
         eng.warmup()
     assert eng.decode_rows == (1, 2, 4)  # row buckets: a step with 1 or 2 decoding slots runs 1 or 2 rows
-    n = len(eng.decode_rows) * len(eng.widths) + len(eng.buckets)
-    assert len(events) >= n == 3 * 1 + 3  # every step shape (3 row buckets x 1 width, 3 buckets) compiled at warm-up
+    n = (len(eng.decode_rows) + len(eng.buckets)) * len(eng.widths)
+    assert len(events) >= n == (3 + 3) * 1  # every step shape ((3 row buckets + 3 buckets) x 1 width) compiled at warm-up
     # dispatch signatures per shape: at most the first-call placement and the steady state (the second
     # round of warm-up records the latter and compiles nothing, see Engine.warmup)
     assert n <= eng.compiled_shapes() <= 2 * n

@@ -60,7 +60,7 @@ def engine_for(model):
             finally:
                 jax.monitoring.unregister_event_duration_listener(listener)
             n = len(eng.decode_rows) * len(eng.widths)  # speculative shapes: row buckets x widths
-            assert len(events) >= n + len(eng.buckets)
+            assert len(events) >= n + len(eng.buckets) * len(eng.widths)  # prefill: buckets x widths
             assert eng._decode._cache_size() == 0  # the speculative program replaces decode
             assert n <= eng._spec._cache_size() <= 2 * n
             _ENGINES[k] = eng

@@ -96,14 +96,20 @@ def check_ids(ids, cfg: LingConfig, what: str = "--input-ids") -> None:
 
 
 # ---- context length and memory ------------------------------------------------------------------
+LONG_CONTEXT_HELP = ("accept more positions than the config's max_position_embeddings, up to its scaled "
+                     "length (YaRN: factor x original_max_position_embeddings; quality beyond the trained "
+                     "length is unvalidated) and never beyond")
+
+
 def add_long_context_flag(p) -> None:
-    p.add_argument("--allow-long-context", action="store_true",
-                   help="accept more positions than the config's max_position_embeddings (quality beyond it "
-                        "is unvalidated)")
+    p.add_argument("--allow-long-context", action="store_true", help=LONG_CONTEXT_HELP)
 
 
 def check_context_length(n_positions: int, cfg: LingConfig, allow_long: bool, what: str) -> None:
-    """Refuse more positions than max_position_embeddings unless `allow_long` (then warn on stderr)."""
+    """Refuse more positions than max_position_embeddings unless `allow_long` (then warn on stderr),
+    and more than the scaled length (`rope.context_limit`) always."""
+    from ling_jax.rope import context_limit
+
     limit = cfg.max_position_embeddings
     if n_positions <= limit:
         return
@@ -111,8 +117,20 @@ def check_context_length(n_positions: int, cfg: LingConfig, allow_long: bool, wh
         raise ArgumentValueError(f"{what}: {n_positions} positions exceed the config's max_position_embeddings="
                                  f"{limit} (pass --allow-long-context to run anyway; quality beyond it is "
                                  f"unvalidated)")
+    hard = context_limit(cfg)
+    if n_positions > hard:
+        raise ArgumentValueError(f"{what}: {n_positions} positions exceed the scaled context length {hard} "
+                                 f"({scaled_context_how(cfg)}); --allow-long-context goes no further")
     print(f"warning: {what}: {n_positions} positions exceed max_position_embeddings={limit}; quality beyond it "
           f"is unvalidated", file=sys.stderr)
+
+
+def scaled_context_how(cfg: LingConfig) -> str:
+    """Where `rope.context_limit` comes from, in words (for refusals)."""
+    rs = cfg.rope_scaling
+    if rs is None:
+        return "no rope_scaling: the exact rotary range"
+    return f"YaRN factor {rs.factor:g} x original_max_position_embeddings {rs.original_max_position_embeddings}"
 
 
 def generate_cache_bytes(cfg: LingConfig, batch: int, max_len: int, dtype_bytes: int, with_mtp: bool,

@@ -39,7 +39,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from ling_jax.accounting import fmt_bytes
-from ling_jax.commands.common import ArgumentValueError, finite_float, positive_int
+from ling_jax.commands.common import ArgumentValueError, check_context_length, finite_float, positive_int
+from ling_jax.rope import context_limit
 from ling_jax.serve import Engine
 from ling_jax.serve.pools import GIB, plan_pools
 
@@ -69,6 +70,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens fed per engine step at most (a running decode waits at most one chunk)")
     g.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N",
                    help="prompt + new tokens of one request (default: the model's context, cut to the pool)")
+    g.add_argument("--allow-long-context", action="store_true",
+                   help="--max-seq-len may exceed max_position_embeddings, up to the config's scaled length "
+                        "(YaRN: factor x original_max_position_embeddings) and never beyond")
     g.add_argument("--warmup", nargs="?", const="full", default="full", choices=WARMUP_MODES,
                    help="full (default; also a bare --warmup): compile every step shape before serving, one "
                         "progress line each; lazy (serve): serve at once, compile the shapes in the background "
@@ -170,8 +174,11 @@ def check_engine_args(args, model) -> None:
         if args.max_seq_len < 2:
             raise ArgumentValueError(f"--max-seq-len: expected >= 2 tokens, got {args.max_seq_len}")
         if args.max_seq_len > limit:
-            raise ArgumentValueError(f"--max-seq-len: {args.max_seq_len} exceeds the model's "
-                                     f"max_position_embeddings={limit}")
+            if not getattr(args, "allow_long_context", False):
+                raise ArgumentValueError(f"--max-seq-len: {args.max_seq_len} exceeds the model's "
+                                         f"max_position_embeddings={limit} (pass --allow-long-context to go up to "
+                                         f"the scaled length {context_limit(model.cfg)})")
+            check_context_length(args.max_seq_len, model.cfg, True, "--max-seq-len")
 
 
 def plan_engine_memory(args, model, budget: Optional[tuple[int, str]] = None) -> tuple[dict, str]:

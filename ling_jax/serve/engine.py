@@ -13,8 +13,9 @@ same order give the same tokens. A server drives `step()` from one thread and ro
 Compile bound: the decode program has one shape ([R, 1]) per row bucket R in `decode_rows` and
 block-table width in `widths` (a step runs the fewest rows that hold its decoding slots, so idle
 slots cost nothing, and attends over the pages of its longest decoding sequence, rounded up to a
-width); the prefill program one per token bucket ([prefill_rows, T], T in `buckets`: powers of
-two up to `prefill_chunk`). `warmup()`
+width); the prefill program one per token bucket and width ([prefill_rows, T], T in `buckets`: powers of
+two up to `prefill_chunk`; its block table cut to the width that holds its rows' pages after the
+chunk, so a chunk gathers the pages its keys need, not all max_blocks). `warmup()`
 runs each once on padding rows (which change nothing), so afterwards no request of any length
 within `max_seq_len` compiles anything (`compiled_shapes()` counts them). With `speculative=K`
 the speculative program (`speculative.py`: [R, K+1] verify) takes decode's place, one per row
@@ -170,7 +171,7 @@ class Engine:
     with_mtp: keep the MTP layer's pages filled too (for speculative decoding; default: the
     model has an MTP layer); exec: how to run (default `model.exec`); buckets: prefill widths
     (default `token_buckets(prefill_chunk)`); widths: decode block-table widths in pages (default
-    `decode_widths(max_blocks, 256 // page_size)`; the prefill program always reads all max_blocks);
+    `decode_widths(max_blocks, 256 // page_size)`; prefill chunks are bucketed by the same widths);
     decode_rows: decode row counts (default `row_buckets(max_slots)`; must end at max_slots);
     speculative: MTP drafts verified per decode step, 0 (off) … `MAX_SPECULATIVE` (needs the MTP
     layer and with_mtp; the speculative program then replaces decode, one per width; README).
@@ -335,13 +336,15 @@ class Engine:
                 self.pools = program(self.params, self.pools, self._padding_inputs(OP_DECODE, n, 1, w))[0]
             return (f"{'speculative decode' if spec else 'decode'} {n} row(s) x {w} page(s)", call)
 
-        def prefill(T):
-            return (f"prefill {R} row(s) x {T} tokens",
-                    lambda: self._run_prefill(self._padding_inputs(OP_PREFILL, R, T)))
+        def prefill(T, w):
+            return (f"prefill {R} row(s) x {T} tokens x {w} page(s)",
+                    lambda: self._run_prefill(self._padding_inputs(OP_PREFILL, R, T, w)))
 
-        first = [prefill(self.buckets[0]), decode(self.decode_rows[0], self.widths[0])]
+        first = [prefill(self.buckets[0], self.widths[0]), decode(self.decode_rows[0], self.widths[0])]
         rest = ([decode(n, w) for w in self.widths for n in self.decode_rows
-                 if (n, w) != (self.decode_rows[0], self.widths[0])] + [prefill(T) for T in self.buckets[1:]])
+                 if (n, w) != (self.decode_rows[0], self.widths[0])]
+                + [prefill(T, w) for w in self.widths for T in self.buckets
+                   if (T, w) != (self.buckets[0], self.widths[0])])
         items = first + rest
         if self.snapshots is not None:
             items.append(("prefix-cache snapshot copies", self._warmup_snapshots))
@@ -358,15 +361,15 @@ class Engine:
     def program_calls(self) -> list:
         """[(name, jitted program, arguments)] of every program `warmup()` compiles, in its order:
         decode (or the speculative verify) per row bucket R and block-table width W, prefill per token
-        bucket T, and the prefix cache's two copy programs. A compile-only run (`ling-jax aot`) lowers
-        each with `program.lower(*arguments)`; the arguments are the warm-up's padding inputs."""
+        bucket T and width W, and the prefix cache's two copy programs. A compile-only run (`ling-jax
+        aot`) lowers each with `program.lower(*arguments)`; the arguments are the warm-up's padding inputs."""
         name, program = ("verify", self._spec) if self.speculative else ("decode", self._decode)
         calls = [(f"{name}[R={n},W={w}]", program, (self.params, self.pools, self._padding_inputs(OP_DECODE, n, 1, w)))
                  for n in self.decode_rows for w in self.widths]
         snaps = (self.snapshots.snaps,) if self.snapshots is not None else ()
-        calls += [(f"prefill[T={T}]", self._prefill,
-                   (self.params, self.pools, self._padding_inputs(OP_PREFILL, self.prefill_rows, T)) + snaps)
-                  for T in self.buckets]
+        calls += [(f"prefill[T={T},W={w}]", self._prefill,
+                   (self.params, self.pools, self._padding_inputs(OP_PREFILL, self.prefill_rows, T, w)) + snaps)
+                  for T in self.buckets for w in self.widths]
         if self.snapshots is not None:
             calls += self.snapshots.program_calls(self.pools)
         return calls
@@ -377,7 +380,8 @@ class Engine:
             for w in self.widths:
                 self.pools = program(self.params, self.pools, self._padding_inputs(OP_DECODE, n, 1, w))[0]
         for T in self.buckets:
-            self._run_prefill(self._padding_inputs(OP_PREFILL, R, T))
+            for w in self.widths:
+                self._run_prefill(self._padding_inputs(OP_PREFILL, R, T, w))
 
     # -- multi-host (serve/multihost.py) ----------------------------------------------------
     @property
@@ -411,11 +415,11 @@ class Engine:
 
     def _program_shapes(self) -> list:
         """Every (op, R, T, W) the engine runs: decode [R, 1] per row bucket and width, prefill
-        [prefill_rows, T] per bucket."""
-        mb, R = self.sizes.max_blocks, self.prefill_rows
+        [prefill_rows, T] per bucket and width."""
+        R = self.prefill_rows
         dec = OP_SPEC if self.speculative else OP_DECODE
         return ([ProgramShape(dec, n, 1, w) for n in self.decode_rows for w in self.widths]
-                + [ProgramShape(OP_PREFILL, R, t, mb) for t in self.buckets])
+                + [ProgramShape(OP_PREFILL, R, t, w) for t in self.buckets for w in self.widths])
 
     def _padding_inputs(self, op: int, rows: int, tokens: int, width: int | None = None) -> StepInputs:
         """A StepInputs of program `op`'s shapes [rows, tokens] on padding rows (warm-up, and the
@@ -448,6 +452,15 @@ class Engine:
                                                                       self.snapshots.snaps)
         return tok, lp
 
+    def prefill_width(self, chunk: list) -> int:
+        """The block-table width (pages) a prefill chunk [(request, tokens fed now)] runs at: the
+        smallest of `widths` holding every row's pages up to the chunk's last token. Why: the chunk
+        attends over (and gathers) width·page_size keys per row, so its cost and temporaries follow
+        its rows' lengths, not `max_seq_len`."""
+        P = self.sizes.page_size
+        need = max(-(-(r.n_fed + n) // P) for r, n in chunk)
+        return next(w for w in self.widths if w >= need)
+
     def _decode_rows_for(self, reqs: list) -> tuple[int, np.ndarray, list]:
         """(R, rows [R], requests by row) for a decode-like step over `reqs`: the smallest row bucket
         that holds them; with R = max_slots every request sits at its slot's row (in place),
@@ -464,7 +477,7 @@ class Engine:
         return R, rows, list(reqs) + [None] * (R - len(reqs))
 
     def compiled_shapes(self) -> int:
-        """How many programs the step functions hold (len(decode_rows) x len(widths) + len(buckets)
+        """How many programs the step functions hold ((len(decode_rows) + len(buckets)) x len(widths)
         after warmup; the prefix cache's two copy programs: `snapshots.compiled_shapes()`)."""
         return (self._prefill._cache_size() + self._decode._cache_size()
                 + (self._spec._cache_size() if self._spec is not None else 0))
@@ -573,7 +586,8 @@ class Engine:
                 ids[i, :n], n_valid[i] = r.feed[r.n_fed:r.n_fed + n], n
             # snapshots inside the chunks: planned now, written by the program, inserted once fed
             inner = self.prefix.plan_boundaries(plan.prefill, self.snapshot_interval) if self.prefix is not None else []
-            tok, lp = self._run_prefill(self._inputs(rows, ids, n_valid, reqs, None, self._snap_rows(R, T, inner)))
+            width = self.prefill_width(plan.prefill)
+            tok, lp = self._run_prefill(self._inputs(rows, ids, n_valid, reqs, width, self._snap_rows(R, T, inner)))
             tok, lp = np.asarray(tok), _host_logprobs(lp, [r for r, _ in plan.prefill])
             for r, n in plan.prefill:
                 r.n_fed += n
