@@ -35,24 +35,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-import np_reference as R
 from ling_jax.serve import Engine, RequestParams
 from ling_jax.server import start_server
 from ling_jax.tokenizer import Tokenizer
-
-MAX_SEQ, EOS = 64, 295
-ENGINE = dict(max_slots=4, page_size=8, num_pages=40, prefill_chunk=8, max_seq_len=MAX_SEQ)
+from test_server import ENGINE, MAX_SEQ, _cfg  # one tiny served model for both files
 MAX_QUEUE = 4
 TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 24
 PROMPT = "The river ran quietly"
-
-
-def _cfg():
-    n = 4
-    return R.tiny_config(vocab_size=300, eos_token_id=EOS, pad_token_id=296, num_hidden_layers=n,
-                         num_nextn_predict_layers=0, expert_swiglu_limit_list=[0.0] * (n - 1) + [0.6],
-                         share_expert_swiglu_limit_list=[0.0] * (n - 1) + [0.8])
 
 
 @pytest.fixture(scope="module")
