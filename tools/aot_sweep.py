@@ -48,6 +48,8 @@ ROWS = {
                             "decode", "--decode-rows", "1,8", *ENGINE_8K],
     "h200x4_mxfp4_decode": ["--weights", "mxfp4", "--target", "h200x4", "--mesh", "expert=4", "--programs",
                             "decode", *ENGINE_8K],
+    "h200x8_fp8_decode": ["--weights", "fp8", "--target", "h200x8", "--mesh", "expert=8", "--programs", "decode",
+                          *ENGINE_8K],
     "h200x8_fp8_verify": ["--weights", "fp8", "--target", "h200x8", "--mesh", "expert=8", "--programs", "verify",
                           "--speculative", "1", *ENGINE_8K],
     "h200x8_mxfp4_prefill": ["--weights", "mxfp4", "--target", "h200x8", "--mesh", "expert=8", "--programs",
