@@ -30,6 +30,7 @@ from ling_jax.checkpoint.safetensors_io import nbytes
 from ling_jax.checkpoint.writer import (checkpoint_config_dict, plan_shards, stored_values, write_generation_config,
                                        write_shards, write_tensor)
 from ling_jax.config import LingConfig, write_json
+from ling_jax.layer_stack import per_layer_arrays
 from ling_jax.loader import load_model
 from ling_jax.quantized import is_quantized
 from ling_jax.train.state import load_trained_model
@@ -57,7 +58,8 @@ def model_tensors(model) -> dict[str, np.ndarray]:
         if is_quantized(var.get_value()) or np.dtype(var.get_value().dtype) == FP8_NP:
             raise ValueError("export needs a float model: this one keeps FP8 weights + block scales or MXFP4 "
                              "experts (loaded with --keep-fp8 / --keep-quantized); load it without that option")
-        out.update(_checkpoint_tensors(path, np.asarray(var.get_value(), np.float32), checkpoint_names(path, cfg)[1]))
+        for lp, a in per_layer_arrays(path, np.asarray(var.get_value(), np.float32), cfg):
+            out.update(_checkpoint_tensors(lp, a, checkpoint_names(lp, cfg)[1]))
     return out
 
 
@@ -136,10 +138,12 @@ def quantize_like_export(model, dtype: str = "fp8"):
         if not isinstance(var, nnx.Param):
             continue
         a = np.asarray(var.get_value(), np.float32)
-        parts = [stored_values(x, "F8_E4M3" if specs[n].quantizable and dtype == "fp8" else specs[n].dtype, block)
-                 for n, x in _checkpoint_tensors(path, a, checkpoint_names(path, cfg)[1]).items()]
-        r = np.stack(parts) if is_expert_path(path) else parts[0].reshape(a.shape)
-        var.set_value(jnp.asarray(r, dtype=var.get_value().dtype))
+        out = np.empty_like(a)
+        for (lp, x), (_, o) in zip(per_layer_arrays(path, a, cfg), per_layer_arrays(path, out, cfg)):
+            parts = [stored_values(t, "F8_E4M3" if specs[n].quantizable and dtype == "fp8" else specs[n].dtype, block)
+                     for n, t in _checkpoint_tensors(lp, x, checkpoint_names(lp, cfg)[1]).items()]
+            o[...] = np.stack(parts) if is_expert_path(lp) else parts[0].reshape(x.shape)
+        var.set_value(jnp.asarray(out, dtype=var.get_value().dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

@@ -192,11 +192,10 @@ def _stream(stream_fn, toks, take):
                                      ordered=True)
 
 
-def _plain_step(model, stacked, state: DecodeState, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
+def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
     key, sub = jax.random.split(state.key)
     active = ~state.done
-    out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex.replace(kda_mode="recurrent"),
-                stacked=stacked)
+    out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex.replace(kda_mode="recurrent"))
     logits = out["logits"][:, 0]
     nxt = sample(_penalized(logits, state, sampling), sub, sampling)
     cache = out["cache"]
@@ -208,7 +207,7 @@ def _plain_step(model, stacked, state: DecodeState, sampling, stop_ids, max_new,
                         rounds=state.rounds + active, accepted=state.accepted + take)
 
 
-def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
+def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
     cfg = model.cfg
     key, kd, ka = jax.random.split(state.key, 3)
     active = ~state.done
@@ -230,7 +229,7 @@ def _spec_step(model, stacked, state: DecodeState, k, sampling, stop_ids, max_ne
     # 2. verify [pending, d_1..d_k] in one forward, keeping every KDA state for rollback
     feed = jnp.concatenate([state.token[:, None], drafts], axis=1)
     out = model(feed, cache._replace(mtp=None), jnp.where(active, k + 1, 0),
-                exec=ex.replace(kda_states=True), stacked=stacked)
+                exec=ex.replace(kda_states=True))
     if sampling.greedy:
         a, nxt = speculative_accept_greedy(drafts, out["logits"])
     else:
@@ -273,11 +272,10 @@ def decode_loop(graphdef, params, state: DecodeState, *, sampling: SamplingParam
     such a program is never written to the persistent cache)."""
     model = nnx.merge(graphdef, params)
     ex = (exec or model.exec).replace(skip_logits=False, kda_states=False)
-    stacked = model.stacked_layers(ex)  # loop-invariant: stacked once, not in every step
     if speculative:
-        body = lambda s: _spec_step(model, stacked, s, speculative, sampling, stop_ids, max_new, stream_fn, ex)
+        body = lambda s: _spec_step(model, s, speculative, sampling, stop_ids, max_new, stream_fn, ex)
     else:
-        body = lambda s: _plain_step(model, stacked, s, sampling, stop_ids, max_new, stream_fn, ex)
+        body = lambda s: _plain_step(model, s, sampling, stop_ids, max_new, stream_fn, ex)
     if max_steps is None:
         return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done) & (c[1] < max_steps),

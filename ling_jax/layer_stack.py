@@ -1,26 +1,53 @@
-"""Running the 72-layer stack as a few scans instead of 72 unrolled layers.
+"""The decoder layers stored the way they run: `LayerStack`, the layer plan, and the cache layout.
 
-Why: XLA compile time grows with the unrolled program. Consecutive layers of one kind (KDA+MoE,
-say) form a *run*; a pattern of runs that repeats (7 KDA + 1 MLA, eight times in the release)
-forms a *block* scanned over its repeats, with each run inside scanned over its layers. The real
-schedule becomes 5 blocks (4 dense KDA | 3 KDA | (MLA, 7 KDA) × 8 | MLA) and compiles six layer
-bodies instead of 72.
+Why a plan: XLA compile time grows with the unrolled program. Consecutive layers of one kind
+(KDA+MoE, say) form a *run*; a pattern of runs that repeats (7 KDA + 1 MLA, eight times in the
+release) forms a *block* scanned over its repeats, with each run inside scanned over its layers.
+The real schedule becomes 5 blocks (4 dense KDA | 3 KDA | (MLA, 7 KDA) × 8 | MLA) and compiles six
+layer bodies instead of 72.
 
-Parameters stay per layer in the module tree (the checkpoint, sharding and training see one
-module per layer); `stack_params` stacks them per run at trace time — once per compiled call,
-outside any decode loop. The cache is stacked the same way natively: `[repeats, layers, ...]`.
+Why the parameters are stored stacked: a scan reads each layer's weights as slices of arrays
+stacked `[repeats, n, ...]`. Stacking per-layer parameters inside a program (what ling-jax did
+before) builds a copy of every layer weight in every prefill, decode and verify step (~40 GiB per
+device for the release on 8×H200). So the layer loop is a *load-time* choice (`ExecConfig.layer_loop`
+when the model is built or loaded): "scan" stores each run's parameters stacked once
+(`LayerStack.runs[block][run]`, a DecoderLayer whose every array has two leading axes
+`[repeats, n]`, logical axis "layers", never split), "unroll" stores one DecoderLayer per layer
+(`LayerStack.per_layer[i]`: on XLA:CPU a scanned weight slice is copied before its matmul, so
+shallow wide models read their weights in place unrolled). `set_loop` converts between the two
+outside any program. Checkpoints stay per layer: the loader, the converter, the exporter and the
+trainer's saved names see per-layer paths `model/layers/{i}/...` (`canonical_path`,
+`stacked_layer_paths`).
+
+Why caches are carried through the scan: a cache passed as the scan's per-layer input and returned
+as its per-layer output is a new stacked buffer (the engine's whole page pool and slot pool copied
+every step). Here a run's stacked cache is part of the scan's carry: a KDA layer reads its state at
+[g, j] and writes it back there; an MLA layer gets the whole stacked cache with `layer = (g, j)` and
+writes only its new tokens at [g, j, page, offset] (`ling_jax.mla`). With the pools donated, every
+write lands in place.
+
+The cache layout (per block of the plan, per run, arrays `[repeats, n, ...]`) has one owner too:
+`zeros_by_kind`, `map_runs`, `layer_location` and `layer_of` below.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ling_jax.config import LingConfig
-from ling_jax.exec_config import ExecConfig
+from ling_jax.checkpoint.layout import canonical_path
+from ling_jax.config import KDA, LingConfig
+from ling_jax.decoder_layer import DecoderLayer
+from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
+from ling_jax.mla import MLACache, PagedMLACache
+
+#: logical axis name of the two leading [repeats, n] axes of a stacked parameter (never split)
+STACK_AXIS = "layers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +99,239 @@ def layer_plan(cfg: LingConfig) -> tuple[Block, ...]:
     return tuple(blocks)
 
 
-def stack_params(layers, block: Block):
-    """Per run of the block: (graphdef, params stacked [repeats, n, ...])."""
-    out = []
-    for r in range(len(block.runs)):
-        grid = block.layer_grid(r)
-        splits = [[nnx.split(layers[i]) for i in row] for row in grid]
-        gdef = splits[0][0][0]
-        for row in splits:
-            for g, _ in row:
-                if g != gdef:
-                    raise ValueError(f"layers {grid} differ in structure and cannot be scanned together")
-        out.append((gdef, _stack([st for row in splits for _, st in row], block.repeats, len(grid[0]))))
+# ---------------------------------------------------------------------------------------------
+# the cache layout: per block, per run, arrays [repeats, n, ...]
+# ---------------------------------------------------------------------------------------------
+def zeros_by_kind(cfg: LingConfig, make_kda: Callable, make_mla: Callable) -> tuple:
+    """Per block, per run: `make_kda()` or `make_mla()` (a pytree of one layer; None = nothing)
+    broadcast to `[repeats, n, ...]` (a real buffer, not a broadcast view: it is written in place)."""
+    def stacked(make, block, r):
+        one = make()
+        if one is None:
+            return None
+        m, n = block.repeats, block.runs[r].n
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (m, n) + x.shape).copy(), one)
+    return tuple(tuple(stacked(make_kda if run.attn == KDA else make_mla, b, r) for r, run in enumerate(b.runs))
+                 for b in layer_plan(cfg))
+
+
+def map_runs(cfg: LingConfig, fn: Callable, *trees) -> tuple:
+    """Per block, per run: `fn(run, *values)` over trees laid out like `zeros_by_kind`'s."""
+    return tuple(tuple(fn(run, *(t[b][r] for t in trees)) for r, run in enumerate(block.runs))
+                 for b, block in enumerate(layer_plan(cfg)))
+
+
+def layer_location(cfg: LingConfig, layer: int) -> tuple[int, int, int, int]:
+    """(block, run, repeat g, index j in the run) of main layer `layer`."""
+    for b, block in enumerate(layer_plan(cfg)):
+        for r in range(len(block.runs)):
+            for g, row in enumerate(block.layer_grid(r)):
+                if layer in row:
+                    return b, r, g, row.index(layer)
+    raise IndexError(f"layer {layer} out of range (the model has {cfg.num_hidden_layers})")
+
+
+def layer_of(cfg: LingConfig, tree, layer: int):
+    """Layer `layer`'s own value (leading [repeats, n] dropped) of a tree laid out like `zeros_by_kind`'s."""
+    b, r, g, j = layer_location(cfg, layer)
+    return jax.tree.map(lambda x: x[g, j], tree[b][r])
+
+
+def per_layer(block: Block, r: int, stacked_value):
+    """{layer index: value} from a run's stacked [repeats, n, ...] output."""
+    grid = block.layer_grid(r)
+    return {li: stacked_value[g, i] for g, row in enumerate(grid) for i, li in enumerate(row)}
+
+
+def stack_forced(block: Block, r: int, forced: dict | None):
+    """Forced expert ids {layer: [B,T,k]} of a MoE run stacked [repeats, n, B, T, k] (else None)."""
+    if forced is None or block.runs[r].moe is False:
+        return None
+    grid = block.layer_grid(r)
+    return _stack([forced[li] for row in grid for li in row], block.repeats, len(grid[0]))
+
+
+def _stack(vals: list, repeats: int, n: int):
+    """Per-layer values (pytrees, or all None) in (repeat, layer) order → stacked [repeats, n, ...]."""
+    if vals[0] is None:
+        return None
+    return jax.tree.map(lambda *xs: jnp.stack(xs).reshape((repeats, n) + xs[0].shape), *vals)
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters stacked per run
+# ---------------------------------------------------------------------------------------------
+def _placed_spec(x):
+    """x's NamedSharding, or None (a tracer, one device, a ShapeDtypeStruct without one)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    sh = getattr(x, "sharding", None)
+    return sh if isinstance(sh, NamedSharding) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _stacker(repeats: int, n: int, out_sh):
+    return jax.jit(lambda *a: jnp.stack(a).reshape((repeats, n) + a[0].shape), out_shardings=out_sh)
+
+
+@functools.lru_cache(maxsize=None)
+def _slicer(out_sh):
+    return jax.jit(lambda a, g, j: a[g, j], out_shardings=out_sh)
+
+
+def _stack_leaves(xs: list, repeats: int, n: int, free: bool):
+    """One stacked leaf [repeats, n, ...] from per-layer leaves: shapes only for ShapeDtypeStructs;
+    placed like the pieces (their spec behind two replicated axes); the pieces freed when `free`."""
+    x0, sh = xs[0], _placed_spec(xs[0])
+    out_sh = None if sh is None else NamedSharding(sh.mesh, P(None, None, *sh.spec))
+    shape = (repeats, n) + tuple(x0.shape)
+    if isinstance(x0, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, x0.dtype, sharding=out_sh)
+    if isinstance(x0, jax.core.Tracer):
+        return jnp.stack(xs).reshape(shape)
+    out = _stacker(repeats, n, out_sh)(*xs)
+    if free:
+        for x in xs:
+            x.delete()
     return out
 
 
+def _unstack_leaf(x, g: int, j: int):
+    sh = _placed_spec(x)
+    out_sh = None if sh is None else NamedSharding(sh.mesh, P(*tuple(sh.spec)[2:]))
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[2:], x.dtype, sharding=out_sh)
+    if isinstance(x, jax.core.Tracer):
+        return x[g, j]
+    return _slicer(out_sh)(x, g, j)
+
+
+def _set_stack_axes(state, add: bool) -> None:
+    """Prefix (or strip) the two "layers" logical axes of every Variable of `state`."""
+    for _, var in nnx.to_flat_state(state):
+        axes = var.get_metadata().get("axes")
+        if axes is not None:
+            var.set_metadata(axes=((STACK_AXIS, STACK_AXIS) + tuple(axes)) if add else tuple(axes)[2:])
+
+
+def stack_modules(modules: list, repeats: int, n: int, *, free: bool = False) -> nnx.Module:
+    """One module of the layers' common structure whose every array is stacked [repeats, n, ...]
+    (modules in (repeat, layer) order). `free`: delete each layer's arrays once stacked (the loader:
+    device memory holds the model plus one stacked parameter, not two models)."""
+    splits = [nnx.split(m) for m in modules]
+    gdef = splits[0][0]
+    for i, (g, _) in enumerate(splits):
+        if g != gdef:
+            raise ValueError(f"layer {i} of a run differs in structure from the first and cannot be stacked "
+                             f"with it (a parameter quantised in some layers of a run only?)")
+    states = [s for _, s in splits]
+    stacked = jax.tree.map(lambda *xs: _stack_leaves(list(xs), repeats, n, free), *states)
+    _set_stack_axes(stacked, add=True)
+    return nnx.merge(gdef, stacked)
+
+
+def unstack_module(module: nnx.Module, g: int, j: int) -> nnx.Module:
+    """Layer (g, j) of a stacked module, as a module of its own (arrays sliced: a copy)."""
+    gdef, state = nnx.split(module)
+    one = jax.tree.map(lambda x: _unstack_leaf(x, g, j), state)
+    _set_stack_axes(one, add=False)
+    return nnx.merge(gdef, one)
+
+
+def is_stacked_path(path) -> bool:
+    p = [str(x) for x in path]
+    return len(p) > 4 and p[0] == "model" and p[1] == "layers" and p[2] == "runs"
+
+
+def stacked_layer_paths(path, cfg: LingConfig) -> list[tuple[tuple, int, int]]:
+    """[(per-layer path `model/layers/{i}/...`, g, j)] of a stacked parameter path
+    `model/layers/runs/{block}/{run}/...`: where each layer's value sits in the stack."""
+    p = tuple(path)
+    b, r = int(p[3]), int(p[4])
+    block = layer_plan(cfg)[b]
+    return [(("model", "layers", li) + p[5:], g, j)
+            for g, row in enumerate(block.layer_grid(r)) for j, li in enumerate(row)]
+
+
+def per_layer_arrays(path, a, cfg: LingConfig) -> list[tuple[tuple, object]]:
+    """[(per-layer path, that layer's array)] of one parameter value `a` (a stacked one gives every
+    layer of its run, sliced at [g, j]; any other its canonical path and `a`)."""
+    if is_stacked_path(path):
+        return [(lp, a[g, j]) for lp, g, j in stacked_layer_paths(path, cfg)]
+    return [(canonical_path(path), a)]
+
+
+class LayerStack(nnx.Module):
+    """The decoder layers of a `LingModel`, stored as they run (module doc), and their layer loop.
+
+    loop "scan": `runs[b][r]` is one DecoderLayer per run of `layer_plan(cfg)` with arrays stacked
+    [repeats, n, ...]; loop "unroll": `per_layer[i]` is layer i. `layer(i)` reads layer i either way."""
+
+    def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs, loop: str = "scan"):
+        if loop not in LAYER_LOOPS:
+            raise ValueError(f"layer loop must be one of {LAYER_LOOPS}, got {loop!r}")
+        self.cfg = cfg
+        self.loop = "unroll"
+        self.per_layer = nnx.data(nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs)
+                                            for i in range(cfg.num_hidden_layers)]))
+        self.runs = nnx.data(None)
+        if loop == "scan":
+            self.set_loop("scan")
+
+    @property
+    def plan(self) -> tuple:
+        return layer_plan(self.cfg)
+
+    def __len__(self) -> int:
+        return self.cfg.num_hidden_layers
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Layer i: its own module (unrolled) or a sliced copy of it (stacked; for reading)."""
+        if self.loop == "unroll":
+            return self.per_layer[i]
+        b, r, g, j = layer_location(self.cfg, i)
+        return unstack_module(self.runs[b][r], g, j)
+
+    def set_loop(self, loop: str, *, free: bool = False) -> "LayerStack":
+        """Store the layers for `loop` ("scan": stacked per run; "unroll": per layer), outside any
+        program (arrays keep their placement; `free` deletes the old arrays as it goes)."""
+        if loop not in LAYER_LOOPS:
+            raise ValueError(f"layer loop must be one of {LAYER_LOOPS}, got {loop!r}")
+        if loop == self.loop:
+            return self
+        if loop == "scan":
+            runs = []
+            for block in self.plan:
+                runs.append(nnx.List([stack_modules([self.per_layer[i] for row in block.layer_grid(r) for i in row],
+                                                    block.repeats, block.runs[r].n, free=free)
+                                      for r in range(len(block.runs))]))
+            self.runs, self.per_layer = nnx.data(nnx.List(runs)), nnx.data(None)
+        else:
+            layers = [None] * self.cfg.num_hidden_layers
+            for b, block in enumerate(self.plan):
+                for r in range(len(block.runs)):
+                    for g, row in enumerate(block.layer_grid(r)):
+                        for j, li in enumerate(row):
+                            layers[li] = unstack_module(self.runs[b][r], g, j)
+            self.per_layer, self.runs = nnx.data(nnx.List(layers)), nnx.data(None)
+        self.loop = loop
+        return self
+
+    def run_block(self, b: int, h, caches, forced, lengths, n_valid, ex: ExecConfig):
+        """Block b of the plan over h [B,T,D]: see `run_block`."""
+        if ex.layer_loop != self.loop:
+            raise ValueError(f"ExecConfig.layer_loop={ex.layer_loop!r}, but the layers are stored for "
+                             f"{self.loop!r} (the layer loop is chosen when the model is built or loaded; "
+                             f"convert with model.set_layer_loop({ex.layer_loop!r}))")
+        block = self.plan[b]
+        if self.loop == "unroll":
+            return _run_unrolled(block, self.per_layer, h, caches, forced, lengths, n_valid, ex)
+        return _run_scanned(block, self.runs[b], h, caches, forced, lengths, n_valid, ex)
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer loop
+# ---------------------------------------------------------------------------------------------
 def _layer_fn(gdef, ex: ExecConfig):
     """`(params, h, cache, forced, lengths, n_valid) -> (h, cache, expert ids, extra)` of one layer
     structure, rematerialised in the backward pass under `ex.remat` when set (training)."""
@@ -97,86 +342,74 @@ def _layer_fn(gdef, ex: ExecConfig):
     return jax.checkpoint(call, policy=getattr(jax.checkpoint_policies, ex.remat))
 
 
-def _stack(vals: list, repeats: int, n: int):
-    """Per-layer values (pytrees, or all None) in (repeat, layer) order → stacked [repeats, n, ...]."""
-    if vals[0] is None:
+def _is_mla(cache) -> bool:
+    return isinstance(cache, (MLACache, PagedMLACache))
+
+
+def _cache_at(cache, g, j):
+    """What layer (g, j) of a run gets of the run's stacked cache: a KDA state read at [g, j]; an MLA
+    cache whole, with its `layer` set (the attention reads and writes its own layer in place)."""
+    if cache is None:
         return None
-    return jax.tree.map(lambda *xs: jnp.stack(xs).reshape((repeats, n) + xs[0].shape), *vals)
+    if _is_mla(cache):
+        return cache._replace(layer=(g, j))
+    return jax.tree.map(lambda x: x[g, j], cache)
 
 
-def run_block(block: Block, layers, stacked, h, caches, forced, lengths, n_valid, ex: ExecConfig):
-    """Apply the layers of `block` to h [B,T,D]: the one layer runner (forward, prefill, decode,
-    verification and training all come through here).
+def _cache_put(cache, new, g, j):
+    """The run's stacked cache after layer (g, j) returned `new` (in-place writes: donated or carried)."""
+    if cache is None:
+        return None
+    if _is_mla(cache):
+        return new._replace(layer=None)
+    return jax.tree.map(lambda buf, x: buf.at[g, j].set(x.astype(buf.dtype)), cache, new)
 
-    layers: the model's layer list; stacked: `stack_params(layers, block)` (or None: computed
-    here) for the scanned loop; caches / forced: per run, stacked [repeats, n, ...] (or None).
-    `ex.layer_loop`: "scan" runs each run as a `lax.scan` over its stacked parameters inside a scan
-    over the block's repeats (six compiled layer bodies for the release's 72 layers); "unroll"
-    applies every layer to its own parameters. Why both: inside a scan each layer's weights are
-    dynamic slices of the stacked arrays, and XLA:CPU copies every slice before the matmul, so a
-    decode step moves each weight three times instead of once; unrolled, the matmuls read the
-    parameters in place while the caches stay stacked and are updated slot by slot.
 
-    Returns (h, per-run new caches, per-run expert ids [repeats,n,B,T,k] or None, per-run extras).
-    """
-    if ex.layer_loop == "unroll":
-        return _run_unrolled(block, layers, h, caches, forced, lengths, n_valid, ex)
-    stacked = stacked if stacked is not None else stack_params(layers, block)
-    fns = [_layer_fn(gdef, ex) for gdef, _ in stacked]
+def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: ExecConfig):
+    """The block as a scan over its repeats of a scan per run over the run's layers. Parameters are
+    the stored stacks (sliced per layer by the scan); caches ride in the carry (module doc)."""
+    gdefs, params = zip(*(nnx.split(m) for m in runs))
+    fns = [_layer_fn(gd, ex) for gd in gdefs]
 
-    def group_body(h, xs):
-        params_g, caches_g, forced_g = xs
-        new_c, idxs, extras = [], [], []
+    def group_body(carry, xs):
+        h, cs = carry
+        g, params_g, forced_g = xs
+        cs, idxs, extras = list(cs), [], []
         for r, fn in enumerate(fns):
-            def layer_body(h, ys, fn=fn):
-                p, c, f = ys
-                h, c, idx, extra = fn(p, h, c, f, lengths, n_valid)
-                return h, (c, idx, extra)
-            h, (c, idx, extra) = jax.lax.scan(layer_body, h, (params_g[r], caches_g[r], forced_g[r]))
-            new_c.append(c)
+            def layer_body(carry, ys, fn=fn):
+                h, c = carry
+                j, p, f = ys
+                h, new, idx, extra = fn(p, h, _cache_at(c, g, j), f, lengths, n_valid)
+                return (h, _cache_put(c, new, g, j)), (idx, extra)
+            n = block.runs[r].n
+            (h, cs[r]), (idx, extra) = jax.lax.scan(layer_body, (h, cs[r]),
+                                                    (jnp.arange(n, dtype=jnp.int32), params_g[r], forced_g[r]))
             idxs.append(idx)
             extras.append(extra)
-        return h, (tuple(new_c), tuple(idxs), tuple(extras))
+        return (h, tuple(cs)), (tuple(idxs), tuple(extras))
 
-    params = tuple(p for _, p in stacked)
-    h, (new_c, idxs, extras) = jax.lax.scan(group_body, h, (params, caches, forced))
+    g_idx = jnp.arange(block.repeats, dtype=jnp.int32)
+    (h, new_c), (idxs, extras) = jax.lax.scan(group_body, (h, tuple(caches)), (g_idx, tuple(params), tuple(forced)))
     return h, new_c, idxs, extras
 
 
 def _run_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, ex: ExecConfig):
-    """`run_block` with every layer applied in turn to its own (unstacked) parameters."""
+    """The block with every layer applied in turn to its own parameters; caches updated in place
+    at [g, j] like the scan's."""
+    cs = list(caches)
     per_run = [dict() for _ in block.runs]
     for g in range(block.repeats):
         for r, run in enumerate(block.runs):
-            for i, li in enumerate(block.layer_grid(r)[g]):
-                c = None if caches[r] is None else jax.tree.map(lambda x: x[g, i], caches[r])
-                f = None if forced[r] is None else forced[r][g, i]
+            for j, li in enumerate(block.layer_grid(r)[g]):
+                f = None if forced[r] is None else forced[r][g, j]
                 gdef, p = nnx.split(layers[li])
-                h, c, idx, extra = _layer_fn(gdef, ex)(p, h, c, f, lengths, n_valid)
-                per_run[r][(g, i)] = (c, idx, extra)
-    new_c, idxs, extras = [], [], []
+                h, new, idx, extra = _layer_fn(gdef, ex)(p, h, _cache_at(cs[r], g, j), f, lengths, n_valid)
+                cs[r] = _cache_put(cs[r], new, g, j)
+                per_run[r][(g, j)] = (idx, extra)
+    idxs, extras = [], []
     for r, run in enumerate(block.runs):
-        slots = [(g, i) for g in range(block.repeats) for i in range(run.n)]
-        c, idx, extra = (list(v) for v in zip(*(per_run[r][s] for s in slots)))
-        cache = caches[r]
-        if cache is not None:  # in-place slot updates of the incoming stacked cache
-            for (g, i), v in zip(slots, c):
-                cache = jax.tree.map(lambda b, x: b.at[g, i].set(x.astype(b.dtype)), cache, v)
-        new_c.append(cache if cache is not None else _stack(c, block.repeats, run.n))
+        slots = [(g, j) for g in range(block.repeats) for j in range(run.n)]
+        idx, extra = (list(v) for v in zip(*(per_run[r][s] for s in slots)))
         idxs.append(_stack(idx, block.repeats, run.n))
         extras.append(_stack(extra, block.repeats, run.n))
-    return h, tuple(new_c), tuple(idxs), tuple(extras)
-
-
-def per_layer(block: Block, r: int, stacked_value):
-    """{layer index: value} from a run's stacked [repeats, n, ...] output."""
-    grid = block.layer_grid(r)
-    return {li: stacked_value[g, i] for g, row in enumerate(grid) for i, li in enumerate(row)}
-
-
-def stack_forced(block: Block, r: int, forced: dict | None):
-    if forced is None or block.runs[r].moe is False:
-        return None
-    grid = block.layer_grid(r)
-    return _stack([forced[li] for row in grid for li in row], block.repeats, len(grid[0]))
-
+    return h, tuple(cs), tuple(idxs), tuple(extras)

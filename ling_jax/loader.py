@@ -37,10 +37,11 @@ from tqdm.auto import tqdm
 
 from ling_jax.checkpoint import blocks as B
 from ling_jax.checkpoint import orbax as O
-from ling_jax.checkpoint.layout import checkpoint_names, is_expert_path
+from ling_jax.checkpoint.layout import canonical_path, checkpoint_names, is_expert_path
 from ling_jax.checkpoint.orbax_validate import check_param_shapes, storage_errors, validate_converted
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.config import LingConfig
+from ling_jax.exec_config import ExecConfig
 from ling_jax.layer_stack import layer_plan
 from ling_jax.model import LingForCausalLM
 from ling_jax.ops import as_dtype, default_dtype
@@ -78,7 +79,7 @@ def one_device_mesh():
 def _scan_group(path, cfg: LingConfig) -> tuple:
     """Parameters that must agree on being kept FP8: the same place in every layer of one scanned run
     of the layer plan, and the three routed-expert projections of a block together."""
-    p = [str(x) for x in path]
+    p = [str(x) for x in canonical_path(path)]
     if is_expert_path(path):
         p = p[:-1]
     if p[0] == "model" and p[1] == "layers":
@@ -101,14 +102,27 @@ def quantized_paths(flat, cfg: LingConfig, stored_fp8: Callable) -> set:
     return {p for p in cand if ok[_scan_group(p, cfg)]}
 
 
+def default_layer_loop(cfg: LingConfig, layer_loop: str | None = None) -> str:
+    """The layer loop a loaded model stores its layers for: `layer_loop`, or this backend's default
+    for the config (`ExecConfig.for_backend`)."""
+    return layer_loop or ExecConfig.for_backend(None, cfg).layer_loop
+
+
 def abstract_model(cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = True,
-                   stored_fp8: Callable | None = None, stored_mxfp4: Callable | None = None) -> LingForCausalLM:
+                   stored_fp8: Callable | None = None, stored_mxfp4: Callable | None = None,
+                   layer_loop: str | None = None) -> LingForCausalLM:
     """Shape-only LingForCausalLM: every variable a ShapeDtypeStruct, or a BlockFP8 of two for the
     parameters `stored_fp8(path)` says the checkpoint stores FP8, or an MXFP4Blocks of two (uint8)
     for the routed experts `stored_mxfp4(path)` says it stores MXFP4 (None: keep nothing quantised;
-    `blocks.release_fp8(cfg)` / `blocks.release_mxfp4(cfg)` plan a checkpoint without reading one)."""
+    `blocks.release_fp8(cfg)` / `blocks.release_mxfp4(cfg)` plan a checkpoint without reading one).
+
+    layer_loop: how the layers are stored (`LayerStack`; default: this backend's for the config):
+    "scan" stacks each run's parameters [repeats, n, ...] as a loaded model holds them; the loader
+    itself builds "unroll" (one module per layer, the checkpoint's granularity) and stacks after."""
+    loop = default_layer_loop(cfg, layer_loop)
+    ex = ExecConfig.for_backend(None, cfg, layer_loop="unroll")
     model = nnx.eval_shape(lambda: LingForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=ShapeOnlyRngs(),
-                                                   with_mtp=with_mtp))
+                                                   with_mtp=with_mtp, exec=ex))
     flat = list(nnx.to_flat_state(nnx.state(model)))  # Variables shared with the model
     mx = quantized_paths(flat, cfg, stored_mxfp4) if stored_mxfp4 is not None else set()
     for p, v in flat:
@@ -123,7 +137,7 @@ def abstract_model(cfg: LingConfig, dtype=jnp.float32, with_mtp: bool = True,
                 shape, block = tuple(v.get_value().shape), B.fp8_block(p, cfg)
                 v.set_value(BlockFP8(jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn),
                                      jax.ShapeDtypeStruct(scale_grid(shape, block), jnp.float32), block))
-    return model
+    return model.set_layer_loop(loop)
 
 
 _LAYOUTS: dict = {}
@@ -135,9 +149,9 @@ def param_layout(cfg: LingConfig) -> dict[str, tuple]:
     key = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
     if key not in _LAYOUTS:
         out = {}
-        for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.bfloat16, True))):
+        for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, jnp.bfloat16, True, layer_loop="unroll"))):
             if isinstance(var, nnx.Param):
-                entry = (tuple(path), variable_axes(path, var), tuple(var.get_value().shape))
+                entry = (canonical_path(path), variable_axes(path, var), tuple(var.get_value().shape))
                 out.update(dict.fromkeys(checkpoint_names(tuple(path), cfg)[1], entry))
         if len(_LAYOUTS) > 8:
             _LAYOUTS.clear()
@@ -147,7 +161,7 @@ def param_layout(cfg: LingConfig) -> dict[str, tuple]:
 
 def config_constant(path: tuple, cfg: LingConfig) -> float:
     """Value of a non-parameter variable: the per-layer SwiGLU clamp limits (spec §7.2)."""
-    p = [str(x) for x in path]
+    p = [str(x) for x in canonical_path(path)]
     layer = cfg.num_hidden_layers if p[0] == "mtp" else int(p[2])
     routed, shared = cfg.swiglu_limits(layer)
     if p[-1] == "routed_limit":
@@ -270,19 +284,31 @@ def place_constants(flat, mesh, cfg: LingConfig) -> None:
 # ---------------------------------------------------------------------------------------------
 # entry points
 # ---------------------------------------------------------------------------------------------
+def _finish(graphdef, flat, mesh, cfg: LingConfig, layer_loop: str | None) -> LingForCausalLM:
+    """The loaded per-layer model, its layers then stored for the layer loop (stacked per run for
+    "scan", each layer's arrays freed once stacked: device memory peaks at the model plus one
+    stacked parameter), on `mesh`."""
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model.exec = ExecConfig.for_backend(None, cfg)
+    model.set_layer_loop(default_layer_loop(cfg, layer_loop), free=True)
+    return attach_mesh(model, mesh)
+
+
 def load_from_reader(reader, cfg: LingConfig, *, mesh=None, dtype=jnp.float32, with_mtp: bool = True,
-                     keep_quantized: bool = False, progress: bool = True) -> LingForCausalLM:
+                     keep_quantized: bool = False, progress: bool = True,
+                     layer_loop: str | None = None) -> LingForCausalLM:
     """Build the model from a reader (`CheckpointReader`, or any object with its `get(name, dtype,
     index)`: tests read in-memory dicts) onto `mesh` (default: one device). keep_quantized needs a
-    CheckpointReader (it reads the stored dtypes)."""
+    CheckpointReader (it reads the stored dtypes). layer_loop: see `abstract_model`."""
     mesh = one_device_mesh() if mesh is None else mesh
     stored = B.reader_fp8(reader, cfg) if keep_quantized else None
     stored_mx = B.reader_mxfp4(reader, cfg) if keep_quantized else None
-    graphdef, state = nnx.split(abstract_model(cfg, as_dtype(dtype), with_mtp and cfg.has_mtp, stored, stored_mx))
+    graphdef, state = nnx.split(abstract_model(cfg, as_dtype(dtype), with_mtp and cfg.has_mtp, stored, stored_mx,
+                                               layer_loop="unroll"))
     flat = list(nnx.to_flat_state(state))
     fill_params(flat, ParamSource(reader, cfg, mesh), progress)
     place_constants(flat, mesh, cfg)
-    return attach_mesh(nnx.merge(graphdef, nnx.from_flat_state(flat)), mesh)
+    return _finish(graphdef, flat, mesh, cfg, layer_loop)
 
 
 def open_validated(checkpoint_dir: str, with_mtp: bool, keep_quantized: bool):
@@ -302,7 +328,7 @@ def open_validated(checkpoint_dir: str, with_mtp: bool, keep_quantized: bool):
 
 
 def load_model(checkpoint: str, dtype=None, *, mesh=None, with_mtp: bool = True, keep_quantized: bool | None = None,
-               keep_fp8: bool | None = None, progress: bool = True) -> LingForCausalLM:
+               keep_fp8: bool | None = None, progress: bool = True, layer_loop: str | None = None) -> LingForCausalLM:
     """Load a checkpoint directory — HF release layout or a `ling-jax convert` output, detected by
     its marker — onto `mesh` (default: one device). Relative paths are fine; `"demo"` and Hugging
     Face Hub ids `ORG/NAME[@REVISION]` are resolved first (`ling_jax.checkpoint.locate`).
@@ -312,6 +338,8 @@ def load_model(checkpoint: str, dtype=None, *, mesh=None, with_mtp: bool = True,
     one). keep_quantized (alias keep_fp8): FP8-stored matrices stay BlockFP8 (see module doc);
     None = as stored for a converted directory, False for an HF one. The model carries
     `model.exec` (ExecConfig for this backend, with the mesh when it has more than one device).
+    layer_loop: "scan" | "unroll" | None (this backend's default for the config): how the layers
+    are stored and run (`ling_jax.layer_stack`), a load-time choice (`model.set_layer_loop` converts).
     """
     if keep_quantized is None:
         keep_quantized = keep_fp8
@@ -322,25 +350,26 @@ def load_model(checkpoint: str, dtype=None, *, mesh=None, with_mtp: bool = True,
     dtype = as_dtype(dtype or default_dtype())
     mesh = one_device_mesh() if mesh is None else mesh
     if O.is_converted(checkpoint):
-        return restore_converted(checkpoint, mesh, dtype, with_mtp, keep_quantized, progress)
+        return restore_converted(checkpoint, mesh, dtype, with_mtp, keep_quantized, progress, layer_loop)
     if os.path.isdir(os.path.join(checkpoint, "params")):
         raise ValueError(f"{checkpoint}: looks like an incomplete conversion (no {O.META}); convert again")
     keep = bool(keep_quantized)
     reader, cfg, with_mtp = open_validated(checkpoint, with_mtp, keep)
     try:
         return load_from_reader(reader, cfg, mesh=mesh, dtype=dtype, with_mtp=with_mtp, keep_quantized=keep,
-                                progress=progress)
+                                progress=progress, layer_loop=layer_loop)
     finally:
         reader.close()
 
 
 def restore_converted(path: str, mesh, dtype, with_mtp: bool = True, keep_quantized: bool | None = None,
-                      progress: bool = True) -> LingForCausalLM:
+                      progress: bool = True, layer_loop: str | None = None) -> LingForCausalLM:
     """A converted directory → model on `mesh` (any mesh: Orbax reads each process's blocks).
 
     Parameters stored in another float dtype are cast to `dtype`; FP8-kept matrices stay FP8 (which
     ones: the per-parameter dtypes in the metadata; keep_quantized None: as stored; True/False must
-    match the conversion)."""
+    match the conversion). The directory stores one entry per layer whatever the layer loop (the
+    format of every earlier conversion too); the layers are stacked after the restore."""
     path = os.path.abspath(path)  # Orbax wants absolute paths
     meta = validate_converted(path)  # marker, manifest, commit markers, data file sizes: before any restore
     stored_q = bool(meta["keep_fp8"])
@@ -354,7 +383,7 @@ def restore_converted(path: str, mesh, dtype, with_mtp: bool = True, keep_quanti
     f8, u8 = str(jnp.dtype(jnp.float8_e4m3fn)), str(jnp.dtype(jnp.uint8))
     stored = (lambda p: meta["params"].get(O.key_of(p), {}).get("dtype") == f8) if stored_q else None  # noqa: E731
     stored_mx = (lambda p: meta["params"].get(O.key_of(p), {}).get("dtype") == u8) if stored_q else None  # noqa: E731
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, with_mtp, stored, stored_mx))
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, with_mtp, stored, stored_mx, layer_loop="unroll"))
     flat = list(nnx.to_flat_state(state))
     check_param_shapes(path, meta, {k: tuple(a.shape) for p, v in flat if isinstance(v, nnx.Param)
                                     for k, a in converted_entries(p, v.get_value()).items()}, subset=True)
@@ -391,4 +420,4 @@ def restore_converted(path: str, mesh, dtype, with_mtp: bool = True, keep_quanti
         bar.update(1)
     bar.close()
     place_constants(flat, mesh, cfg)
-    return attach_mesh(nnx.merge(graphdef, nnx.from_flat_state(flat)), mesh)
+    return _finish(graphdef, flat, mesh, cfg, layer_loop)

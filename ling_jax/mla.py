@@ -24,7 +24,6 @@ from ling_jax.norms import RMSNorm
 from ling_jax.ops import einsum, linear
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
 from ling_jax.kernel_mesh import on_mesh
-from ling_jax.rows import put_rows
 from pallas_kernels.mla.blockwise import blockwise_expanded_attention, blockwise_latent_attention
 from pallas_kernels.mla.kernel import latent_attention_pallas
 from pallas_kernels.mla.reference import attention_mask, latent_attention, masked_softmax
@@ -38,6 +37,9 @@ class MLACache(NamedTuple):
     k_pe: jax.Array
     c_scale: Optional[jax.Array] = None
     k_pe_scale: Optional[jax.Array] = None
+    #: None: the arrays are this layer's own. (g, j): they are a run's stacked cache [repeats, n, B, S, ...]
+    #: and this layer is [g, j] of it (`ling_jax.layer_stack`: read and written in place, not sliced out)
+    layer: Optional[tuple] = None
 
 
 class PagedMLACache(NamedTuple):
@@ -53,25 +55,60 @@ class PagedMLACache(NamedTuple):
     c_pages: jax.Array
     kpe_pages: jax.Array
     block_table: jax.Array
+    #: None, or (g, j): the pages are a run's stacked pool [repeats, n, n_pages, P, ...] (see MLACache.layer)
+    layer: Optional[tuple] = None
 
 
-def paged_write(pages: jax.Array, new: jax.Array, block_table: jax.Array, pos: jax.Array, valid: jax.Array):
-    """Scatter new [B,T,X] into pages [n_pages,P,X] at the absolute positions pos [B,T]; tokens with
-    valid [B,T] False (right padding, idle rows) are dropped, so they never touch any page."""
-    n_pages, P = pages.shape[:2]
+def _scatter_tokens(buf: jax.Array, layer, a: jax.Array, b: jax.Array, vals: jax.Array, a_end: int):
+    """buf[(*layer,) a[i], b[i]] = vals[i] for the N entries of a, b [N] (a == a_end: dropped).
+    One entry is padded with a dropped second one: XLA:CPU turns a one-index scatter into a
+    dynamic-update-slice that copies the whole buffer (`ling_jax.rows`)."""
+    vals = vals.astype(buf.dtype)
+    if a.shape[0] == 1:
+        a = jnp.concatenate([a, jnp.full((1,), a_end, a.dtype)])
+        b = jnp.concatenate([b, jnp.zeros((1,), b.dtype)])
+        vals = jnp.concatenate([vals, jnp.zeros_like(vals)])
+    lead = () if layer is None else tuple(layer)
+    return buf.at[lead + (a, b)].set(vals, mode="drop")
+
+
+def paged_write(pages: jax.Array, new: jax.Array, block_table: jax.Array, pos: jax.Array, valid: jax.Array,
+                layer=None):
+    """Scatter new [B,T,X] into pages [n_pages,P,X] (or, with `layer` (g, j), into layer [g, j] of
+    stacked pages [repeats, n, n_pages, P, X], in place) at the absolute positions pos [B,T]; tokens
+    with valid [B,T] False (right padding, idle rows) are dropped, so they never touch any page."""
+    lead = 0 if layer is None else 2
+    n_pages, P = pages.shape[lead:lead + 2]
     blk = jnp.take_along_axis(block_table, jnp.clip(pos // P, 0, block_table.shape[1] - 1), axis=1)
     page = jnp.where(valid, blk, n_pages)  # out of range: dropped by the scatter
-    if page.size == 1:  # one token (a one-row decode): a one-index scatter would copy the pool (ling_jax.rows)
-        flat = (page * P + pos % P).reshape(1)
-        out = put_rows(pages.reshape((n_pages * P,) + pages.shape[2:]), flat, new.reshape((1,) + new.shape[2:]))
-        return out.reshape(pages.shape)
-    return pages.at[page, pos % P].set(new.astype(pages.dtype), mode="drop")
+    return _scatter_tokens(pages, layer, page.reshape(-1), (pos % P).reshape(-1),
+                           new.reshape((-1,) + new.shape[2:]), n_pages)
 
 
-def paged_gather(pages: jax.Array, block_table: jax.Array) -> jax.Array:
-    """The pages of each sequence in order: [B, max_blocks·P, X] (a contiguous-cache view)."""
+def paged_gather(pages: jax.Array, block_table: jax.Array, layer=None) -> jax.Array:
+    """The pages of each sequence in order: [B, max_blocks·P, X] (a contiguous-cache view), read
+    from layer (g, j) of stacked pages when `layer` is given (one gather, no slice of the pool)."""
     B, nb = block_table.shape
-    return pages[block_table].reshape(B, nb * pages.shape[1], pages.shape[2])
+    got = pages[block_table] if layer is None else pages[layer[0], layer[1], block_table]
+    return got.reshape(B, nb * got.shape[2], got.shape[3])
+
+
+def _contiguous_write(buf: jax.Array, new: jax.Array, lengths: jax.Array, layer=None) -> jax.Array:
+    """buf [B,S,...] with new [B,T,...] written at positions lengths[b] + t (or layer (g, j) of a
+    stacked buf [repeats, n, B, S, ...], in place)."""
+    if layer is None:
+        write = jax.vmap(lambda b, x, start: jax.lax.dynamic_update_slice_in_dim(b, x.astype(b.dtype), start, axis=0))
+        return write(buf, new, lengths)
+    B, T = new.shape[:2]
+    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T)).reshape(-1)
+    cols = (lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
+    S = buf.shape[3]
+    cols = jnp.where(cols < S, cols, S)  # past the end: dropped
+    return _scatter_tokens(buf, layer, jnp.where(cols < S, rows, B), cols, new.reshape((-1,) + new.shape[2:]), B)
+
+
+def _layer_read(x: jax.Array, layer) -> jax.Array:
+    return x if layer is None else x[layer[0], layer[1]]
 
 
 def mla_zero_cache(cfg: LingConfig, batch: int, max_len: int, dtype, kv_cache_dtype: str = "auto") -> MLACache:
@@ -211,24 +248,28 @@ class MultiheadLatentAttention(nnx.Module):
                 form = "expanded"
         elif isinstance(cache, PagedMLACache):
             valid = jnp.arange(T)[None, :] < n_valid[:, None]
-            cp = paged_write(cache.c_pages, c_new, cache.block_table, pos, valid)
-            kp = paged_write(cache.kpe_pages, kpe_new, cache.block_table, pos, valid)
-            new_cache = PagedMLACache(cp, kp, cache.block_table)
-            c_all, kpe_all = paged_gather(cp, cache.block_table), paged_gather(kp, cache.block_table)
+            L = cache.layer
+            cp = paged_write(cache.c_pages, c_new, cache.block_table, pos, valid, L)
+            kp = paged_write(cache.kpe_pages, kpe_new, cache.block_table, pos, valid, L)
+            new_cache = cache._replace(c_pages=cp, kpe_pages=kp)
+            c_all, kpe_all = paged_gather(cp, cache.block_table, L), paged_gather(kp, cache.block_table, L)
             if form == "auto":
                 form = "absorbed"
         else:
-            write = jax.vmap(lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=0))
+            L = cache.layer
             if cache.c_scale is not None:  # FP8 cache: store per-token e4m3 + scale, attend to the decode
                 (cq, cs), (kq, ks) = quantize_per_token(c_new), quantize_per_token(kpe_new)
-                new_cache = MLACache(write(cache.c, cq, lengths), write(cache.k_pe, kq, lengths),
-                                     write(cache.c_scale, cs, lengths), write(cache.k_pe_scale, ks, lengths))
-                c_all = dequantize_per_token(new_cache.c, new_cache.c_scale, x.dtype)
-                kpe_all = dequantize_per_token(new_cache.k_pe, new_cache.k_pe_scale, x.dtype)
+                new_cache = cache._replace(c=_contiguous_write(cache.c, cq, lengths, L),
+                                           k_pe=_contiguous_write(cache.k_pe, kq, lengths, L),
+                                           c_scale=_contiguous_write(cache.c_scale, cs, lengths, L),
+                                           k_pe_scale=_contiguous_write(cache.k_pe_scale, ks, lengths, L))
+                c_all = dequantize_per_token(_layer_read(new_cache.c, L), _layer_read(new_cache.c_scale, L), x.dtype)
+                kpe_all = dequantize_per_token(_layer_read(new_cache.k_pe, L), _layer_read(new_cache.k_pe_scale, L),
+                                               x.dtype)
             else:
-                c_all = write(cache.c, c_new.astype(cache.c.dtype), lengths)
-                kpe_all = write(cache.k_pe, kpe_new.astype(cache.k_pe.dtype), lengths)
-                new_cache = MLACache(c_all, kpe_all)
+                new_cache = cache._replace(c=_contiguous_write(cache.c, c_new, lengths, L),
+                                           k_pe=_contiguous_write(cache.k_pe, kpe_new, lengths, L))
+                c_all, kpe_all = _layer_read(new_cache.c, L), _layer_read(new_cache.k_pe, L)
             if form == "auto":
                 form = "absorbed"
         kv_len = lengths + n_valid

@@ -12,16 +12,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling_jax.config import KDA, LingConfig
-from ling_jax.kda import KimiDeltaAttention, kda_zero_state
+from ling_jax.config import LingConfig
+from ling_jax.decoder_layer import DecoderLayer
+from ling_jax.kda import kda_zero_state
 from ling_jax.exec_config import ExecConfig
-from ling_jax.layer_stack import layer_plan, per_layer, run_block, stack_forced, stack_params
+from ling_jax.layer_stack import LayerStack, layer_of, layer_plan, per_layer, stack_forced, zeros_by_kind
 from ling_jax.linear import Linear
 from ling_jax.kv_quant import check_kv_cache_dtype
-from ling_jax.mla import MLACache, MultiheadLatentAttention, mla_zero_cache
-from ling_jax.moe import MoE
+from ling_jax.mla import MLACache, mla_zero_cache
 from ling_jax.norms import RMSNorm
-from ling_jax.swiglu import SwiGLU
 
 
 class HybridCache(NamedTuple):
@@ -33,35 +32,25 @@ class HybridCache(NamedTuple):
     lengths: jax.Array
 
 
-def _stacked(make, block, r):
-    m, n = block.repeats, block.runs[r].n
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (m, n) + x.shape).copy(), make())
-
-
 def init_cache(cfg: LingConfig, batch: int, max_len: int, dtype, with_mtp: bool = True,
                kv_cache_dtype: str | None = None) -> HybridCache:
     """Zero cache: per KDA layer the f32 state [B,H,dk,dv] + 3 conv states [B,K-1,H*dk]; per MLA layer
-    the latent [B,max_len,kv_lora_rank] + rotated key [B,max_len,rope_dim]. Sizes: `ling_jax.accounting.cache_bytes`.
+    the latent [B,max_len,kv_lora_rank] + rotated key [B,max_len,rope_dim], laid out per block and
+    run of the layer plan (`layer_stack.zeros_by_kind`). Sizes: `ling_jax.accounting.cache_bytes`.
 
     kv_cache_dtype: "auto"/None (the MLA cache in `dtype`) or "fp8" (float8_e4m3fn + per-token float32
     scales, `ling_jax.kv_quant`). A property of the cache, not an ExecConfig field: it is the layout
     of state the caller allocates and carries (jit sees it in the pytree), not a choice of kernel."""
     kv = check_kv_cache_dtype(kv_cache_dtype)
-    layers = tuple(tuple(_stacked((lambda: kda_zero_state(cfg, batch, dtype)) if run.attn == KDA
-                                  else (lambda: mla_zero_cache(cfg, batch, max_len, dtype, kv)), b, r)
-                         for r, run in enumerate(b.runs)) for b in layer_plan(cfg))
+    layers = zeros_by_kind(cfg, lambda: kda_zero_state(cfg, batch, dtype),
+                           lambda: mla_zero_cache(cfg, batch, max_len, dtype, kv))
     mtp = mla_zero_cache(cfg, batch, max_len, dtype, kv) if (with_mtp and cfg.has_mtp) else None
     return HybridCache(layers, mtp, jnp.zeros((batch,), jnp.int32))
 
 
 def layer_cache(cache: HybridCache, cfg: LingConfig, layer: int):
     """The (unstacked) cache of main layer `layer`."""
-    for b, block in enumerate(layer_plan(cfg)):
-        for r in range(len(block.runs)):
-            for g, row in enumerate(block.layer_grid(r)):
-                if layer in row:
-                    return jax.tree.map(lambda x: x[g, row.index(layer)], cache.layers[b][r])
-    raise IndexError(f"layer {layer} out of range")
+    return layer_of(cfg, cache.layers, layer)
 
 
 class Embedding(nnx.Module):
@@ -71,37 +60,6 @@ class Embedding(nnx.Module):
 
     def __call__(self, ids):
         return jnp.take(self.weight[...], ids, axis=0)
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs: nnx.Rngs, attn_type: str | None = None):
-        self.attn_type = attn_type or (cfg.layer_types[layer] if layer < cfg.num_hidden_layers else "mla")
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if self.attn_type == KDA:
-            self.attention = KimiDeltaAttention(cfg, dtype=dtype, rngs=rngs)
-        else:
-            self.attention = MultiheadLatentAttention(cfg, dtype=dtype, rngs=rngs)
-        self.is_moe = cfg.is_moe(layer)
-        self.mlp = (MoE(cfg, layer, dtype=dtype, rngs=rngs) if self.is_moe
-                    else SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
-
-    def __call__(self, h, cache, lengths, n_valid, ex: ExecConfig, forced_idx=None):
-        """h: [B,T,D] → (h, new layer cache, routed expert ids or None, KDA rollback info or None)."""
-        a_in = self.input_layernorm(h)
-        extra = None
-        if self.attn_type == KDA:
-            a, cache, extra = self.attention(a_in, cache, n_valid, ex)
-        else:
-            a, cache = self.attention(a_in, cache, lengths, n_valid, ex)
-        u = h + a
-        m_in = self.post_attention_layernorm(u)
-        idx = None
-        if self.is_moe:
-            m, idx = self.mlp(m_in, ex, forced_idx)
-        else:
-            m = self.mlp(m_in, ex)
-        return u + m, cache, idx, extra
 
 
 class MTPLayer(nnx.Module):
@@ -130,9 +88,9 @@ class MTPLayer(nnx.Module):
 
 
 class LingModel(nnx.Module):
-    def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs, layer_loop: str = "scan"):
         self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.layers = LayerStack(cfg, dtype=dtype, rngs=rngs, loop=layer_loop)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -140,7 +98,9 @@ class LingForCausalLM(nnx.Module):
     """Whole model. Parameter paths mirror the checkpoint names (`checkpoint.layout.checkpoint_names`).
 
     `exec` is the model's ExecConfig (how it runs; static under jit): by default the defaults of
-    the current backend for this config (`ExecConfig.for_backend`). A call may pass another.
+    the current backend for this config (`ExecConfig.for_backend`). A call may pass another, with
+    the same `layer_loop`: that one is how the layers are stored (`LayerStack`), chosen here, at
+    build or load time; `set_layer_loop` converts.
     """
 
     def __init__(self, cfg: LingConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, with_mtp: bool = True,
@@ -149,7 +109,7 @@ class LingForCausalLM(nnx.Module):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.exec = exec if exec is not None else ExecConfig.for_backend(None, cfg)
-        self.model = LingModel(cfg, dtype=dtype, rngs=rngs)
+        self.model = LingModel(cfg, dtype=dtype, rngs=rngs, layer_loop=self.exec.layer_loop)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs)
         self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs) if (with_mtp and cfg.has_mtp) else None
 
@@ -166,23 +126,22 @@ class LingForCausalLM(nnx.Module):
         zm, mtp_cache, _ = self.mtp(emb, hidden.astype(self.dtype), mtp_cache, lengths, n_valid, ex)
         return self.logits(zm, ex), zm, mtp_cache
 
-    def stacked_layers(self, exec: ExecConfig | None = None):
-        """Per block of the layer plan: per run (graphdef, params stacked [repeats, n, ...]). Compute it
-        once outside a decode loop and pass it as `stacked=`, so the loop body does not re-stack.
-        None when the layers run unrolled (they read their own parameters)."""
-        if (exec or self.exec).layer_loop == "unroll":
-            return None
-        return [stack_params(self.model.layers, b) for b in layer_plan(self.cfg)]
+    def set_layer_loop(self, loop: str, *, free: bool = False) -> "LingForCausalLM":
+        """Store the layers for `loop` ("scan" | "unroll", `LayerStack.set_loop`) and run that way.
+        Outside any program; the parameter tree changes, so split the model again afterwards."""
+        self.model.layers.set_loop(loop, free=free)
+        self.exec = self.exec.replace(layer_loop=loop)
+        return self
 
     def __call__(self, input_ids, cache: HybridCache | None = None, n_valid=None, *, mtp: bool = False,
-                 exec: ExecConfig | None = None, forced_routing: dict | None = None, mtp_ids=None, stacked=None):
+                 exec: ExecConfig | None = None, forced_routing: dict | None = None, mtp_ids=None):
         """Forward over T new tokens per sequence.
 
         input_ids: [B,T] int32. cache: None for a cache-free forward from position 0 (MLA attends
         to the T tokens only), else a HybridCache holding `cache.lengths[b]` tokens per sequence.
         n_valid: [B] real tokens (default T). mtp: also run the MTP layer; its ids default to the
         inputs shifted left with a 0 fill (spec §11), or `mtp_ids` [B,T] when given.
-        exec: how to run (default `self.exec`); `stacked`: `stacked_layers()` computed once outside a loop.
+        exec: how to run (default `self.exec`; its layer_loop must be the stored one).
         Returns dict: logits [B,T,V] f32 (absent with `exec.skip_logits`), hidden [B,T,D]
         (final-normed), cache, routing {layer: [B,T,k]}, mtp_logits [B,T,V] (if mtp), kda_states
         {(block, run): stacked rollback info} (with `exec.kda_states`, for `kda_rollback`),
@@ -196,15 +155,14 @@ class LingForCausalLM(nnx.Module):
         lengths = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
         h = self.model.word_embeddings(input_ids).astype(self.dtype)
         new_layers, routing, kda_states = [], {}, {}
+        stack = self.model.layers
+        if cache is not None:
+            caches = cache.layers
+        else:  # cache-free: zero KDA states, MLA attends to the T new tokens only
+            caches = zeros_by_kind(cfg, lambda: kda_zero_state(cfg, B, self.dtype), lambda: None)
         for b, block in enumerate(layer_plan(cfg)):
-            if cache is not None:
-                caches = cache.layers[b]
-            else:  # cache-free: zero KDA states, MLA attends to the T new tokens only
-                caches = tuple(_stacked(lambda: kda_zero_state(cfg, B, self.dtype), block, r) if run.attn == KDA
-                               else None for r, run in enumerate(block.runs))
             forced = tuple(stack_forced(block, r, forced_routing) for r in range(len(block.runs)))
-            h, new_c, idxs, extras = run_block(block, self.model.layers, None if stacked is None else stacked[b],
-                                               h, caches, forced, lengths, n_valid, ex)
+            h, new_c, idxs, extras = stack.run_block(b, h, caches[b], forced, lengths, n_valid, ex)
             new_layers.append(new_c)
             for r in range(len(block.runs)):
                 if idxs[r] is not None:

@@ -26,6 +26,7 @@ expert         expert       the stacked routed experts
 expert_mlp     model        a routed expert's intermediate width
 router         -            the router's per-expert scores (every token scores every expert)
 batch          data         sequences of a batch (caches, inputs)
+layers         -            the [repeats, n] axes of a run's stacked layers (`ling_jax.layer_stack`)
 =============  ===========  ==============================================================
 
 A dimension is split over its mesh axis only when that axis has more than one device and the
@@ -75,7 +76,7 @@ class LogicalRules:
 LOGICAL_AXES: dict[str, Optional[str]] = {
     "vocab": "model", "embed": None, "embed_cat": "model", "heads": "model", "head_dim": None, "q_lora": None,
     "kv_lora": None, "conv": None, "mlp": "model", "expert": "expert", "expert_mlp": "model", "router": None,
-    "batch": "data",
+    "batch": "data", "layers": None,
 }
 RULES = LogicalRules(LOGICAL_AXES, frozenset({"heads"}))
 

@@ -60,7 +60,7 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
             os.makedirs(os.path.join(tmp, "params"))
         barrier("ling_jax_convert_start")
         model = abstract_model(cfg, dtype, with_mtp, reader_fp8(reader, cfg) if keep_fp8 else None,
-                               reader_mxfp4(reader, cfg) if keep_fp8 else None)
+                               reader_mxfp4(reader, cfg) if keep_fp8 else None, layer_loop="unroll")
         source = ParamSource(reader, cfg, mesh)
         groups: dict[str, list] = {}
         for path, var in nnx.to_flat_state(nnx.state(model)):  # only parameters: constants come from config.json

@@ -339,6 +339,17 @@ EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 CONV_TAPS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
+def canonical_path(path) -> tuple:
+    """The per-layer parameter path checkpoints are named by (`model/layers/{i}/...`) of a path of
+    a model whose layers are stored one module per layer (`model/layers/per_layer/{i}/...`, see
+    `ling_jax.layer_stack.LayerStack`); other paths unchanged. A path into a stacked run
+    (`model/layers/runs/...`) names many layers: `layer_stack.stacked_layer_paths` expands it."""
+    p = tuple(path)
+    if len(p) > 3 and str(p[0]) == "model" and str(p[1]) == "layers" and str(p[2]) == "per_layer":
+        return p[:2] + p[3:]
+    return p
+
+
 def is_expert_path(path) -> bool:
     """A stacked routed-expert projection (`.../mlp/experts/gate_proj`)."""
     p = [str(x) for x in path]
@@ -346,8 +357,9 @@ def is_expert_path(path) -> bool:
 
 
 def checkpoint_names(path: tuple, cfg: LingConfig) -> tuple[str, list[str], Callable]:
-    """For an NNX parameter path: (display name, checkpoint tensor names, assemble(arrays) -> array)."""
-    p = [str(x) for x in path]
+    """For an NNX parameter path of one layer (or a global): (display name, checkpoint tensor names,
+    assemble(arrays) -> array)."""
+    p = [str(x) for x in canonical_path(path)]
     if p[0] == "mtp":
         rest = p[2:] if p[1] == "block" else p[1:]
         p = ["model", "layers", str(cfg.num_hidden_layers)] + rest

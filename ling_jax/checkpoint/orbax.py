@@ -23,6 +23,8 @@ import shutil
 
 import jax
 
+from ling_jax.checkpoint.layout import canonical_path
+
 META = "ling_jax_orbax.json"
 FORMAT = "ling-jax-orbax"
 VERSION = 2  # v2: routed experts stored [E, out, in] (v1: [E, in, out]); a v1 directory must be reconverted
@@ -31,7 +33,7 @@ SKIP_FILES = ("model.safetensors.index.json",)
 
 
 def group_of(path) -> str:
-    p = [str(x) for x in path]
+    p = [str(x) for x in canonical_path(path)]
     if p[0] == "model" and p[1] == "layers":
         return f"layer_{int(p[2]):03d}"
     if p[0] == "mtp":
@@ -40,12 +42,14 @@ def group_of(path) -> str:
 
 
 def key_of(path) -> str:
-    return "__".join(str(x) for x in path)
+    """The stored key of one parameter: its per-layer path joined (the format is per layer whatever
+    the layer loop the model runs with)."""
+    return "__".join(str(x) for x in canonical_path(path))
 
 
 def scale_key(path) -> str:
     """Key of the scales of the parameter at `path` when it is kept FP8."""
-    p = [str(x) for x in path]
+    p = [str(x) for x in canonical_path(path)]
     if p[-1] == "weight":
         return key_of(p[:-1] + ["weight_scale_inv"])
     return key_of(p[:-1] + [p[-1] + "_scale"])

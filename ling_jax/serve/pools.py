@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from ling_jax.accounting import cache_bytes
 from ling_jax.config import KDA, LingConfig
 from ling_jax.kda import kda_zero_state
-from ling_jax.layer_stack import layer_plan
+from ling_jax.layer_stack import layer_plan, zeros_by_kind
 from ling_jax.mla import PagedMLACache
 from ling_jax.model import HybridCache
 from ling_jax.rows import put_rows, take_rows
@@ -149,12 +149,7 @@ def init_pools(cfg: LingConfig, sizes: PoolSizes, dtype) -> Pools:
         return PagedMLACache(jnp.zeros((NP, P, cfg.kv_lora_rank), dtype),
                              jnp.zeros((NP, P, cfg.qk_rope_head_dim), dtype), None)
 
-    def stacked(make, block, r):
-        m, n = block.repeats, block.runs[r].n
-        return jax.tree.map(lambda x: jnp.broadcast_to(x, (m, n) + x.shape).copy(), make())
-
-    layers = tuple(tuple(stacked((lambda: kda_zero_state(cfg, S, dtype)) if run.attn == KDA else paged, b, r)
-                         for r, run in enumerate(b.runs)) for b in layer_plan(cfg))
+    layers = zeros_by_kind(cfg, lambda: kda_zero_state(cfg, S, dtype), paged)
     return Pools(layers, paged() if sizes.with_mtp else None, jnp.zeros((S, cfg.hidden_size), dtype),
                  init_token_stats(S, cfg.vocab_size))
 
@@ -226,9 +221,9 @@ def as_cache(cfg: LingConfig, pools: Pools, block_table: jax.Array, lengths: jax
     (what the slot's previous owner left is never seen).
     KDA states of the rows are gathered (an index of the pool equal to max_slots marks a padding
     row: clipped on read, dropped on write by `with_cache`); MLA layers get their whole page pool
-    plus block_table [R, max_blocks]. Why the block table is broadcast per layer: the layer stack
-    scans caches stacked [repeats, n, ...] and hands each layer its slice; the copy is
-    R·max_blocks int32 per layer, tiny next to one page."""
+    plus block_table [R, max_blocks], one table for all layers: the layer stack hands each MLA
+    layer its run's whole stacked pool with the layer's index, and the layer reads and writes its
+    own pages in place (`ling_jax.layer_stack`)."""
     layers = []
     for b, block in enumerate(layer_plan(cfg)):
         runs = []
@@ -241,8 +236,7 @@ def as_cache(cfg: LingConfig, pools: Pools, block_table: jax.Array, lengths: jax
                                                          jnp.zeros((), x.dtype), x), c)
                 runs.append(c)
             else:
-                bt = jnp.broadcast_to(block_table, (block.repeats, run.n) + block_table.shape)
-                runs.append(c._replace(block_table=bt))
+                runs.append(c._replace(block_table=block_table))
         layers.append(tuple(runs))
     mtp = None if pools.mtp is None else pools.mtp._replace(block_table=block_table)
     return HybridCache(tuple(layers), mtp, lengths)

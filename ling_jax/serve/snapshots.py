@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.config import KDA, LingConfig
+from ling_jax.config import LingConfig
 from ling_jax.kda import kda_zero_state
-from ling_jax.layer_stack import layer_plan
+from ling_jax.layer_stack import zeros_by_kind
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.serve.multihost import OP_RESTORE, OP_SAVE
 from ling_jax.serve.pools import GIB, Pools, PoolSizes, make_placed
@@ -46,12 +46,7 @@ class Snapshots(NamedTuple):
 
 
 def init_snapshots(cfg: LingConfig, rows: int, dtype) -> Snapshots:
-    def stacked(block, r):
-        m, n = block.repeats, block.runs[r].n
-        return jax.tree.map(lambda x: jnp.broadcast_to(x, (m, n) + x.shape).copy(), kda_zero_state(cfg, rows, dtype))
-
-    layers = tuple(tuple(stacked(b, r) if run.attn == KDA else None for r, run in enumerate(b.runs))
-                   for b in layer_plan(cfg))
+    layers = zeros_by_kind(cfg, lambda: kda_zero_state(cfg, rows, dtype), lambda: None)
     return Snapshots(layers, jnp.zeros((rows, cfg.hidden_size), dtype))
 
 

@@ -14,7 +14,9 @@ from typing import Iterable
 
 from flax import nnx
 
+from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.config import LingConfig
+from ling_jax.layer_stack import is_stacked_path, stacked_layer_paths
 from ling_jax.model import LingForCausalLM
 
 BIAS_NAME = "expert_bias"
@@ -58,10 +60,18 @@ def merge_model(graphdef, paths: dict, params: dict, bias: dict, rest: dict) -> 
     return nnx.merge(graphdef, unflatten(params, paths), unflatten(bias, paths), unflatten(rest, paths))
 
 
-def bias_layers(cfg: LingConfig, bias_keys: Iterable[str]) -> dict[int, str]:
-    """Decoder layer index (num_hidden_layers for MTP) → its expert_bias key."""
+def bias_layers(cfg: LingConfig, bias_keys: Iterable[str]) -> dict[int, tuple[str, tuple]]:
+    """Decoder layer index (num_hidden_layers for MTP) → (its expert_bias key, index in that array):
+    () for a layer stored on its own, (g, j) for one of a run stored stacked [repeats, n, E]
+    (`ling_jax.layer_stack`)."""
     out = {}
     for k in bias_keys:
         p = k.split("/")
-        out[cfg.num_hidden_layers if p[0] == "mtp" else int(p[2])] = k
+        if p[0] == "mtp":
+            out[cfg.num_hidden_layers] = (k, ())
+        elif is_stacked_path(p):
+            for lp, g, j in stacked_layer_paths(p, cfg):
+                out[int(lp[2])] = (k, (g, j))
+        else:
+            out[int(canonical_path(p)[2])] = (k, ())
     return out

@@ -110,7 +110,7 @@ class StepSpec:
     """What a train step needs besides arrays; hashable, so it is a static argument of `jax.jit`.
 
     paths: ((flat key, module path), ...) of every state key (`flat.split_model`);
-    bias_layer: ((decoder layer index, expert_bias key), ...) (`flat.bias_layers`);
+    bias_layer: ((decoder layer index, (expert_bias key, index in it)), ...) (`flat.bias_layers`);
     use_mtp: train the MTP head (tcfg.mtp and the model has one).
     """
     graphdef: Any
@@ -159,8 +159,8 @@ def train_step(spec: StepSpec, state: dict, ids, mask) -> tuple[dict, dict]:
     bias_layer = dict(spec.bias_layer)
     bias = dict(state["bias"])
     for layer, load in loads.items():
-        k = bias_layer[layer]
-        bias[k] = update_expert_bias(bias[k], load, tcfg.bias_rate)
+        k, at = bias_layer[layer]  # at: () or (g, j) of a stacked run
+        bias[k] = bias[k].at[at].set(update_expert_bias(bias[k][at], load, tcfg.bias_rate))
     layers = sorted(loads)
     load_arr = jnp.stack([loads[i] for i in layers]) if layers else jnp.zeros((0, cfg.num_experts))
     rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
