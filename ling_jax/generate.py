@@ -22,10 +22,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from ling_jax.config import KDA
 from ling_jax.exec_config import ExecConfig
-from ling_jax.layer_stack import layer_plan
-from ling_jax.kda import kda_rollback
+from ling_jax.layer_stack import roll_back_kda
 from ling_jax.model import HybridCache, init_cache
 from ling_jax.sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, apply_penalties, check_logprobs, probs,
                                sample, speculative_accept, speculative_accept_greedy, token_logprobs, token_stats)
@@ -237,11 +235,7 @@ def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream
         a, nxt = speculative_accept(drafts, jnp.stack(qprobs, 1), tp, ka)
     adv = jnp.where(active, a + 1, 0)
     # 3. roll the main cache back to the accepted prefix
-    layers = []
-    roll = jax.vmap(jax.vmap(kda_rollback, in_axes=(0, 0, None)), in_axes=(0, 0, None))  # over [repeats, n]
-    for b, block in enumerate(layer_plan(cfg)):
-        layers.append(tuple(roll(cache.layers[b][r], out["kda_states"][(b, r)], adv) if run.attn == KDA
-                            else out["cache"].layers[b][r] for r, run in enumerate(block.runs)))
+    layers = roll_back_kda(cfg, cache.layers, out["cache"].layers, out["kda_states"], adv)
     hidden = jnp.where(active[:, None], _take(out["hidden"], jnp.maximum(adv - 1, 0)), state.hidden)
     # 4. MTP slots P..P+a-1 from the accepted drafts and the main model's true hidden states
     _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, jnp.where(active, a, 0), ex)

@@ -44,6 +44,7 @@ from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.config import KDA, LingConfig
 from ling_jax.decoder_layer import DecoderLayer
 from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
+from ling_jax.kda import kda_rollback
 from ling_jax.mla import MLACache, PagedMLACache
 
 #: logical axis name of the two leading [repeats, n] axes of a stacked parameter (never split)
@@ -135,6 +136,16 @@ def layer_of(cfg: LingConfig, tree, layer: int):
     """Layer `layer`'s own value (leading [repeats, n] dropped) of a tree laid out like `zeros_by_kind`'s."""
     b, r, g, j = layer_location(cfg, layer)
     return jax.tree.map(lambda x: x[g, j], tree[b][r])
+
+
+def roll_back_kda(cfg: LingConfig, before: tuple, after: tuple, kda_states: dict, n_keep: jax.Array) -> tuple:
+    """The cache layers after a verify forward of which only the first n_keep[b] tokens stay: each KDA
+    run recomputed from `before` with the per-token rollback info `kda_states[(block, run)]`
+    (`kda.kda_rollback`, over the run's [repeats, n] axes); each MLA run as `after` (the rejected
+    tokens lie past the new length, masked). Shared by `generate` and the engine's verify."""
+    roll = jax.vmap(jax.vmap(kda_rollback, in_axes=(0, 0, None)), in_axes=(0, 0, None))
+    return tuple(tuple(roll(before[b][r], kda_states[(b, r)], n_keep) if run.attn == KDA else after[b][r]
+                       for r, run in enumerate(block.runs)) for b, block in enumerate(layer_plan(cfg)))
 
 
 def per_layer(block: Block, r: int, stacked_value):
@@ -285,6 +296,9 @@ class LayerStack(nnx.Module):
     def __len__(self) -> int:
         return self.cfg.num_hidden_layers
 
+    def __getitem__(self, i: int) -> DecoderLayer:
+        return self.layer(i)
+
     def layer(self, i: int) -> DecoderLayer:
         """Layer i: its own module (unrolled) or a sliced copy of it (stacked; for reading)."""
         if self.loop == "unroll":
@@ -317,16 +331,21 @@ class LayerStack(nnx.Module):
         self.loop = loop
         return self
 
-    def run_block(self, b: int, h, caches, forced, lengths, n_valid, ex: ExecConfig):
-        """Block b of the plan over h [B,T,D]: see `run_block`."""
+    def run_block(self, b: int, h, caches, forced, lengths, n_valid, ex: ExecConfig, fresh=None):
+        """Block b of the plan over h [B,T,D] (the one layer runner: forward, prefill, decode,
+        verification and training all come through here).
+
+        caches / forced: per run of the block, stacked [repeats, n, ...] (or None); fresh: None or
+        [B] bool, rows whose KDA state reads as zero. Returns (h, per-run new caches, per-run expert
+        ids [repeats, n, B, T, k] or None, per-run extras (KDA rollback info or boundary states))."""
         if ex.layer_loop != self.loop:
             raise ValueError(f"ExecConfig.layer_loop={ex.layer_loop!r}, but the layers are stored for "
                              f"{self.loop!r} (the layer loop is chosen when the model is built or loaded; "
                              f"convert with model.set_layer_loop({ex.layer_loop!r}))")
         block = self.plan[b]
         if self.loop == "unroll":
-            return _run_unrolled(block, self.per_layer, h, caches, forced, lengths, n_valid, ex)
-        return _run_scanned(block, self.runs[b], h, caches, forced, lengths, n_valid, ex)
+            return _run_unrolled(block, self.per_layer, h, caches, forced, lengths, n_valid, ex, fresh)
+        return _run_scanned(block, self.runs[b], h, caches, forced, lengths, n_valid, ex, fresh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,14 +365,18 @@ def _is_mla(cache) -> bool:
     return isinstance(cache, (MLACache, PagedMLACache))
 
 
-def _cache_at(cache, g, j):
-    """What layer (g, j) of a run gets of the run's stacked cache: a KDA state read at [g, j]; an MLA
-    cache whole, with its `layer` set (the attention reads and writes its own layer in place)."""
+def _cache_at(cache, g, j, fresh=None):
+    """What layer (g, j) of a run gets of the run's stacked cache: a KDA state read at [g, j] (rows
+    `fresh` [B] read as zero); an MLA cache whole, with its `layer` set (the attention reads and
+    writes its own layer in place)."""
     if cache is None:
         return None
     if _is_mla(cache):
         return cache._replace(layer=(g, j))
-    return jax.tree.map(lambda x: x[g, j], cache)
+    if fresh is None:
+        return jax.tree.map(lambda x: x[g, j], cache)
+    return jax.tree.map(lambda x: jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 3)), jnp.zeros((), x.dtype),
+                                            x[g, j]), cache)
 
 
 def _cache_put(cache, new, g, j):
@@ -365,7 +388,7 @@ def _cache_put(cache, new, g, j):
     return jax.tree.map(lambda buf, x: buf.at[g, j].set(x.astype(buf.dtype)), cache, new)
 
 
-def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: ExecConfig):
+def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: ExecConfig, fresh=None):
     """The block as a scan over its repeats of a scan per run over the run's layers. Parameters are
     the stored stacks (sliced per layer by the scan); caches ride in the carry (module doc)."""
     gdefs, params = zip(*(nnx.split(m) for m in runs))
@@ -379,7 +402,7 @@ def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: Ex
             def layer_body(carry, ys, fn=fn):
                 h, c = carry
                 j, p, f = ys
-                h, new, idx, extra = fn(p, h, _cache_at(c, g, j), f, lengths, n_valid)
+                h, new, idx, extra = fn(p, h, _cache_at(c, g, j, fresh), f, lengths, n_valid)
                 return (h, _cache_put(c, new, g, j)), (idx, extra)
             n = block.runs[r].n
             (h, cs[r]), (idx, extra) = jax.lax.scan(layer_body, (h, cs[r]),
@@ -393,7 +416,7 @@ def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: Ex
     return h, new_c, idxs, extras
 
 
-def _run_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, ex: ExecConfig):
+def _run_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, ex: ExecConfig, fresh=None):
     """The block with every layer applied in turn to its own parameters; caches updated in place
     at [g, j] like the scan's."""
     cs = list(caches)
@@ -403,7 +426,7 @@ def _run_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, ex:
             for j, li in enumerate(block.layer_grid(r)[g]):
                 f = None if forced[r] is None else forced[r][g, j]
                 gdef, p = nnx.split(layers[li])
-                h, new, idx, extra = _layer_fn(gdef, ex)(p, h, _cache_at(cs[r], g, j), f, lengths, n_valid)
+                h, new, idx, extra = _layer_fn(gdef, ex)(p, h, _cache_at(cs[r], g, j, fresh), f, lengths, n_valid)
                 cs[r] = _cache_put(cs[r], new, g, j)
                 per_run[r][(g, j)] = (idx, extra)
     idxs, extras = [], []

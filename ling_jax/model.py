@@ -26,10 +26,14 @@ from ling_jax.norms import RMSNorm
 class HybridCache(NamedTuple):
     """layers: per block of `layer_plan(cfg)`, per run, a KDAState or MLACache whose arrays are
     stacked `[repeats, n, B, ...]`; mtp: the MTP layer's MLACache `[B, S, ...]` (or None);
-    lengths: [B] int32 tokens already cached per sequence. `layer_cache(cache, cfg, i)` reads layer i."""
+    lengths: [B] int32 tokens already cached per sequence; fresh: None or [B] bool, rows whose KDA
+    states read as zero whatever the arrays hold (a new sequence in a reused engine slot; applied as
+    each layer reads its state, so the pools are never copied to clear them). `layer_cache(cache,
+    cfg, i)` reads layer i."""
     layers: tuple
     mtp: Optional[MLACache]
     lengths: jax.Array
+    fresh: Optional[jax.Array] = None
 
 
 def init_cache(cfg: LingConfig, batch: int, max_len: int, dtype, with_mtp: bool = True,
@@ -162,7 +166,8 @@ class LingForCausalLM(nnx.Module):
             caches = zeros_by_kind(cfg, lambda: kda_zero_state(cfg, B, self.dtype), lambda: None)
         for b, block in enumerate(layer_plan(cfg)):
             forced = tuple(stack_forced(block, r, forced_routing) for r in range(len(block.runs)))
-            h, new_c, idxs, extras = stack.run_block(b, h, caches[b], forced, lengths, n_valid, ex)
+            h, new_c, idxs, extras = stack.run_block(b, h, caches[b], forced, lengths, n_valid, ex,
+                                                     None if cache is None else cache.fresh)
             new_layers.append(new_c)
             for r in range(len(block.runs)):
                 if idxs[r] is not None:

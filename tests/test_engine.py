@@ -261,8 +261,9 @@ def test_handle_tokens_iterates_while_the_engine_steps(engine, reference):
 
 def test_unrolled_layer_loop_gives_the_same_tokens(tiny_model, reference):
     prompts, params, _, expected, _ = reference
-    eng = Engine(tiny_model, max_slots=2, page_size=PAGE, num_pages=24, prefill_chunk=16, max_seq_len=80,
-                 buckets=(16,), exec=tiny_model.exec.replace(layer_loop="unroll"))
+    unrolled = nnx.clone(tiny_model).set_layer_loop("unroll")  # each layer stored (and run) on its own
+    eng = Engine(unrolled, max_slots=2, page_size=PAGE, num_pages=24, prefill_chunk=16, max_seq_len=80,
+                 buckets=(16,))
     picks = [0, 1, 2, 5]
     handles = [eng.submit(prompts[i], params[i]) for i in picks]
     eng.run_until_done()

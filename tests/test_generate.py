@@ -202,8 +202,8 @@ def test_scanned_layers_equal_unrolled_layers():
     prompts = [[5, 6, 7, 8, 9, 10, 11], [42, 3]]
     out = {}
     for mode in ("scan", "unroll"):  # unrolled last: generation below uses it
-        model.exec = model.exec.replace(layer_loop=mode)  # static: jitted functions retrace
-        assert model.stacked_layers() is None if mode == "unroll" else model.stacked_layers() is not None
+        model.set_layer_loop(mode)  # the layers are stored for the loop: stacked per run, or per layer
+        assert (model.model.layers.runs is None) == (mode == "unroll") and model.exec.layer_loop == mode
         out[mode] = np.asarray(forward(model, ids, n_valid=np.array([19, 11]))["logits"])
     # cached decoding (plain and speculative) with unrolled layers = the full forward's argmax; the
     # scanned ones are what the other tests run (tiny models scan)

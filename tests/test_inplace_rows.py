@@ -11,6 +11,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
 
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.serve import Engine
@@ -53,16 +55,66 @@ def test_helpers_equal_the_plain_forms_and_stay_in_place():
     assert _copies(fixed, [pool]) == 0
 
 
+_BIG_OPS = ("copy", "copy-start", "concatenate", "broadcast")
+
+
+def _materialised(hlo: str, arrays) -> list[str]:
+    """Instructions of `hlo` (fused computations included) that build a new array of one of
+    `arrays`' shapes with a copy, a concatenation or a broadcast: a copied pool, a restacked weight
+    stack, a scan output buffer standing in for a carried pool."""
+    shapes = {f"{jnp.dtype(x.dtype).name.replace('float', 'f').replace('uint', 'u').replace('int', 's')}"
+              f"[{','.join(map(str, x.shape))}]" for x in arrays if x.size > 64}
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (\w+\[[\d,]*\])\S* ([\w-]+)\(", line)
+        if m and m.group(1) in shapes and m.group(2) in _BIG_OPS:
+            out.append(line.strip()[:160])
+    return out
+
+
+def _stacked_weights(eng) -> list:
+    """The parameters of the runs stored stacked [repeats, n, ...] (none when unrolled)."""
+    runs = nnx.merge(eng.graphdef, eng.params).model.layers.runs
+    return [] if runs is None else jax.tree.leaves(nnx.state(runs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+def test_no_engine_program_copies_a_pool_or_a_weight_stack(tiny_model, loop):
+    """Issue 21: every program an engine compiles (decode and the speculative verify at one row and
+    at every slot, prefill, the prefix cache's save and restore) writes the donated pools in place,
+    the MLA page pools included (carried through the layer scan, written at [layer, page, offset]),
+    and reads the stored parameter stacks without restacking them: no copy, concatenation or
+    broadcast of a pool-, snapshot- or weight-stack-sized array in the compiled HLO; on a scanned
+    and an unrolled layer loop."""
+    model = tiny_model if loop == "scan" else nnx.clone(tiny_model).set_layer_loop("unroll")
+    assert model.model.layers.loop == loop
+    for spec in (0, 1):
+        eng = Engine(model, max_slots=4, page_size=8, num_pages=12, prefill_chunk=8, max_seq_len=32,
+                     decode_rows=(1, 4), buckets=(8,), snapshot_interval=8, prefix_cache_memory_gib=2 ** -10,
+                     speculative=spec)
+        arrays = jax.tree.leaves(eng.pools) + jax.tree.leaves(eng.snapshots.snaps) + _stacked_weights(eng)
+        assert any(x.ndim == 5 and x.shape[2] == 12 for x in jax.tree.leaves(eng.pools))  # the page pools are checked
+        if loop == "scan":
+            assert _stacked_weights(eng)
+        names = []
+        for name, program, args in eng.program_calls():
+            names.append(name)
+            bad = _materialised(program.lower(*args).compile().as_text(), arrays)
+            assert not bad, f"{loop}: {name} materialises a pool or weight stack:\n" + "\n".join(bad[:5])
+        kind = "verify" if spec else "decode"
+        assert {f"{kind}[R=1,W=4]", f"{kind}[R=4,W=4]", "prefill[T=8,W=4]"} <= set(names), names
+        assert any(n.startswith("snapshot") for n in names) and len(names) >= 5, names
+
+
 def test_one_row_programs_do_not_copy_the_pools(tiny_model):
     eng = Engine(tiny_model, max_slots=4, page_size=8, num_pages=16, prefill_chunk=8, prefill_rows=1,
                  max_seq_len=32, snapshot_interval=8, prefix_cache_memory_gib=2 ** -10)
     # (many snapshot rows: their shapes must not coincide with a gathered row's)
     assert eng.decode_rows[0] == 1 and eng.snapshots.copies == 1 and eng.snapshots.rows > 4
     pools, snaps = eng.pools, eng.snapshots.snaps
-    # the slot rows (KDA states, hidden, token statistics) and the snapshot rows; MLA page pools of a
-    # run of several stacked layers are still copied on a one-token write (serve/README.md, Left)
-    paged = {id(x) for b in pools.layers for c in b if hasattr(c, "c_pages") for x in (c.c_pages, c.kpe_pages)}
-    arrays = [x for x in jax.tree.leaves(pools) if id(x) not in paged] + jax.tree.leaves(snaps)
+    # the slot rows (KDA states, hidden, token statistics), the MLA page pools and the snapshot rows
+    arrays = jax.tree.leaves(pools) + jax.tree.leaves(snaps)
     assert len(arrays) > 10
     dec = eng._decode.lower(eng.params, pools, eng._padding_inputs(OP_DECODE, 1, 1, eng.widths[0])).compile()
     assert _copies(dec.as_text(), arrays) == 0

@@ -28,7 +28,7 @@ def expected_shapes(cfg, meta):
     """{parameter key: shape} of the model config.json describes, as the converted dir stores it."""
     f8 = str(jnp.dtype(jnp.float8_e4m3fn))
     stored = (lambda p: meta["params"].get(key_of(p), {}).get("dtype") == f8) if meta["keep_fp8"] else None  # noqa: E731
-    model = abstract_model(cfg, jnp.float32, meta["with_mtp"] and cfg.has_mtp, stored)
+    model = abstract_model(cfg, jnp.float32, meta["with_mtp"] and cfg.has_mtp, stored, layer_loop="unroll")  # stored per layer
     return {k: tuple(a.shape) for p, v in nnx.to_flat_state(nnx.state(model)) if isinstance(v, nnx.Param)
             for k, a in converted_entries(p, v.get_value()).items()}
 

@@ -101,8 +101,8 @@ def test_parse_mesh_shape_for_planning():
 # ---------------------------------------------------------------------------------------------
 # the rules
 # ---------------------------------------------------------------------------------------------
-def _abstract(cfg, fp8=False):
-    return abstract_model(cfg, jnp.bfloat16, True, release_fp8(cfg) if fp8 else None)
+def _abstract(cfg, fp8=False, layer_loop=None):
+    return abstract_model(cfg, jnp.bfloat16, True, release_fp8(cfg) if fp8 else None, layer_loop=layer_loop)
 
 
 def flat_specs(specs) -> dict[str, tuple]:
@@ -281,15 +281,15 @@ def test_unknown_parameter_fails_loudly():
     """A parameter created without logical axes, an unknown logical name, a cache array without a
     rule and axes of the wrong rank all fail with the name of what is wrong."""
     mesh = S.parse_mesh("expert=8")
-    model = _abstract(LingConfig.from_dict(small_cfg_dict()))
+    model = _abstract(LingConfig.from_dict(small_cfg_dict()), layer_loop="unroll")  # layer 0 is a module of its own
     model.model.layers[0].attention.new_proj = nnx.eval_shape(
         lambda: type("NoAxes", (nnx.Module,), {"__init__": lambda self: setattr(self, "weight", nnx.Param(
             jnp.zeros((4, 4))))})())
-    with pytest.raises(S.UnknownParameterError, match="parameter 'model/layers/0/attention/new_proj/weight' has no"):
+    with pytest.raises(S.UnknownParameterError, match="parameter 'model/layers/per_layer/0/attention/new_proj/weight' has no"):
         param_specs(model, mesh)
     model.model.layers[0].attention.new_proj = nnx.eval_shape(
         lambda: Linear(4, 4, axes=("mystery", "embed"), dtype=jnp.float32, rngs=nnx.Rngs(0)))
-    with pytest.raises(S.UnknownParameterError, match="unknown logical axis 'mystery' of model/layers/0/attention"):
+    with pytest.raises(S.UnknownParameterError, match="unknown logical axis 'mystery' of model/layers/per_layer/0/attention"):
         param_specs(model, mesh)
     with pytest.raises(S.UnknownParameterError, match="cache/layers/0/mystery"):
         S.cache_axes("cache/layers/0/mystery")

@@ -298,7 +298,6 @@ def dequantize_mxfp4(packed: np.ndarray, scales: np.ndarray, name: str = "tensor
 # E2M1 magnitude index -> (float32 bit pattern of 2 * |value|, i.e. of the integer n in
 # {0, 1, 2, 3, 4, 6, 8, 12}); |value| = n * 2^-1, so |W| = n * 2^(e - 128).
 _N_OF_INDEX = np.array([0, 1, 2, 3, 4, 6, 8, 12], np.int32)
-_NBITS_OF_INDEX = np.array(_N_OF_INDEX, np.float32).view(np.int32)
 
 
 def dequantize_mxfp4_jax(packed, scales, dtype=None):
@@ -328,8 +327,11 @@ def dequantize_mxfp4_jax(packed, scales, dtype=None):
     codes = codes.reshape(lead + (k // GROUP, GROUP))
     e = scales.astype(jnp.int32)[..., None]                          # [..., K/32, 1]
     idx = codes & 0x7
-    n = jnp.asarray(_N_OF_INDEX)[idx]
-    nbits = jnp.asarray(_NBITS_OF_INDEX)[idx]
+    # n = _N_OF_INDEX[idx] computed, not looked up: a table lookup is a gather, which XLA does not fuse
+    # with the elementwise rest, so it materialised an int32 copy of every decoded expert weight
+    e2, m = idx >> 1, idx & 1
+    n = jnp.where(e2 == 0, m, (2 + m) << jnp.maximum(e2 - 1, 0))
+    nbits = jax.lax.bitcast_convert_type(n.astype(jnp.float32), jnp.int32)
     exp_field = (nbits >> 23) + e - 128                              # biased exponent of the result
     normal = nbits + ((e - 128) << 23)
     sub = n << jnp.clip(e + 21, 0, 30)                               # only used where exp_field <= 0 (e <= 1)

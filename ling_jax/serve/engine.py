@@ -215,6 +215,10 @@ class Engine:
         self.decode_rows = _check_decode_rows(decode_rows, max_slots)
         self.prefill_chunk, self.prefill_rows = prefill_chunk, prefill_rows
         self.exec = exec or model.exec
+        if self.exec.layer_loop != model.model.layers.loop:
+            raise ValueError(f"exec.layer_loop={self.exec.layer_loop!r}, but the model's layers are stored for "
+                             f"{model.model.layers.loop!r} (a load-time choice: load with that layer loop, or "
+                             f"model.set_layer_loop({self.exec.layer_loop!r}) before building the engine)")
         self.snapshot_interval = _check_snapshot_interval(snapshot_interval, page_size, self.exec)
         self.graphdef, self.params = nnx.split(model)
         # compile-only (`ling-jax aot`): shape-only parameters on devices that cannot hold data; the

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from ling_jax.accounting import cache_bytes
 from ling_jax.config import KDA, LingConfig
 from ling_jax.kda import kda_zero_state
-from ling_jax.layer_stack import layer_plan, zeros_by_kind
+from ling_jax.layer_stack import map_runs, zeros_by_kind
 from ling_jax.mla import PagedMLACache
 from ling_jax.model import HybridCache
 from ling_jax.rows import put_rows, take_rows
@@ -224,39 +224,29 @@ def as_cache(cfg: LingConfig, pools: Pools, block_table: jax.Array, lengths: jax
     plus block_table [R, max_blocks], one table for all layers: the layer stack hands each MLA
     layer its run's whole stacked pool with the layer's index, and the layer reads and writes its
     own pages in place (`ling_jax.layer_stack`)."""
-    layers = []
-    for b, block in enumerate(layer_plan(cfg)):
-        runs = []
-        for r, run in enumerate(block.runs):
-            c = pools.layers[b][r]
-            if run.attn == KDA:
-                c = c if rows is None else jax.tree.map(lambda x: take_rows(x, rows, axis=2), c)
-                if fresh is not None:
-                    c = jax.tree.map(lambda x: jnp.where(fresh.reshape((1, 1, -1) + (1,) * (x.ndim - 3)),
-                                                         jnp.zeros((), x.dtype), x), c)
-                runs.append(c)
-            else:
-                runs.append(c._replace(block_table=block_table))
-        layers.append(tuple(runs))
+    def one(run, c):
+        if run.attn != KDA:
+            return c._replace(block_table=block_table)
+        return c if rows is None else jax.tree.map(lambda x: take_rows(x, rows, axis=2), c)
+
+    layers = map_runs(cfg, one, pools.layers)
     mtp = None if pools.mtp is None else pools.mtp._replace(block_table=block_table)
-    return HybridCache(tuple(layers), mtp, lengths)
+    # fresh rows are zeroed as each layer reads its state (`HybridCache.fresh`): a select over the
+    # whole slot pool here would be a pool-sized copy in every step
+    return HybridCache(layers, mtp, lengths, fresh)
 
 
 def with_cache(cfg: LingConfig, pools: Pools, cache: HybridCache, rows: jax.Array | None = None) -> Pools:
     """Pools updated from the cache a model call returned (inverse of `as_cache`): KDA rows
     scattered back (padding rows, index max_slots, dropped), page pools taken as they are."""
-    layers = []
-    for b, block in enumerate(layer_plan(cfg)):
-        runs = []
-        for r, run in enumerate(block.runs):
-            old, new = pools.layers[b][r], cache.layers[b][r]
-            if run.attn == KDA:
-                runs.append(new if rows is None else jax.tree.map(lambda o, n: put_rows(o, rows, n, axis=2), old, new))
-            else:
-                runs.append(new._replace(block_table=None))
-        layers.append(tuple(runs))
+    def one(run, old, new):
+        if run.attn != KDA:
+            return new._replace(block_table=None)
+        return new if rows is None else jax.tree.map(lambda o, n: put_rows(o, rows, n, axis=2), old, new)
+
+    layers = map_runs(cfg, one, pools.layers, cache.layers)
     mtp = None if cache.mtp is None else cache.mtp._replace(block_table=None)
-    return pools._replace(layers=tuple(layers), mtp=mtp)
+    return pools._replace(layers=layers, mtp=mtp)
 
 
 class PageAllocator:

@@ -35,11 +35,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling_jax.config import KDA
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.exec_config import ExecConfig
-from ling_jax.kda import kda_rollback
-from ling_jax.layer_stack import layer_plan
+from ling_jax.layer_stack import roll_back_kda
 from ling_jax.model import HybridCache
 from ling_jax.sampling import (processed_logits_rows, request_keys, sample_rows, speculative_accept,
                                speculative_accept_greedy)
@@ -135,11 +133,7 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     a = jnp.where(active, a, 0)
     adv = jnp.where(active, a + 1, 0)
     # 4. roll back: KDA to the accepted length; pages past it are masked by length
-    roll = jax.vmap(jax.vmap(kda_rollback, in_axes=(0, 0, None)), in_axes=(0, 0, None))  # over [repeats, n]
-    layers = []
-    for b, block in enumerate(layer_plan(cfg)):
-        layers.append(tuple(roll(cache.layers[b][r], out["kda_states"][(b, r)], adv) if run.attn == KDA
-                            else out["cache"].layers[b][r] for r, run in enumerate(block.runs)))
+    layers = roll_back_kda(cfg, cache.layers, out["cache"].layers, out["kda_states"], adv)
     # MTP slots P..P+a-1: the accepted drafts with the main model's true hidden states
     _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, a, draft_ex)
     idx = jnp.maximum(adv - 1, 0)
