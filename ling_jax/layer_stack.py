@@ -218,11 +218,12 @@ def _unstack_leaf(x, g: int, j: int):
 
 
 def _set_stack_axes(state, add: bool) -> None:
-    """Prefix (or strip) the two "layers" logical axes of every Variable of `state`."""
+    """Mark (or unmark) every Variable of `state` as stacked: metadata `stacked_axes` = 2, the two
+    leading "layers" axes placement puts in front of its declared `axes` (`placement.variable_axes`). The
+    declared `axes` stay one layer's: inside the scan each layer sees its own slice, and the layer
+    code (the expert-parallel shard_map) reads them."""
     for _, var in nnx.to_flat_state(state):
-        axes = var.get_metadata().get("axes")
-        if axes is not None:
-            var.set_metadata(axes=((STACK_AXIS, STACK_AXIS) + tuple(axes)) if add else tuple(axes)[2:])
+        var.set_metadata(stacked_axes=2 if add else 0)
 
 
 def stack_modules(modules: list, repeats: int, n: int, *, free: bool = False) -> nnx.Module:
@@ -389,30 +390,32 @@ def _cache_put(cache, new, g, j):
 
 
 def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: ExecConfig, fresh=None):
-    """The block as a scan over its repeats of a scan per run over the run's layers. Parameters are
-    the stored stacks (sliced per layer by the scan); caches ride in the carry (module doc)."""
+    """The block as a scan over its repeats of a scan per run over the run's layers. The stored
+    parameter stacks are loop-invariant operands indexed at [g, j] by the inner body (as scan inputs
+    the outer loop would first copy out a whole repeat's slice of every stack); caches ride in the
+    carry (module doc)."""
     gdefs, params = zip(*(nnx.split(m) for m in runs))
     fns = [_layer_fn(gd, ex) for gd in gdefs]
 
     def group_body(carry, xs):
         h, cs = carry
-        g, params_g, forced_g = xs
+        g, forced_g = xs
         cs, idxs, extras = list(cs), [], []
         for r, fn in enumerate(fns):
-            def layer_body(carry, ys, fn=fn):
+            def layer_body(carry, ys, fn=fn, stack=params[r]):
                 h, c = carry
-                j, p, f = ys
+                j, f = ys
+                p = jax.tree.map(lambda x: x[g, j], stack)
                 h, new, idx, extra = fn(p, h, _cache_at(c, g, j, fresh), f, lengths, n_valid)
                 return (h, _cache_put(c, new, g, j)), (idx, extra)
             n = block.runs[r].n
-            (h, cs[r]), (idx, extra) = jax.lax.scan(layer_body, (h, cs[r]),
-                                                    (jnp.arange(n, dtype=jnp.int32), params_g[r], forced_g[r]))
+            (h, cs[r]), (idx, extra) = jax.lax.scan(layer_body, (h, cs[r]), (jnp.arange(n, dtype=jnp.int32), forced_g[r]))
             idxs.append(idx)
             extras.append(extra)
         return (h, tuple(cs)), (tuple(idxs), tuple(extras))
 
     g_idx = jnp.arange(block.repeats, dtype=jnp.int32)
-    (h, new_c), (idxs, extras) = jax.lax.scan(group_body, (h, tuple(caches)), (g_idx, tuple(params), tuple(forced)))
+    (h, new_c), (idxs, extras) = jax.lax.scan(group_body, (h, tuple(caches)), (g_idx, tuple(forced)))
     return h, new_c, idxs, extras
 
 

@@ -41,7 +41,14 @@ def mxfp4_spec(axes, shape, mesh, heads, where: str = "") -> P:
 
 def variable_axes(path, var) -> tuple:
     """The logical axes declared on `var` (an nnx.Variable at `path`), or UnknownParameterError."""
-    axes = var.get_metadata().get("axes") if isinstance(var, nnx.Variable) else None
+    # a stacked run's parameter ([repeats, n, ...], `ling_jax.layer_stack`) declares one layer's axes and
+    # carries `stacked_axes`: the two leading "layers" axes (never split) go in front while it holds the
+    # whole stack (inside the layer scan each layer's module holds its own slice)
+    meta = var.get_metadata() if isinstance(var, nnx.Variable) else {}
+    axes = meta.get("axes")
+    k = int(meta.get("stacked_axes", 0) or 0)
+    if axes is not None and k and len(getattr(var.get_value(), "shape", ())) == len(axes) + k:
+        axes = ("layers",) * k + tuple(axes)
     if axes is None:
         raise UnknownParameterError(
             f"sharding: parameter {path_str(path)!r} has no logical axes; declare them where it is created, "

@@ -24,6 +24,7 @@ from ling_jax.checkpoint.writer import write_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.forward import forward
 from ling_jax.linear import Linear
+from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.loader import abstract_model, load_model
 from ling_jax.placement import block_fp8_specs, param_specs, shard_model, variable_sharding
 from ling_jax.quantized import BlockFP8
@@ -109,7 +110,7 @@ def flat_specs(specs) -> dict[str, tuple]:
     """{"/"-path: spec tuple} with a BlockFP8's scales under "<path>:scales"."""
     out = {}
     for k, v in specs.items():
-        p = "/".join(map(str, k))
+        p = "/".join(map(str, canonical_path(k)))  # a layer stored on its own: model/layers/{i}/...
         if isinstance(v, BlockFP8):
             out[p], out[p + ":scales"] = tuple(v.values), tuple(v.scales)
         else:
@@ -228,8 +229,11 @@ def test_param_specs_match_the_table(fp8):
         got = flat_specs(param_specs(abstract, S.parse_mesh(spec)))
         generic = {}
         for p, sp in got.items():
-            q = re.sub(r"layers/\d+", "layers/*", p)
             sp = "".join("-" if a is None else {"model": "M", "expert": "E", "data": "D"}[a] for a in sp)
+            if "layers/runs/" in p:  # a run's stacked parameter [repeats, n, ...]: its two layer axes replicated
+                assert sp[:2] == "--", (p, sp)
+                p, sp = re.sub(r"layers/runs/\d+/\d+", "layers/0", p), sp[2:]
+            q = re.sub(r"layers/\d+", "layers/*", p)
             generic.setdefault(q, set()).add(sp)
         want = {q: {v[m]} for q, v in EXPECTED_SPECS.items()}
         if fp8:
@@ -245,7 +249,7 @@ def test_rules_cover_the_real_model_and_split_it():
     cfg = full.replace(num_hidden_layers=8, expert_swiglu_limit_list=list(full.expert_swiglu_limit_list[-8:]),
                        share_expert_swiglu_limit_list=list(full.share_expert_swiglu_limit_list[-8:]))
     mesh = jax.sharding.AbstractMesh((1, 8, 4), S.AXES)  # 32 devices: shapes only
-    abstract = _abstract(cfg, fp8=True)
+    abstract = _abstract(cfg, fp8=True, layer_loop="unroll")  # per layer: the paths below name layers
     specs = param_specs(abstract, mesh)
     by = {k: as_tuple(v, 3) for k, v in flat_specs(specs).items()}
     assert by["model/layers/5/mlp/experts/gate_proj"] == ("expert", "model", None)

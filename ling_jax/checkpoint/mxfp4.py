@@ -321,24 +321,29 @@ def dequantize_mxfp4_jax(packed, scales, dtype=None):
         raise ValueError(f"dequantize_mxfp4_jax: packed {tuple(packed.shape)} and scales "
                          f"{tuple(scales.shape)} are not an MXFP4 pair (packed [..., K/2], scales [..., K/32], "
                          f"K a multiple of {GROUP})")
-    p = packed.astype(jnp.int32)
-    codes = jnp.stack([p & 0x0F, p >> 4], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
-    lead, k = codes.shape[:-1], codes.shape[-1]
-    codes = codes.reshape(lead + (k // GROUP, GROUP))
+    lead = packed.shape[:-1]
+    k = 2 * packed.shape[-1]
+    p = packed.astype(jnp.int32).reshape(lead + (k // GROUP, GROUP // 2))  # 16 bytes = one 32-group
     e = scales.astype(jnp.int32)[..., None]                          # [..., K/32, 1]
-    idx = codes & 0x7
-    # n = _N_OF_INDEX[idx] computed, not looked up: a table lookup is a gather, which XLA does not fuse
-    # with the elementwise rest, so it materialised an int32 copy of every decoded expert weight
-    e2, m = idx >> 1, idx & 1
-    n = jnp.where(e2 == 0, m, (2 + m) << jnp.maximum(e2 - 1, 0))
-    nbits = jax.lax.bitcast_convert_type(n.astype(jnp.float32), jnp.int32)
-    exp_field = (nbits >> 23) + e - 128                              # biased exponent of the result
-    normal = nbits + ((e - 128) << 23)
-    sub = n << jnp.clip(e + 21, 0, 30)                               # only used where exp_field <= 0 (e <= 1)
-    mag = jnp.where(exp_field >= 1, normal, sub)
-    mag = jnp.where(exp_field >= 255, 0x7F800000, mag)
-    mag = jnp.where(n == 0, 0, mag)
-    mag = jnp.where(e == E8M0_NAN, 0x7FC00000, mag)
-    bits = mag | ((codes >> 3) << 31)
-    out = jax.lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32).reshape(lead + (k,))
-    return out if dtype is None or dtype == jnp.float32 else out.astype(dtype)
+
+    def value(codes):
+        """float32 of the E2M1 codes [..., K/32, 16] times 2^(e - 127), by integer ops on the bits."""
+        idx = codes & 0x7
+        # n = _N_OF_INDEX[idx] computed, not looked up: a table lookup is a gather, which XLA does not
+        # fuse with the elementwise rest, so it materialised an int32 copy of every decoded expert weight
+        e2, m = idx >> 1, idx & 1
+        n = jnp.where(e2 == 0, m, (2 + m) << jnp.maximum(e2 - 1, 0))
+        nbits = jax.lax.bitcast_convert_type(n.astype(jnp.float32), jnp.int32)
+        exp_field = (nbits >> 23) + e - 128                          # biased exponent of the result
+        normal = nbits + ((e - 128) << 23)
+        sub = n << jnp.clip(e + 21, 0, 30)                           # only used where exp_field <= 0 (e <= 1)
+        mag = jnp.where(exp_field >= 1, normal, sub)
+        mag = jnp.where(exp_field >= 255, 0x7F800000, mag)
+        mag = jnp.where(n == 0, 0, mag)
+        mag = jnp.where(e == E8M0_NAN, 0x7FC00000, mag)
+        out = jax.lax.bitcast_convert_type(mag | ((codes >> 3) << 31), jnp.float32)
+        return out if dtype is None else out.astype(dtype)
+
+    # low nibble = even element, high = odd: both decoded elementwise from the packed bytes and
+    # interleaved last, so XLA fuses the whole decode into the one array it returns
+    return jnp.stack([value(p & 0x0F), value(p >> 4)], axis=-1).reshape(lead + (k,))
