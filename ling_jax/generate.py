@@ -235,7 +235,7 @@ def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream
         a, nxt = speculative_accept(drafts, jnp.stack(qprobs, 1), tp, ka)
     adv = jnp.where(active, a + 1, 0)
     # 3. roll the main cache back to the accepted prefix
-    layers = roll_back_kda(cfg, cache.layers, out["cache"].layers, out["kda_states"], adv)
+    layers = roll_back_kda(cfg, out["cache"].layers, out["kda_states"], adv)
     hidden = jnp.where(active[:, None], _take(out["hidden"], jnp.maximum(adv - 1, 0)), state.hidden)
     # 4. MTP slots P..P+a-1 from the accepted drafts and the main model's true hidden states
     _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, jnp.where(active, a, 0), ex)

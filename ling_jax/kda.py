@@ -108,8 +108,10 @@ class KimiDeltaAttention(nnx.Module):
         (the KDA kernels and the FP8 matmul of quantised projections), `ex.kda_states`.
 
         Returns (out [B,T,D], new KDAState, extra or None). With `ex.kda_states` extra is the rollback
-        info (recurrent states after every token [B,T,H,dk,dv], (q, k, v) raw conv inputs
-        [B,K-1+T,P]) so a speculative verify can roll back to any accepted prefix (`kda_rollback`).
+        info (recurrent states before and after every token [B,1+T,H,dk,dv], (q, k, v) raw conv inputs
+        [B,K-1+T,P]) so a speculative verify can roll back to any accepted prefix, the empty one
+        included, without the state it started from (`kda_rollback`: the engine's slot pool is
+        updated in place, so the old state is gone).
         With `ex.kda_boundary_states` = N (chunk mode) and J = T // N > 0, extra is a KDAState of the
         states after N, 2N, .., JN tokens of each row: recurrent [B,J,H,dk,dv], conv_* [B,J,K-1,P]
         (only boundaries within a row's n_valid tokens mean anything: past them the conv states
@@ -163,15 +165,15 @@ class KimiDeltaAttention(nnx.Module):
         out = self.o_proj(y.reshape(B, T, H * d), ex)
         new = KDAState(s, cq, ck, cv)
         if ex.kda_states:
-            extra = (all_states, tuple(c[2] for c in convs))
+            extra = (jnp.concatenate([state.recurrent[:, None].astype(all_states.dtype), all_states], axis=1),
+                     tuple(c[2] for c in convs))
         return out, new, extra
 
 
-def kda_rollback(old: KDAState, rollback, n_keep: jax.Array) -> KDAState:
-    """The KDA cache after only the first n_keep[b] of a verify chunk's tokens (0 = unchanged)."""
+def kda_rollback(rollback, n_keep: jax.Array) -> KDAState:
+    """The KDA cache after only the first n_keep[b] of a verify chunk's tokens (0 = unchanged), from
+    the rollback info alone (`KimiDeltaAttention.__call__` with `kda_states`)."""
     all_states, cats = rollback
-    K = cats[0].shape[1] - all_states.shape[1] + 1
-    idx = jnp.maximum(n_keep - 1, 0)
-    picked = jnp.take_along_axis(all_states, idx[:, None, None, None, None], axis=1)[:, 0]
-    rec = jnp.where((n_keep > 0)[:, None, None, None], picked, old.recurrent)
+    K = cats[0].shape[1] - (all_states.shape[1] - 1) + 1
+    rec = jnp.take_along_axis(all_states, n_keep[:, None, None, None, None], axis=1)[:, 0]
     return KDAState(rec, *(conv_state_at(c, n_keep, K) for c in cats))

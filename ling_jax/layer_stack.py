@@ -46,6 +46,7 @@ from ling_jax.decoder_layer import DecoderLayer
 from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
 from ling_jax.kda import kda_rollback
 from ling_jax.mla import MLACache, PagedMLACache
+from ling_jax.rows import take_rows
 
 #: logical axis name of the two leading [repeats, n] axes of a stacked parameter (never split)
 STACK_AXIS = "layers"
@@ -138,13 +139,14 @@ def layer_of(cfg: LingConfig, tree, layer: int):
     return jax.tree.map(lambda x: x[g, j], tree[b][r])
 
 
-def roll_back_kda(cfg: LingConfig, before: tuple, after: tuple, kda_states: dict, n_keep: jax.Array) -> tuple:
+def roll_back_kda(cfg: LingConfig, after: tuple, kda_states: dict, n_keep: jax.Array) -> tuple:
     """The cache layers after a verify forward of which only the first n_keep[b] tokens stay: each KDA
-    run recomputed from `before` with the per-token rollback info `kda_states[(block, run)]`
-    (`kda.kda_rollback`, over the run's [repeats, n] axes); each MLA run as `after` (the rejected
-    tokens lie past the new length, masked). Shared by `generate` and the engine's verify."""
-    roll = jax.vmap(jax.vmap(kda_rollback, in_axes=(0, 0, None)), in_axes=(0, 0, None))
-    return tuple(tuple(roll(before[b][r], kda_states[(b, r)], n_keep) if run.attn == KDA else after[b][r]
+    run rebuilt from the per-token rollback info `kda_states[(block, run)]` alone (`kda.kda_rollback`,
+    over the run's [repeats, n] axes: the state before the verify is not needed, so the pools the
+    verify updated in place are never copied to keep it); each MLA run as `after` (the rejected tokens
+    lie past the new length, masked). Shared by `generate` and the engine's verify."""
+    roll = jax.vmap(jax.vmap(kda_rollback, in_axes=(0, None)), in_axes=(0, None))
+    return tuple(tuple(roll(kda_states[(b, r)], n_keep) if run.attn == KDA else after[b][r]
                        for r, run in enumerate(block.runs)) for b, block in enumerate(layer_plan(cfg)))
 
 
@@ -374,10 +376,17 @@ def _cache_at(cache, g, j, fresh=None):
         return None
     if _is_mla(cache):
         return cache._replace(layer=(g, j))
-    if fresh is None:
-        return jax.tree.map(lambda x: x[g, j], cache)
-    return jax.tree.map(lambda x: jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 3)), jnp.zeros((), x.dtype),
-                                            x[g, j]), cache)
+    def read(x):
+        # a gather of [g, j] (`rows.take_rows` keeps it one): a dynamic slice would be fused into each
+        # of the state's readers (the conv states feed q, k and v), leaving the stacked pool read by
+        # fusions XLA cannot order before the in-place write, so it copied the whole pool (twice, per layer)
+        m, n = x.shape[:2]
+        flat = x.reshape((m * n,) + x.shape[2:])
+        y = take_rows(flat, (g * n + j).reshape(1).astype(jnp.int32), axis=0)[0]
+        if fresh is not None:
+            y = jnp.where(fresh.reshape((-1,) + (1,) * (y.ndim - 1)), jnp.zeros((), y.dtype), y)
+        return y
+    return jax.tree.map(read, cache)
 
 
 def _cache_put(cache, new, g, j):

@@ -133,7 +133,7 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     a = jnp.where(active, a, 0)
     adv = jnp.where(active, a + 1, 0)
     # 4. roll back: KDA to the accepted length; pages past it are masked by length
-    layers = roll_back_kda(cfg, cache.layers, out["cache"].layers, out["kda_states"], adv)
+    layers = roll_back_kda(cfg, out["cache"].layers, out["kda_states"], adv)
     # MTP slots P..P+a-1: the accepted drafts with the main model's true hidden states
     _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, a, draft_ex)
     idx = jnp.maximum(adv - 1, 0)
