@@ -382,7 +382,7 @@ def _cache_at(cache, g, j, fresh=None):
         # fusions XLA cannot order before the in-place write, so it copied the whole pool (twice, per layer)
         m, n = x.shape[:2]
         flat = x.reshape((m * n,) + x.shape[2:])
-        y = take_rows(flat, (g * n + j).reshape(1).astype(jnp.int32), axis=0)[0]
+        y = take_rows(flat, jnp.asarray(g * n + j, jnp.int32).reshape(1), axis=0)[0]
         if fresh is not None:
             y = jnp.where(fresh.reshape((-1,) + (1,) * (y.ndim - 1)), jnp.zeros((), y.dtype), y)
         return y

@@ -58,11 +58,12 @@ def test_helpers_equal_the_plain_forms_and_stay_in_place():
 _BIG_OPS = ("copy", "copy-start", "concatenate", "broadcast")
 
 
-def _materialised(hlo: str, pools, weights) -> list[str]:
+def _materialised(hlo: str, pools, weights, relayout_ok: bool = False) -> list[str]:
     """Instructions of `hlo` (fused computations included) that build a new array of the shape of a
     pool (`pools`: with a copy, a concatenation or a broadcast: a copied pool, or a scan output buffer
     standing in for a carried one) or of a stacked weight matrix (`weights`: with a copy or a
-    concatenation, i.e. a restack)."""
+    concatenation, i.e. a restack). relayout_ok: allow a copy that only changes the layout of a value
+    the step computed (the speculative verify's rolled-back conv states, serve/README.md "Left")."""
     def name(x):
         return (f"{jnp.dtype(x.dtype).name.replace('float', 'f').replace('uint', 'u').replace('int', 's')}"
                 f"[{','.join(map(str, x.shape))}]")
@@ -74,11 +75,20 @@ def _materialised(hlo: str, pools, weights) -> list[str]:
     # such run), stacked vectors ([1, n, D] norms: the shape of a verify's [R, T, D] activations)
     pool_shapes = {name(x) for x in pools if x.size > 64 and x.ndim >= 3 and x.shape[0] * x.shape[1] > 1}
     weight_shapes = {name(x) for x in weights if x.ndim >= 4 and x.shape[0] * x.shape[1] > 1}
-    out = []
-    for line in hlo.splitlines():
-        m = re.search(r"= (\w+\[[\d,]*\])\S* ([\w-]+)\(", line)
-        if m and ((m.group(1) in pool_shapes and m.group(2) in _BIG_OPS)
-                  or (m.group(1) in weight_shapes and m.group(2) in ("copy", "copy-start", "concatenate"))):
+    out, lines = [], hlo.splitlines()
+    for i, line in enumerate(lines):
+        m = re.search(r"= (\w+\[[\d,]*\])(\{[\d,]*\})?\S* ([\w-]+)\(", line)
+        if not m:
+            continue
+        shape, layout, op = m.groups()
+        if op == "copy" and relayout_ok and i > 0:
+            # a copy whose operand is the computation's parameter in another layout: a relayout of a
+            # value computed in this step (the verify's rolled-back conv states), not a kept pool
+            p = re.search(r"= (\w+\[[\d,]*\])(\{[\d,]*\}) parameter", lines[i - 1])
+            if p and p.group(1) == shape and p.group(2) != layout:
+                continue
+        if (shape in pool_shapes and op in _BIG_OPS) or (shape in weight_shapes and op in ("copy", "copy-start",
+                                                                                           "concatenate")):
             out.append(line.strip()[:160])
     return out
 
@@ -111,7 +121,8 @@ def test_no_engine_program_copies_a_pool_or_a_weight_stack(tiny_model, loop):
         names = []
         for name, program, args in eng.program_calls():
             names.append(name)
-            bad = _materialised(program.lower(*args).compile().as_text(), pools, _stacked_weights(eng))
+            bad = _materialised(program.lower(*args).compile().as_text(), pools, _stacked_weights(eng),
+                                relayout_ok=name.startswith("verify"))
             assert not bad, f"{loop}: {name} materialises a pool or weight stack:\n" + "\n".join(bad[:5])
         kind = "verify" if spec else "decode"
         assert {f"{kind}[R=1,W=4]", f"{kind}[R=4,W=4]", "prefill[T=8,W=4]"} <= set(names), names
