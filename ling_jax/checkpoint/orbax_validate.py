@@ -30,6 +30,7 @@ import re
 
 from ling_jax.checkpoint.orbax import FORMAT, META, VERSION, scale_key
 from ling_jax.checkpoint.safetensors_io import CheckpointError
+from ling_jax.checks import is_int
 from ling_jax.config import ConfigError, LingConfig, read_json_file
 
 COMMIT_MARKER = "commit_success.txt"
@@ -86,8 +87,7 @@ def _check_manifest(path: str, meta: dict) -> None:
             raise CheckpointError(f"{p}: parameter {k} is stored in group {e.get('group')!r}, which is not in "
                                   f"'groups' {groups}")
         shape = e.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise CheckpointError(f"{p}: parameter {k}: bad shape {shape!r}")
         problem = _param_dtype_problem(k, e.get("dtype"), params, meta["keep_fp8"])
         if problem is not None:
