@@ -46,5 +46,5 @@ def test_other_error_classes_get_the_message_alone():
         pass
 
     with pytest.raises(Named) as e:
-        check_int(0, "RequestParams.max_tokens", field="max_tokens", low=1)
+        check_int(0, "RequestParams.max_tokens", field="max_tokens", low=1, error=Named)
     assert e.value.field == "max_tokens"
