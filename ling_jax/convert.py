@@ -85,7 +85,8 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_quantiz
             if _after_group is not None:
                 _after_group(g)
         barrier("ling_jax_convert_saved")
-        meta = {"format": O.FORMAT, "version": O.VERSION, "dtype": str(jnp.dtype(dtype)), "keep_fp8": bool(keep_quantized),
+        meta = {"format": O.FORMAT, "version": O.VERSION, "dtype": str(jnp.dtype(dtype)),
+                "keep_fp8": bool(keep_quantized),  # the format's name of the flag
                 "with_mtp": bool(with_mtp), "source": os.path.abspath(checkpoint), "mesh": mesh_spec_string(mesh),
                 "groups": list(groups), "params": params_meta, "seconds": round(time.time() - t0, 3)}
         if is_primary():

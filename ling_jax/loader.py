@@ -12,7 +12,7 @@ once. Host memory is bounded by one parameter at a time: the distinct local bloc
 parameter being built (for Ling-3.1-flash the largest is one layer's stacked expert projection,
 512 x 4096 x 1280). A converted directory is restored by Orbax onto any mesh.
 
-`keep_quantized=True` (`--keep-quantized`, alias `--keep-fp8`): every parameter whose checkpoint tensors are all stored
+`keep_quantized=True` (`--keep-quantized`): every parameter whose checkpoint tensors are all stored
 F8_E4M3 with a `weight_scale_inv` (read from the headers, tensor by tensor; for a converted
 directory from its per-parameter dtypes) holds a `BlockFP8` value (float8 values + float32 block
 scales, `ling_jax.checkpoint.blocks.fp8_block` layout) in its normal module; the rest loads as

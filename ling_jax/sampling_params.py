@@ -84,7 +84,8 @@ def check_logprobs(n, owner: str = "") -> None:
     """FieldError (a ValueError) naming the field unless n is None (off) or an int in [0, MAX_LOGPROBS]."""
     if n is not None:
         check_int(n, f"{owner}logprobs", field="logprobs", low=0, high=MAX_LOGPROBS,
-                  expected=f"None (off) or an int in [0, {MAX_LOGPROBS}] (0: the sampled token only; N: plus the top N)")
+                  expected=f"None (off) or an int in [0, {MAX_LOGPROBS}] "
+                           f"(0: the sampled token only; N: plus the top N)")
 
 
 class TokenLogprob(NamedTuple):

@@ -8,17 +8,8 @@ and has no cycle, between modules or between the packages. Inside ling_jax (issu
   scheduler, the prefix cache, the page allocator, the request parameters and the checks they use
   (`HOST_ONLY`); importing them at run time leaves jax unloaded (the packages' faces included);
 * `ling_jax.checkpoint` is storage only: of ling_jax it imports itself, `ling_jax.config` and
-  `ling_jax.checks`, so neither the model, the loader nor the HF -> Orbax conversion; the conversion (`ling_jax.convert`,
-  a use of the loader) sits above the loader, which never reaches it.
- Every import statement counts, at
-module level or inside a function: an import hidden in a function delays a dependency, it does
-not remove it. The graph is built from the source with `ast` (nothing is imported), so a test
-fails on the edge itself, not on whatever an import cycle happens to break at run time.
-
-An edge A -> M means "running A's imports executes M": `import a.b.c` and `from a.b import c`
-execute the packages `a`, `a.b` and the module (`a.b.c` when that is a module of ours). A
-module's own enclosing packages are left out: they are initialised before it runs, so
-`pkg/__init__.py` importing `pkg.mod` which imports `pkg.other` is not a cycle.
+  `ling_jax.checks`, so neither the model, the loader nor the HF -> Orbax conversion; the conversion
+  (`ling_jax.convert`, a use of the loader) sits above the loader, which never reaches it.
 """
 from __future__ import annotations
 

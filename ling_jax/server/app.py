@@ -35,10 +35,10 @@ from ling_jax.server.errors import APIError, error_response, install_error_handl
 from ling_jax.server.generation import ChoiceRun, Delta
 from ling_jax.server.metrics import ServerMetrics
 from ling_jax.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                      ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage,
-                                      ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                      CompletionRequest, CompletionResponse, DetokenizeRequest, ModelCard,
-                                      ModelList, TokenizeRequest, TopLogprob, Usage)
+                                      ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+                                      ChatMessage, ChatTokenLogprob, CompletionChoice, CompletionChunk,
+                                      CompletionLogprobs, CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                      ModelCard, ModelList, TokenizeRequest, TopLogprob, Usage)
 from ling_jax.server.requests import (ModelInfo, chat_plans, check_ids, check_model, completion_plans,
                                       tokenize_ids)
 
