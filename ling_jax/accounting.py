@@ -77,6 +77,7 @@ from typing import Iterable, NamedTuple, Optional
 from flax import nnx
 
 from ling_jax.checkpoint import layout as L
+from ling_jax.checks import check_int
 from ling_jax.checkpoint.blocks import fp8_block, release_fp8, release_mxfp4
 from ling_jax.config import KDA, MLA, LingConfig
 from ling_jax.loader import abstract_model, param_layout
@@ -517,8 +518,7 @@ def plan(cfg: LingConfig, fmt: str = "fp8", mesh: Optional[dict] = None,
         raise ValueError(f"device memory must be a positive number of GiB, got {device_memory_gib!r}")
     if not (math.isfinite(reserve_gib) and reserve_gib >= 0):
         raise ValueError(f"reserve must be a non-negative number of GiB, got {reserve_gib!r}")
-    if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 0:
-        raise ValueError(f"sequences must be a non-negative integer, got {sequences!r}")
+    check_int(sequences, "sequences", low=0, expected="a non-negative integer")
     summ = summary(cfg, fmt, include_mtp, fp8_layout, conv_dtype)
     dev = per_device_weight_bytes(cfg, stored_tensors(cfg, fmt, include_mtp, fp8_layout, conv_dtype), mesh)
     cache = cache_bytes(cfg, kv_cache_dtype=kv_cache_dtype)

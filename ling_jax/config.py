@@ -40,6 +40,8 @@ import os
 import stat
 from typing import Any, Optional
 
+from ling_jax.checks import is_int
+
 MLA = "mla"
 KDA = "kda"
 
@@ -264,10 +266,6 @@ _INT_FIELDS, _FLOAT_FIELDS, _BOOL_FIELDS = (tuple(f.name for f in dataclasses.fi
 _INT_LIMIT = 2**31  # every size and id is an int32 somewhere (shapes, positions, token ids)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -308,7 +306,7 @@ def _parse(d: dict[str, Any], src: str) -> LingConfig:
     for k in _INT_FIELDS:
         if k in kw:
             v = kw[k]
-            if not _is_int(v) or not 0 <= v < _INT_LIMIT:
+            if not is_int(v) or not 0 <= v < _INT_LIMIT:
                 err(f"{k} must be a non-negative integer below 2^31, got {v!r}")
     kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
     for k in _FLOAT_FIELDS:
@@ -319,7 +317,7 @@ def _parse(d: dict[str, Any], src: str) -> LingConfig:
     for k in _BOOL_FIELDS:
         if k in kw and not isinstance(kw[k], bool):
             err(f"{k} must be true or false, got {kw[k]!r}")
-    if kw.get("q_lora_rank") is not None and (not _is_int(kw["q_lora_rank"]) or not 0 < kw["q_lora_rank"] < _INT_LIMIT):
+    if kw.get("q_lora_rank") is not None and (not is_int(kw["q_lora_rank"]) or not 0 < kw["q_lora_rank"] < _INT_LIMIT):
         err(f"q_lora_rank must be a positive integer or null, got {kw['q_lora_rank']!r}")
     if "q_lora_rank" not in kw and "q_lora_rank" in d:
         kw["q_lora_rank"] = None
@@ -355,7 +353,7 @@ def _parse_token_ids(d: dict, kw: dict, err) -> None:
     V = kw["vocab_size"]
 
     def check(field, v):
-        if not _is_int(v):
+        if not is_int(v):
             err(f"{field} must be an integer token id, got {v!r}")
         if not 0 <= v < V:
             err(f"{field}={v} is outside the vocabulary [0, vocab_size={V})")
@@ -404,7 +402,7 @@ def _parse_rope(d: dict, kw: dict, err) -> None:
     if "factor" not in rs:
         err(f"{key} of type yarn needs 'factor'")
     omp = rs.get("original_max_position_embeddings") or kw.get("max_position_embeddings", 262144)
-    if not _is_int(omp) or not 0 < omp < _INT_LIMIT:
+    if not is_int(omp) or not 0 < omp < _INT_LIMIT:
         err(f"{key}.original_max_position_embeddings must be a positive integer, got {omp!r}")
     trunc = rs.get("truncate", True)
     if not isinstance(trunc, bool):
@@ -468,13 +466,13 @@ def _validate(c: LingConfig, err, d: dict) -> None:
         if q.get("fmt", "e4m3") != "e4m3":
             err(f"quantization_config.fmt={q.get('fmt')!r} is not supported (expected 'e4m3')")
         bs = q.get("weight_block_size", [128, 128])
-        if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(_is_int(x) and 0 < x < _INT_LIMIT for x in bs)):
+        if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(is_int(x) and 0 < x < _INT_LIMIT for x in bs)):
             err(f"quantization_config.weight_block_size={bs!r} must be two positive integers")
         rq = q.get("routed_experts_quant_method")
         if rq is not None and rq != "mxfp4":
             err(f"quantization_config.routed_experts_quant_method={rq!r} is not supported (expected 'mxfp4')")
         gs = q.get("routed_experts_group_size", 32)
-        if rq is not None and (not _is_int(gs) or gs != 32):
+        if rq is not None and (not is_int(gs) or gs != 32):
             err(f"quantization_config.routed_experts_group_size={gs!r} is not supported (MXFP4 routed experts "
                 f"use groups of 32)")
         mnc = q.get("modules_to_not_convert")

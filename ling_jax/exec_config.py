@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import jax
 
+from ling_jax.checks import check_int
+
 KERNELS = ("xla", "pallas")
 EXPERT_PATHS = ("auto", "gather", "grouped")
 GROUPED_MATMULS = ("capacity", "ragged")
@@ -121,18 +123,9 @@ class ExecConfig:
         _choice("kda_mode", self.kda_mode, KDA_MODES)
         _choice("mla_form", self.mla_form, MLA_FORMS)
         _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
-        if not isinstance(self.kda_chunk, int) or isinstance(self.kda_chunk, bool) or self.kda_chunk < 1:
-            raise ValueError(f"ExecConfig.kda_chunk must be a positive int, got {self.kda_chunk!r}")
-        for name in ("attn_block", "prefill_chunk"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ExecConfig.{name} must be a positive int, got {v!r}")
-        if (not isinstance(self.weights_first_rows, int) or isinstance(self.weights_first_rows, bool)
-                or self.weights_first_rows < 0):
-            raise ValueError(f"ExecConfig.weights_first_rows must be an int >= 0, got {self.weights_first_rows!r}")
-        if (not isinstance(self.kda_boundary_states, int) or isinstance(self.kda_boundary_states, bool)
-                or self.kda_boundary_states < 0):
-            raise ValueError(f"ExecConfig.kda_boundary_states must be an int >= 0, got {self.kda_boundary_states!r}")
+        for name, low in (("kda_chunk", 1), ("attn_block", 1), ("prefill_chunk", 1), ("weights_first_rows", 0),
+                          ("kda_boundary_states", 0)):
+            check_int(getattr(self, name), f"ExecConfig.{name}", field=name, low=low)
         if self.kda_boundary_states and self.kda_states:
             raise ValueError("ExecConfig.kda_states and kda_boundary_states are exclusive (per-token states for a "
                              "speculative verify, or boundary states for prefill snapshots)")

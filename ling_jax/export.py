@@ -57,7 +57,7 @@ def model_tensors(model) -> dict[str, np.ndarray]:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if is_quantized(var.get_value()) or np.dtype(var.get_value().dtype) == FP8_NP:
             raise ValueError("export needs a float model: this one keeps FP8 weights + block scales or MXFP4 "
-                             "experts (loaded with --keep-fp8 / --keep-quantized); load it without that option")
+                             "experts (loaded with --keep-quantized, alias --keep-fp8); load it without that option")
         for lp, a in per_layer_arrays(path, np.asarray(var.get_value(), np.float32), cfg):
             out.update(_checkpoint_tensors(lp, a, checkpoint_names(lp, cfg)[1]))
     return out

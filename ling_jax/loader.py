@@ -12,7 +12,7 @@ once. Host memory is bounded by one parameter at a time: the distinct local bloc
 parameter being built (for Ling-3.1-flash the largest is one layer's stacked expert projection,
 512 x 4096 x 1280). A converted directory is restored by Orbax onto any mesh.
 
-`keep_quantized=True` (`--keep-fp8`): every parameter whose checkpoint tensors are all stored
+`keep_quantized=True` (`--keep-quantized`): every parameter whose checkpoint tensors are all stored
 F8_E4M3 with a `weight_scale_inv` (read from the headers, tensor by tensor; for a converted
 directory from its per-parameter dtypes) holds a `BlockFP8` value (float8 values + float32 block
 scales, `ling_jax.checkpoint.blocks.fp8_block` layout) in its normal module; the rest loads as
@@ -320,7 +320,7 @@ def open_validated(checkpoint_dir: str, with_mtp: bool, keep_quantized: bool):
         with_mtp = with_mtp and cfg.has_mtp
         reader.validate(include_mtp=with_mtp)
         if keep_quantized:
-            B.check_keep_fp8(reader)
+            B.check_keep_quantized(reader)
     except BaseException:
         reader.close()
         raise
@@ -328,21 +328,19 @@ def open_validated(checkpoint_dir: str, with_mtp: bool, keep_quantized: bool):
 
 
 def load_model(checkpoint: str, dtype=None, *, mesh=None, with_mtp: bool = True, keep_quantized: bool | None = None,
-               keep_fp8: bool | None = None, progress: bool = True, layer_loop: str | None = None) -> LingForCausalLM:
+               progress: bool = True, layer_loop: str | None = None) -> LingForCausalLM:
     """Load a checkpoint directory — HF release layout or a `ling-jax convert` output, detected by
     its marker — onto `mesh` (default: one device). Relative paths are fine; `"demo"` and Hugging
     Face Hub ids `ORG/NAME[@REVISION]` are resolved first (`ling_jax.checkpoint.locate`).
 
     dtype: storage/compute dtype of the parameters not kept quantised (default `ops.default_dtype()`:
     float32 on CPU, bfloat16 on accelerators). with_mtp: also load the MTP layer (if the config has
-    one). keep_quantized (alias keep_fp8): FP8-stored matrices stay BlockFP8 (see module doc);
+    one). keep_quantized: FP8-stored matrices stay BlockFP8, MXFP4 experts MXFP4Blocks (see module doc);
     None = as stored for a converted directory, False for an HF one. The model carries
     `model.exec` (ExecConfig for this backend, with the mesh when it has more than one device).
     layer_loop: "scan" | "unroll" | None (this backend's default for the config): how the layers
     are stored and run (`ling_jax.layer_stack`), a load-time choice (`model.set_layer_loop` converts).
     """
-    if keep_quantized is None:
-        keep_quantized = keep_fp8
     from ling_jax.checkpoint.locate import resolve_checkpoint
     checkpoint = resolve_checkpoint(checkpoint, what="checkpoint")  # `demo`, a Hub id ORG/NAME[@REV]
     if not os.path.isdir(checkpoint):
@@ -374,8 +372,8 @@ def restore_converted(path: str, mesh, dtype, with_mtp: bool = True, keep_quanti
     meta = validate_converted(path)  # marker, manifest, commit markers, data file sizes: before any restore
     stored_q = bool(meta["keep_fp8"])
     if keep_quantized is not None and bool(keep_quantized) != stored_q:
-        raise ValueError(f"{path}: converted {'with' if stored_q else 'without'} --keep-fp8; "
-                         f"reconvert {'without' if stored_q else 'with'} it, or omit --keep-fp8")
+        raise ValueError(f"{path}: converted {'with' if stored_q else 'without'} --keep-quantized; "
+                         f"reconvert {'without' if stored_q else 'with'} it, or omit --keep-quantized")
     cfg = LingConfig.from_json(os.path.join(path, "config.json"))
     with_mtp = with_mtp and cfg.has_mtp
     if with_mtp and not meta["with_mtp"]:

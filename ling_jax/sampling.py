@@ -29,13 +29,14 @@ what the model thinks of each token, whatever the sampling settings drew it with
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-import numbers
-from typing import NamedTuple, Tuple
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
+
+# the settings and their checks are host-only (`ling_jax.sampling_params`); part of this module's API too
+from ling_jax.sampling_params import (MAX_LOGPROBS, SamplingParams, TokenLogprob, check_logprobs,  # noqa: F401
+                                      check_penalties)
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -60,81 +61,6 @@ __all__ = [
 ]
 
 _NEG_INF = float("-inf")
-MAX_LOGPROBS = 20  # the most top alternatives a caller may ask for per token (the OpenAI API's limit)
-
-
-INT32_MAX = 2 ** 31 - 1
-SEED_LIMIT = 2 ** 32
-MAX_TEMPERATURE = 1e4  # far beyond any use (100 already flattens any logit gap); finite in float32
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Decoding settings; frozen and hashable so it can be a static jit argument.
-
-    temperature: 0 means greedy (argmax); > 0 divides the logits.
-    top_k: keep the k highest logits (0 = off).
-    top_p: nucleus threshold in (0, 1]; 1.0 = off.
-    seed: seed for the caller's PRNG key (not read by the functions here, which take a key).
-    presence_penalty, frequency_penalty: in [-2, 2], 0 = off (OpenAI semantics, generated tokens).
-    repetition_penalty: > 0, 1.0 = off (HF semantics, prompt + generated tokens).
-    Penalties are applied by the caller that holds the token history (`apply_penalties`).
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-
-    def __post_init__(self):
-        # bounded to what the sampling programs hold (float32 temperature/top_p, int32 top_k, a
-        # uint32 seed), so no value that passes here can fail later inside a jitted step
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (0.0 <= t <= MAX_TEMPERATURE):
-            raise ValueError(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t!r}")
-        k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, numbers.Real) or int(k) != k or not 0 <= k <= INT32_MAX:
-            raise ValueError(f"top_k must be an int in [0, 2**31-1] (0 = off), got {k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        sd = self.seed
-        if isinstance(sd, bool) or not isinstance(sd, numbers.Integral) or not 0 <= sd < SEED_LIMIT:
-            raise ValueError(f"seed must be an int in [0, 2**32), got {sd!r}")
-        check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def penalized(self) -> bool:
-        """Whether any penalty is on (then the caller must keep token statistics)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
-
-def check_penalties(presence_penalty, frequency_penalty, repetition_penalty, owner: str = "") -> None:
-    """ValueError naming the field unless presence/frequency are finite numbers in [-2, 2] (the
-    OpenAI API's range) and repetition is a finite number > 0."""
-    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -2.0 <= v <= 2.0:
-            raise ValueError(f"{owner}{name} must be a number in [-2, 2], got {v!r}")
-    v = repetition_penalty
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (v > 0.0 and math.isfinite(v)):
-        raise ValueError(f"{owner}repetition_penalty must be a finite number > 0 (1.0 = off), got {v!r}")
-
-
-class TokenLogprob(NamedTuple):
-    """One generated token's log-probability under the model's raw distribution
-    (log_softmax of the logits, before penalties / temperature / top-k / top-p), and the top
-    alternatives `top` = ((token id, logprob), ...) best first (ties: lower id first); `top` is
-    empty when only the sampled token's logprob was asked for."""
-    logprob: float
-    top: Tuple[Tuple[int, float], ...]
 
 
 def _nucleus_keep_sorted(sorted_logits: jax.Array, p: float) -> jax.Array:
@@ -278,15 +204,6 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, n_top: int) -> Tuple[ja
     n = min(int(n_top), lp.shape[-1])
     top_lp, top_ids = jax.lax.top_k(lp, n)
     return tok_lp, top_ids.astype(jnp.int32), top_lp
-
-
-def check_logprobs(n, owner: str = "") -> None:
-    """ValueError naming the field unless n is None (off) or an int in [0, MAX_LOGPROBS]."""
-    if n is None:
-        return
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= MAX_LOGPROBS:
-        raise ValueError(f"{owner}logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}] "
-                         f"(0: the sampled token only; N: plus the top N), got {n!r}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`ling-jax convert` / ling_jax.checkpoint.convert: HF checkpoint → Orbax, restore on other meshes
+"""`ling-jax convert` / ling_jax.convert: HF checkpoint → Orbax, restore on other meshes
 (ling_jax.loader.load_model), atomicity, and bounded host memory."""
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import sharding as S
-from ling_jax.checkpoint.convert import convert
+from ling_jax.convert import convert
 from ling_jax.checkpoint.orbax import is_converted
 from ling_jax.cli import main as cli_main
 from ling_jax.loader import load_model
@@ -82,23 +82,23 @@ def test_convert_then_restore_on_another_mesh(ckpt, tmp_path):
 
 
 def test_convert_keep_fp8(ckpt, tmp_path):
-    """convert --keep-fp8 (float32 for the rest) → restore on other meshes: the FP8 matrices (experts
-    and dense projections) come back as BlockFP8 (float8 + scales), equal to a direct keep_fp8 load,
+    """convert --keep-quantized (float32 for the rest) → restore on other meshes: the FP8 matrices (experts
+    and dense projections) come back as BlockFP8 (float8 + scales), equal to a direct keep_quantized load,
     and the logits equal the dequantising single-device load."""
     from ling_jax.forward import forward
     from test_sharding import IDS
 
     out = tmp_path / "fp8"
-    convert(ckpt, str(out), S.parse_mesh("expert=8"), dtype="float32", keep_fp8=True, progress=False)
+    convert(ckpt, str(out), S.parse_mesh("expert=8"), dtype="float32", keep_quantized=True, progress=False)
     mesh = S.parse_mesh("expert=4,model=2")
     restored = load_model(str(out), "bfloat16", mesh=mesh, progress=False)
-    direct = load_model(ckpt, "bfloat16", mesh=mesh, keep_fp8=True, progress=False)
+    direct = load_model(ckpt, "bfloat16", mesh=mesh, keep_quantized=True, progress=False)
     assert_same_params(restored, direct, mesh)
     assert restored.model.layers[1].mlp.experts.up_proj.get_value().values.dtype == jnp.float8_e4m3fn
     assert restored.model.layers[0].attention.q_proj.weight.get_value().values.dtype == jnp.float8_e4m3fn
     assert restored.mtp.eh_proj.weight.get_value().scales.dtype == jnp.float32
-    with pytest.raises(ValueError, match="converted with --keep-fp8"):
-        load_model(str(out), "bfloat16", mesh=mesh, keep_fp8=False, progress=False)
+    with pytest.raises(ValueError, match="converted with --keep-quantized"):
+        load_model(str(out), "bfloat16", mesh=mesh, keep_quantized=False, progress=False)
     mesh = S.parse_mesh("data=2,model=4")
     got = np.asarray(forward(load_model(str(out), "float32", mesh=mesh, progress=False), IDS)["logits"])
     ref = forward(load_model(ckpt, "float32", progress=False), IDS)["logits"]
@@ -108,7 +108,7 @@ def test_convert_keep_fp8(ckpt, tmp_path):
 def _partial_run(ckpt, out, code):
     """Run a conversion in a subprocess that dies (os._exit, like kill -9) after the 2nd group."""
     prog = (f"import os, sharding as S\n"
-            f"from ling_jax.checkpoint.convert import convert\n"
+            f"from ling_jax.convert import convert\n"
             f"def hook(g):\n"
             f"    if g == 'layer_000':\n"
             f"        {code}\n"
@@ -179,8 +179,27 @@ def test_cli_convert(ckpt, tmp_path, capsys):
     assert "needs 3 devices" in capsys.readouterr().err
     assert cli_main(["convert", "--checkpoint", ckpt, "--out", out, "--quiet", "--force"]) == 0
     assert "mtp" in json.loads(open(os.path.join(out, "ling_jax_orbax.json")).read())["groups"]
-    with pytest.raises(ValueError, match="--keep-fp8"):
-        load_model(ckpt_bf16(tmp_path), mesh=S.parse_mesh("expert=8"), keep_fp8=True, progress=False)
+    with pytest.raises(ValueError, match="--keep-quantized"):
+        load_model(ckpt_bf16(tmp_path), mesh=S.parse_mesh("expert=8"), keep_quantized=True, progress=False)
+
+
+@pytest.mark.parametrize("command", ["convert", "logits", "generate", "serve"])
+def test_keep_quantized_is_canonical_and_keep_fp8_its_alias(command):
+    """`--keep-quantized` is the flag (args.keep_quantized, the Python API's keep_quantized); `--keep-fp8`
+    is only its alias: both spellings set the same destination, and the help names the canonical one first."""
+    from ling_jax.cli import build_parser
+
+    required = {"convert": ["--checkpoint", "a", "--out", "b"], "logits": ["--checkpoint", "a", "--input-ids", "1",
+                                                                          "--out", "o.npz"],
+                "generate": ["--checkpoint", "a", "--input-ids", "1", "--max-new-tokens", "1"],
+                "serve": ["--checkpoint", "a"]}[command]
+    parser = build_parser()
+    for flag in ("--keep-quantized", "--keep-fp8"):
+        args = parser.parse_args([command, *required, flag])
+        assert args.keep_quantized is True and not hasattr(args, "keep_fp8"), flag
+    assert parser.parse_args([command, *required]).keep_quantized is False
+    sub = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == command)[1]
+    assert "--keep-quantized, --keep-fp8" in sub.format_help()
 
 
 def ckpt_bf16(tmp_path):

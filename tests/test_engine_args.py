@@ -1,6 +1,6 @@
 """The engine's command-line flags: refusals by flag name, the default cache memory (accelerator
 fraction of free memory, CPU cap), the page arithmetic (= the engine's own plan_pools), the
-start-up report, the prefix/speculative keywords passed only when asked, and `ling-jax batch`'s
+start-up report, the prefix/speculative keywords of the flags, and `ling-jax batch`'s
 request-file checks."""
 import argparse
 import io
@@ -12,7 +12,7 @@ from ling_jax.cli import main
 from ling_jax.commands.batch import parse_requests
 from ling_jax.commands.common import ArgumentValueError
 from ling_jax.commands.engine_args import (CPU_CACHE_CAP_GIB, add_engine_flags, check_engine_args,
-                                           default_cache_budget, engine_from_args, optional_engine_keywords,
+                                           default_cache_budget, engine_from_args, engine_options,
                                            plan_engine_memory)
 from ling_jax.serve.pools import GIB, plan_pools
 from test_sharding import write_small
@@ -105,27 +105,13 @@ def test_page_arithmetic(tiny_model, tiny_cfg):
         plan_engine_memory(flags("--max-slots", "2"), tiny_model, budget=(2 * unit.slot_bytes, "tiny"))
 
 
-def test_optional_keywords_only_when_asked():
-    class Plain:
-        def __init__(self, model, *, max_slots=8):
-            pass
-
-    class Full:
-        def __init__(self, model, *, prefix_cache=True, prefix_cache_memory_gib=None, speculative=0):
-            pass
-
-    assert optional_engine_keywords(flags(), Plain) == {}  # defaults: nothing passed
-    for argv, flag in ((["--no-prefix-cache"], "--no-prefix-cache"),
-                       (["--prefix-cache-memory", "2"], "--prefix-cache-memory"),
-                       (["--speculative", "2"], "--speculative")):
-        with pytest.raises(ArgumentValueError, match=f"{flag}: this build's serving engine has no"):
-            optional_engine_keywords(flags(*argv), Plain)
-    assert optional_engine_keywords(flags("--no-prefix-cache", "--speculative", "2"), Full) == \
-        {"prefix_cache": False, "speculative": 2}
-    assert optional_engine_keywords(flags("--prefix-cache-memory", "0.5"), Full) == {"prefix_cache_memory_gib": 0.5}
-    with pytest.raises(ArgumentValueError, match="--snapshot-interval: this build's serving engine has no"):
-        optional_engine_keywords(flags("--snapshot-interval", "32"), Full)
-    assert optional_engine_keywords(flags("--snapshot-interval", "32")) == {"snapshot_interval": 32}
+def test_engine_options_from_the_flags():
+    assert engine_options(flags()) == {"prefix_cache": True, "prefix_cache_memory_gib": None,
+                                       "snapshot_interval": None, "speculative": 0}  # the Engine's defaults
+    assert engine_options(flags("--no-prefix-cache", "--speculative", "2")) == \
+        {"prefix_cache": False, "prefix_cache_memory_gib": None, "snapshot_interval": None, "speculative": 2}
+    assert engine_options(flags("--prefix-cache-memory", "0.5", "--snapshot-interval", "32")) == \
+        {"prefix_cache": True, "prefix_cache_memory_gib": 0.5, "snapshot_interval": 32, "speculative": 0}
 
 
 def test_engine_from_args_reports_on_stderr(tiny_model):

@@ -18,7 +18,8 @@ from ling_jax.mla import paged_gather
 from ling_jax.model import init_cache, layer_cache
 from ling_jax.sampling import SamplingParams
 from ling_jax.serve import Engine, RequestParams
-from ling_jax.serve.pools import PageAllocator, plan_pools
+from ling_jax.serve.allocator import PageAllocator
+from ling_jax.serve.pools import plan_pools
 from ling_jax.serve.scheduler import DECODE, PREFILL, Request, Scheduler
 from ling_jax.serve.speculative import MAX_SPECULATIVE
 

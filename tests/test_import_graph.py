@@ -2,24 +2,29 @@
 
     pallas_kernels (a leaf: imports nothing of ours)  <-  sharding (never ling_jax)  <-  ling_jax
 
-and has no cycle, between modules or between the packages. Every import statement counts, at
-module level or inside a function: an import hidden in a function delays a dependency, it does
-not remove it. The graph is built from the source with `ast` (nothing is imported), so a test
-fails on the edge itself, not on whatever an import cycle happens to break at run time.
+and has no cycle, between modules or between the packages. Inside ling_jax (issue 21, "Layering"):
 
-An edge A -> M means "running A's imports executes M": `import a.b.c` and `from a.b import c`
-execute the packages `a`, `a.b` and the module (`a.b.c` when that is a module of ours). A
-module's own enclosing packages are left out: they are initialised before it runs, so
-`pkg/__init__.py` importing `pkg.mod` which imports `pkg.other` is not a cycle.
+* the host side of serving imports no jax, flax or orbax, not even through what it imports: the
+  scheduler, the prefix cache, the page allocator, the request parameters and the checks they use
+  (`HOST_ONLY`); importing them at run time leaves jax unloaded (the packages' faces included);
+* `ling_jax.checkpoint` is storage only: of ling_jax it imports itself, `ling_jax.config` and
+  `ling_jax.checks`, so neither the model, the loader nor the HF -> Orbax conversion; the conversion
+  (`ling_jax.convert`, a use of the loader) sits above the loader, which never reaches it.
 """
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections import deque
 from pathlib import Path
 
 PACKAGES = ("ling_jax", "pallas_kernels", "sharding")
 ROOT = Path(__file__).resolve().parents[1]
+HOST_ONLY = ("ling_jax.checks", "ling_jax.sampling_params", "ling_jax.serve.allocator", "ling_jax.serve.request",
+             "ling_jax.serve.scheduler", "ling_jax.serve.prefix_cache")
+DEVICE_LIBRARIES = frozenset({"jax", "jaxlib", "flax", "orbax", "optax"})
 
 
 # ---------------------------------------------------------------------------- the graph builder
@@ -98,6 +103,26 @@ def forbidden_imports(modules, package: str, banned) -> list[tuple[str, str]]:
                    if name.split(".")[0] == package
                    for imported in imported_names(name, source, is_package, members=False)
                    if imported.split(".")[0] in banned})
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """`start` and every module its imports execute, directly or through others (enclosing packages
+    left out, as in `build_graph`)."""
+    seen, todo = {start}, [start]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def library_imports(modules, graph, start: str, libraries) -> list[tuple[str, str]]:
+    """(module, imported name) for every import of one of `libraries` (top-level names, e.g. "jax")
+    by `start` or by a module of ours it reaches."""
+    return sorted({(m, imported) for m in reachable(graph, start)
+                   for imported in imported_names(m, modules[m][0], modules[m][1], members=False)
+                   if imported.split(".")[0] in libraries})
 
 
 def _sccs(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -194,6 +219,44 @@ def test_no_package_import_cycle():
     assert not cycles, "import cycles between packages:\n" + _describe(cycles)
 
 
+def test_host_side_of_serving_imports_no_jax():
+    """The scheduler, prefix cache, page allocator and request parameters are host-only: none of them,
+    nor anything of ours they import, imports a device library."""
+    for name in HOST_ONLY:
+        assert name in _MODULES, name
+        bad = library_imports(_MODULES, _GRAPH, name, DEVICE_LIBRARIES)
+        assert not bad, f"{name} must be host-only; it reaches:\n" + "\n".join(f"{m}: {i}" for m, i in bad)
+
+
+def test_host_side_of_serving_loads_no_jax_at_run_time():
+    """The same at run time, where importing a module first runs its packages' __init__ (ling_jax.serve
+    names `Engine` lazily): a fresh interpreter importing every HOST_ONLY module has no jax loaded."""
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in HOST_ONLY)
+            + f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(DEVICE_LIBRARIES)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_checkpoint_is_storage_only():
+    """ling_jax.checkpoint imports, of ling_jax, only itself and the two leaves ling_jax.config and
+    ling_jax.checks: not the model, the loader or the conversion."""
+    bad = sorted((m, i) for m, targets in _GRAPH.items() if m.startswith("ling_jax.checkpoint")
+                 for i in targets if i.split(".")[0] == "ling_jax"
+                 and not (i in ("ling_jax.config", "ling_jax.checks") or i == "ling_jax.checkpoint"
+                          or i.startswith("ling_jax.checkpoint.")))
+    assert not bad, "ling_jax.checkpoint must be storage only; it imports:\n" + "\n".join(f"{m}: {i}" for m, i in bad)
+
+
+def test_conversion_sits_above_the_loader():
+    """ling_jax.convert (HF -> Orbax) is a use of the loader: it imports the loader, and neither the
+    loader nor ling_jax.checkpoint reaches it."""
+    assert "ling_jax.checkpoint.convert" not in _MODULES
+    assert "ling_jax.loader" in _GRAPH["ling_jax.convert"]
+    assert "ling_jax.convert" not in reachable(_GRAPH, "ling_jax.loader")
+    assert not [m for m in _MODULES if m.startswith("ling_jax.checkpoint") and "ling_jax.convert" in _GRAPH[m]]
+
+
 # ---------------------------------------------------------------------------- the builder can fail
 
 def _synthetic(files: dict[str, str]) -> dict[str, tuple[str, bool]]:
@@ -253,3 +316,14 @@ def test_builder_accepts_a_package_init_importing_its_modules():
     graph = build_graph(mods)
     assert graph["sharding.mesh"] == {"sharding.rules"}
     assert find_cycles(graph) == [] and find_cycles(package_graph(graph)) == []
+
+
+def test_library_imports_follow_our_imports_and_lazy_ones():
+    mods = _synthetic({
+        "ling_jax/__init__": "", "ling_jax.host": "from ling_jax import mid\nimport numpy\n",
+        "ling_jax.mid": "def f():\n    import jax.numpy as jnp\n", "ling_jax.clean": "import json\n",
+    })
+    graph = build_graph(mods)
+    assert reachable(graph, "ling_jax.host") == {"ling_jax.host", "ling_jax.mid"}
+    assert library_imports(mods, graph, "ling_jax.host", DEVICE_LIBRARIES) == [("ling_jax.mid", "jax.numpy")]
+    assert library_imports(mods, graph, "ling_jax.clean", DEVICE_LIBRARIES) == []

@@ -1,11 +1,12 @@
-"""`--keep-fp8`: every matrix the checkpoint stores as F8_E4M3 stays float8_e4m3fn + float32 block
-scales on device (a `BlockFP8` value in its normal Linear / Experts) and is dequantised inside the matmul.
+"""`keep_quantized` on an FP8 checkpoint (`--keep-quantized`; `--keep-fp8` is its CLI alias): every
+matrix the checkpoint stores as F8_E4M3 stays float8_e4m3fn + float32 block scales on device (a
+`BlockFP8` value in its normal Linear / Experts) and is dequantised inside the matmul.
 
 On a tiny written FP8 checkpoint (float32): the set of float8 parameters is exactly the set of
 F8_E4M3 tensors in the headers, those matrices take ~half their bf16 bytes, the logits equal the
 dequantising load's (1e-5), and `ling-jax logits --keep-fp8 --impl pallas` (the Pallas FP8 kernel,
-interpret mode on CPU) equals the XLA twin. On a mesh and through Orbax: tests/test_sharding.py,
-tests/test_convert.py.
+interpret mode on CPU; the alias spelling on purpose) equals the XLA twin. On a mesh and through Orbax:
+tests/test_sharding.py, tests/test_convert.py; both spellings of the flag: tests/test_convert.py.
 """
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_model(ckpt):
-    return load_model(ckpt, "float32", progress=False, keep_fp8=True)
+    return load_model(ckpt, "float32", progress=False, keep_quantized=True)
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +101,8 @@ def test_keep_fp8_logits_equal_dequantised_load(ckpt, fp8_logits):
 
 
 def test_cli_logits_keep_fp8_pallas_equals_xla(ckpt, fp8_logits, tmp_path, monkeypatch):
-    """`ling-jax logits --keep-fp8 --impl pallas`: the FP8 Pallas kernel (interpret mode on CPU) in
-    every FP8-kept Linear gives the XLA twin's logits."""
+    """`ling-jax logits --keep-fp8 --impl pallas` (the alias of --keep-quantized): the FP8 Pallas kernel
+    (interpret mode on CPU) in every FP8-kept Linear gives the XLA twin's logits."""
     import ling_jax.linear as linear_mod  # Linear's module: the name its __call__ looks up
 
     calls = []

@@ -28,7 +28,7 @@ from flax import nnx
 from conftest import rel_err
 from ling_jax import accounting as A
 from ling_jax.checkpoint import layout as L
-from ling_jax.checkpoint.convert import convert
+from ling_jax.convert import convert
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.checkpoint.safetensors_io import CheckpointError
 from ling_jax.checkpoint.writer import write_checkpoint
@@ -133,7 +133,8 @@ def test_keep_quantized_holds_mxfp4_and_logits_equal(kept, reference):
 
 
 def test_cli_logits_keep_quantized(mx_ck, reference, tmp_path):
-    """`ling-jax logits --keep-quantized` (the new name of --keep-fp8) on the MXFP4 checkpoint."""
+    """`ling-jax logits --keep-quantized` (the canonical flag; `--keep-fp8` is its alias, tests/test_keep_fp8.py)
+    on the MXFP4 checkpoint."""
     out = tmp_path / "l.npz"
     assert main(["logits", "--checkpoint", mx_ck, "--input-ids", ",".join(map(str, IDS[0])), "--out", str(out),
                  "--keep-quantized"]) == 0
@@ -170,7 +171,7 @@ def test_sharded_keep_quantized_equals_unsharded(mx_ck, reference, name):
 def test_convert_keep_quantized_round_trip(mx_ck, kept, reference, tmp_path):
     out = str(tmp_path / "orbax")
     meta = convert(mx_ck, out, make_mesh({"data": 1, "expert": 2, "model": 2}, jax.devices()[:4]),
-                   dtype="float32", keep_fp8=True, progress=False)
+                   dtype="float32", keep_quantized=True, progress=False)
     k = "model__layers__2__mlp__experts__down_proj"
     assert meta["params"][k]["dtype"] == "uint8" and meta["params"][k + "_scale"]["dtype"] == "uint8"
     restored = load_model(out, "float32", progress=False)
@@ -181,7 +182,7 @@ def test_convert_keep_quantized_round_trip(mx_ck, kept, reference, tmp_path):
             assert np.array_equal(np.asarray(x.packed), np.asarray(y.packed))
             assert np.array_equal(np.asarray(x.scales), np.asarray(y.scales))
     assert rel_err(forward(restored, IDS)["logits"], reference[0]) < TOL
-    with pytest.raises(ValueError, match="converted with --keep-fp8"):
+    with pytest.raises(ValueError, match="converted with --keep-quantized"):
         load_model(out, "float32", progress=False, keep_quantized=False)
 
 

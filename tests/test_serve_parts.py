@@ -12,7 +12,8 @@ from ling_jax.model import init_cache, layer_cache
 from ling_jax.sampling import (SamplingParams, processed_logits, processed_logits_rows, request_keys, sample,
                                sample_rows)
 from ling_jax.serve import Engine, RequestParams
-from ling_jax.serve.pools import PageAllocator, as_cache, init_pools, plan_pools, with_cache
+from ling_jax.serve.allocator import PageAllocator
+from ling_jax.serve.pools import as_cache, init_pools, plan_pools, with_cache
 from ling_jax.serve.scheduler import DECODE, PREFILL, QUEUED, Request, Scheduler
 
 

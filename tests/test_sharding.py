@@ -401,11 +401,11 @@ def test_sharded_logits_match_single_device(ckpt, reference, spec):
 
 
 def test_keep_fp8_on_mesh(ckpt, reference):
-    """--keep-fp8: every FP8-stored matrix stays float8 (+ float32 scales, a BlockFP8) on device,
+    """keep_quantized: every FP8-stored matrix stays float8 (+ float32 scales, a BlockFP8) on device,
     sharded by the rules (values like their float twins, dense scale grids replicated); the
     dequantise-in-matmul result equals the dequantised single-device model."""
     mesh = S.parse_mesh("expert=4,model=2")
-    model = load_model(ckpt, "float32", mesh=mesh, keep_fp8=True, progress=False)
+    model = load_model(ckpt, "float32", mesh=mesh, keep_quantized=True, progress=False)
     L = model.model.layers
     ex = L[2].mlp.experts
     assert all(isinstance(getattr(ex, n).get_value(), BlockFP8) for n in ("gate_proj", "up_proj", "down_proj"))

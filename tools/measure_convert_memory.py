@@ -1,4 +1,4 @@
-"""Peak host memory of `ling_jax.checkpoint.convert.convert` (used by tests/test_convert.py; also a manual tool).
+"""Peak host memory of `ling_jax.convert.convert` (used by tests/test_convert.py; also a manual tool).
 
     python tools/measure_convert_memory.py CKPT OUT [--warmup SMALL_CKPT] [--mesh expert=8] [--dtype bfloat16]
 
@@ -43,7 +43,7 @@ def main() -> int:
     import numpy as np
 
     import sharding as S
-    from ling_jax.checkpoint.convert import convert
+    from ling_jax.convert import convert
     from ling_jax.checkpoint.orbax import trim_host_memory
 
     mesh = S.parse_mesh(a.mesh)

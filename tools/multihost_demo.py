@@ -34,7 +34,7 @@ def main() -> int:
     import jax
     import numpy as np
 
-    from ling_jax.checkpoint.convert import convert
+    from ling_jax.convert import convert
     from ling_jax.forward import forward
     from ling_jax.loader import load_model
 

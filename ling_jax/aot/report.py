@@ -88,7 +88,7 @@ def aot_report(args, progress=None) -> dict:
     from ling_jax.aot.abstract import placed_abstract_model
     from ling_jax.aot.programs import ENGINE_FAMILIES, engine_programs, forward_program, generate_programs, parse_families
     from ling_jax.commands.common import ArgumentValueError
-    from ling_jax.commands.engine_args import check_engine_args, optional_engine_keywords, plan_engine_memory
+    from ling_jax.commands.engine_args import check_engine_args, engine_options, plan_engine_memory
     from ling_jax.config import LingConfig
 
     weights = str(args.weights).lower()
@@ -125,7 +125,7 @@ def aot_report(args, progress=None) -> dict:
         programs += engine_programs(model, fams, plan=plan, shapes=args.shapes, rows=args.decode_rows,
                                     max_slots=args.max_slots,
                                     page_size=args.page_size, prefill_chunk=args.prefill_chunk, **memory,
-                                    **optional_engine_keywords(args))
+                                    **engine_options(args))
     build_s = time.perf_counter() - t
     results = [_compile(p, target, progress, i + 1, len(programs)) for i, p in enumerate(programs)]
     return {"target": target.name, "platform": target.platform, "device_kind": target.device_kind,

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from ling_jax.checks import check_int
+
 GIB = 1 << 30
 
 
@@ -104,8 +106,7 @@ def resolve_target(name: str) -> Target:
     m = _GPU_NAME.match(name.lower())
     if m:
         kind, per_node, nodes = GPU_KINDS[m.group(1)], int(m.group(2)), int(m.group(3) or 1)
-        if nodes < 1:
-            raise ValueError(f"--target {name!r}: the node count must be >= 1")
+        check_int(nodes, f"--target {name!r}: the node count", low=1, expected=">= 1")
         topo = _topology(lambda: topologies.get_topology_desc(
             platform="cuda", topology=f"1x{nodes}x{per_node}", target_config=kind.target_config()), name,
             "the CUDA compile-only plugin (pip install -e '.[aot]')")

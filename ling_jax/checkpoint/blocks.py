@@ -155,11 +155,11 @@ def release_mxfp4(cfg: LingConfig) -> Callable:
     return lambda path: is_expert_path(path)
 
 
-def check_keep_fp8(reader) -> None:
+def check_keep_quantized(reader) -> None:
     """Keeping quantised weights needs a checkpoint that stores some F8_E4M3 or MXFP4 tensor."""
     if not any(reader.info(n).dtype == FP8 or reader.is_mxfp4(n) for n in reader.names()):
         raise ValueError(f"--keep-quantized: {reader.dir} stores no {FP8} or MXFP4 tensor (nothing to keep; "
-                         f"load without --keep-quantized / --keep-fp8)")
+                         f"load without --keep-quantized)")
 
 
 def stored_itemsize(reader, path, cfg: LingConfig) -> int:

@@ -11,7 +11,7 @@ parameter's key and its float32 scales under `scale_key` (`...__weight_scale_inv
 matrix, `...__gate_proj_scale` for routed experts: the names of format v2). Routed experts kept
 MXFP4 (an `MXFP4Blocks`) are stored the same way: uint8 packed codes under the key, uint8 E8M0
 scales under `scale_key` (the recorded dtype uint8 says which kind it is). This module knows
-nothing of the model: `ling_jax.checkpoint.convert` writes, `ling_jax.loader` restores after
+nothing of the model: `ling_jax.convert` writes, `ling_jax.loader` restores after
 `ling_jax.checkpoint.orbax_validate.validate_converted` checked the directory.
 """
 from __future__ import annotations

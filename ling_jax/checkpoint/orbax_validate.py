@@ -30,6 +30,7 @@ import re
 
 from ling_jax.checkpoint.orbax import FORMAT, META, VERSION, scale_key
 from ling_jax.checkpoint.safetensors_io import CheckpointError
+from ling_jax.checks import is_int
 from ling_jax.config import ConfigError, LingConfig, read_json_file
 
 COMMIT_MARKER = "commit_success.txt"
@@ -86,15 +87,14 @@ def _check_manifest(path: str, meta: dict) -> None:
             raise CheckpointError(f"{p}: parameter {k} is stored in group {e.get('group')!r}, which is not in "
                                   f"'groups' {groups}")
         shape = e.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise CheckpointError(f"{p}: parameter {k}: bad shape {shape!r}")
         problem = _param_dtype_problem(k, e.get("dtype"), params, meta["keep_fp8"])
         if problem is not None:
             raise CheckpointError(f"{p}: parameter {k}: {problem}")
 
 
-def _param_dtype_problem(key: str, dtype, params: dict, keep_fp8: bool):
+def _param_dtype_problem(key: str, dtype, params: dict, keep_quantized: bool):
     """The converted path's dtype rule (the reader's, `reader.dtype_problem`): float32 or bfloat16 for
     any parameter (cast to the model's dtype on restore); float8_e4m3fn only for a parameter kept FP8,
     with its float32/bfloat16 scales beside it; uint8 only for MXFP4 codes with their uint8 scales
@@ -107,7 +107,7 @@ def _param_dtype_problem(key: str, dtype, params: dict, keep_fp8: bool):
     if dtype == "uint8" and owners and params[owners[0]].get("dtype") == "uint8":
         return None  # MXFP4 E8M0 scales
     if dtype in QUANT_DTYPES:
-        if not keep_fp8:
+        if not keep_quantized:
             return (f"dtype {dtype} but the manifest says keep_fp8 false (expected float32 or bfloat16; a "
                     f"quantised value restored as a float would be garbage)")
         s = params.get(scale)

@@ -44,6 +44,7 @@ from ling_jax.checkpoint.bounds import check_claims
 from ling_jax.checkpoint.values import first_nonfinite, first_nonpositive
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, scale_grid_shape
 from ling_jax.checkpoint.safetensors_io import CheckpointError, TensorInfo, _normalize_index, open_shards
+from ling_jax.checks import check_int
 from ling_jax.config import ConfigError, LingConfig
 
 SCALE_DTYPES = ("F32", "BF16")
@@ -103,8 +104,8 @@ class CheckpointReader:
         self._files, self._where, meta, self.index_path = open_shards(self.dir)
         self.total_size = sum(t.nbytes for t in self._where.values())
         ts = meta.get("total_size")
-        if ts is not None and (not isinstance(ts, int) or isinstance(ts, bool)):
-            raise CheckpointError(f"{self.index_path}: metadata.total_size must be an integer, got {ts!r}")
+        if ts is not None:
+            check_int(ts, f"{self.index_path}: metadata.total_size", expected="an integer", error=CheckpointError)
         self.index_total_size = ts  # compared in problems(), after the per-tensor checks
         self.header_only = any(f.header_only for f in self._files.values())
         claim = check_claims(self.config, len(self._where), cfg_path, self.index_path)

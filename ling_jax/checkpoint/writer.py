@@ -33,6 +33,7 @@ from ling_jax.checkpoint.atomic import prepare_out_dir, staged_dir
 from ling_jax.checkpoint.fp8 import DEFAULT_BLOCK, block_dequant_fp8, block_quant_fp8
 from ling_jax.checkpoint.safetensors_io import INDEX_FILE, DTYPES, ShardWriter, nbytes
 from ling_jax.checkpoint.tokenizer_files import build_tokenizer, write_tokenizer_files
+from ling_jax.checks import check_int
 from ling_jax.config import LingConfig, write_json
 
 SHARD_TARGET_BYTES = 5_000_000_000  # default shard size (the HF "5GB" convention)
@@ -123,8 +124,7 @@ def plan_shards(entries: list[tuple[str, str, tuple[int, ...]]], num_shards: Opt
     total = sum(sizes)
     if num_shards is None:
         num_shards = max(2, math.ceil(total / SHARD_TARGET_BYTES))
-    if not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}")
+    check_int(num_shards, "num_shards", low=1, expected="a positive integer")
     num_shards = min(num_shards, len(groups))
     shards: list[list] = [[]]
     done = 0
@@ -208,8 +208,7 @@ def write_checkpoint(cfg: LingConfig, out_dir: str, dtype: str = "fp8", seed: in
     """
     if dtype not in ("fp8", "bf16"):
         raise ValueError(f"dtype must be 'fp8' or 'bf16', got {dtype!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+    check_int(seed, "seed", expected="an integer")
     for i in (*cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id):
         if i is not None and not 0 <= int(i) < cfg.vocab_size:
             raise ValueError(f"special token id {i} is not a valid id for vocab_size={cfg.vocab_size}")

@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import sharding as S
+from ling_jax.checks import is_int
 from ling_jax.commands.common import (ArgumentValueError, add_value_check_flag, apply_value_check_flag,
                                       check_ids, check_output_path, checkpoint_config, load_for_args,
                                       positive_int)
@@ -78,12 +79,12 @@ def parse_requests(lines, cfg, tokenizer, default_max_tokens: int) -> list:
             ids = tokenizer.encode(obj["prompt"], add_special_tokens=True)
         else:
             ids = obj["input_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not isinstance(ids, list) or not all(is_int(t) for t in ids):
                 raise ArgumentValueError(f"{where}: input_ids must be a list of integers")
         check_ids(ids, cfg, f"{where}: {'prompt' if 'prompt' in obj else 'input_ids'}")
         stop = obj.get("stop_ids")
         if stop is not None:
-            if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
+            if not isinstance(stop, list) or not all(is_int(t) for t in stop):
                 raise ArgumentValueError(f"{where}: stop_ids must be a list of integers")
             stop = tuple(stop)
         try:

@@ -231,7 +231,7 @@ def load_for_args(args, with_mtp: bool):
     JAX_* environment variables before anything else touches the devices.
     """
     multi = S.init_from_args(args)
-    keep = True if getattr(args, "keep_fp8", False) else None
+    keep = True if getattr(args, "keep_quantized", False) else None  # batch has no --keep-quantized
     mesh = S.parse_mesh(args.mesh) if (getattr(args, "mesh", None) or multi) else None
     model = load_model(args.checkpoint, args.dtype, mesh=mesh, with_mtp=with_mtp, keep_quantized=keep,
                        progress=False)
@@ -251,7 +251,7 @@ def print_report(report: dict, as_json: bool, format_text) -> int:
 def add_kernel_flags(p: argparse.ArgumentParser) -> None:
     """`--impl` (ExecConfig.kernels) and `--keep-quantized` (alias `--keep-fp8`), shared by logits and generate."""
     p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
-    p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_fp8", action="store_true",
+    p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_quantized", action="store_true",
                    help="keep quantised weights on device as stored: FP8 matrices as float8 + block scales "
                         "(the Pallas FP8 kernel with --impl pallas), MXFP4 routed experts as packed codes + E8M0 "
-                        "scales; each is dequantised inside its matmul (--keep-fp8: the old name)")
+                        "scales; each is dequantised inside its matmul (--keep-fp8: an alias)")

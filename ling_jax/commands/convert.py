@@ -17,9 +17,9 @@ def add_parser(sub):
                        description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="HF checkpoint directory (release layout)")
     p.add_argument("--out", required=True, metavar="DIR2", help="output directory (must not exist unless --force)")
-    p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_fp8", action="store_true",
+    p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_quantized", action="store_true",
                    help="store every FP8-stored matrix as float8_e4m3fn + scales and MXFP4 routed experts as "
-                        "packed codes + E8M0 scales (dequantised inside the matmul; --keep-fp8: the old name)")
+                        "packed codes + E8M0 scales (dequantised inside the matmul; --keep-fp8: an alias)")
     p.add_argument("--mesh", default=None, metavar="SPEC",
                    help="mesh the parameters are built on while converting, e.g. expert=8 (default: all "
                         "devices on expert); the result can be restored onto any mesh")
@@ -39,7 +39,7 @@ def run(args) -> int:
     import sys
 
     import sharding
-    from ling_jax.checkpoint.convert import convert
+    from ling_jax.convert import convert
     from sharding.distributed import init_from_args, primary_print
 
     from ling_jax.commands.common import apply_value_check_flag, check_output_path
@@ -48,7 +48,7 @@ def run(args) -> int:
     apply_value_check_flag(args)
     init_from_args(args)
     mesh = sharding.parse_mesh(args.mesh)
-    meta = convert(args.checkpoint, args.out, mesh, dtype=args.dtype, keep_fp8=args.keep_fp8,
+    meta = convert(args.checkpoint, args.out, mesh, dtype=args.dtype, keep_quantized=args.keep_quantized,
                    with_mtp=not args.no_mtp, overwrite=args.force, progress=not args.quiet and sys.stderr.isatty())
     n = len(meta["params"])
     primary_print(f"converted {args.checkpoint} -> {args.out}: {n} parameters in {len(meta['groups'])} groups, "

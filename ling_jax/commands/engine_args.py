@@ -19,15 +19,10 @@ of the mesh):
 
 Every refusal is an ArgumentValueError naming the flag and what was expected, raised before the
 pools are allocated.
-
-The keywords the prefix-cache and speculative helpers add to `Engine` (`prefix_cache`,
-`prefix_cache_memory_gib`, `speculative`) are passed only when a flag asks for a non-default
-value; an Engine without the keyword refuses that flag by name.
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 import time
@@ -149,19 +144,18 @@ def _param_bytes(model) -> int:
 # ---- the engine -------------------------------------------------------------------------------
 def check_engine_flags(args) -> None:
     """Refusals that need no model (call it before loading one): --speculative's range, flags that
-    contradict each other, flags this build's Engine cannot take."""
+    contradict each other."""
     k = args.speculative
     if not 0 <= k <= MAX_SPECULATIVE:
         raise ArgumentValueError(f"--speculative: expected 0..{MAX_SPECULATIVE} MTP draft tokens, got {k}")
     if args.no_prefix_cache and args.prefix_cache_memory is not None:
         raise ArgumentValueError("--prefix-cache-memory and --no-prefix-cache contradict each other")
-    interval = getattr(args, "snapshot_interval", None)
+    interval = args.snapshot_interval
     if interval is not None and args.no_prefix_cache:
         raise ArgumentValueError("--snapshot-interval and --no-prefix-cache contradict each other")
     if interval is not None and interval % args.page_size:
         raise ArgumentValueError(f"--snapshot-interval: {interval} is not a multiple of --page-size "
                                  f"{args.page_size} (snapshots are taken on page boundaries)")
-    optional_engine_keywords(args)
 
 
 def check_engine_args(args, model) -> None:
@@ -174,7 +168,7 @@ def check_engine_args(args, model) -> None:
         if args.max_seq_len < 2:
             raise ArgumentValueError(f"--max-seq-len: expected >= 2 tokens, got {args.max_seq_len}")
         if args.max_seq_len > limit:
-            if not getattr(args, "allow_long_context", False):
+            if not args.allow_long_context:
                 raise ArgumentValueError(f"--max-seq-len: {args.max_seq_len} exceeds the model's "
                                          f"max_position_embeddings={limit} (pass --allow-long-context to go up to "
                                          f"the scaled length {context_limit(model.cfg)})")
@@ -212,24 +206,12 @@ def plan_engine_memory(args, model, budget: Optional[tuple[int, str]] = None) ->
     return {"num_pages": int(pages), "max_seq_len": seq_default}, line
 
 
-def optional_engine_keywords(args, engine_cls=Engine) -> dict:
-    """The Engine keywords of the prefix-cache / speculative flags, only where a flag sets a
-    non-default value (so an engine without them runs every default); a flag whose keyword
-    `engine_cls` does not take is refused by name."""
-    asked = {}
-    if args.no_prefix_cache:
-        asked["prefix_cache"] = ("--no-prefix-cache", False)
-    if args.prefix_cache_memory is not None:
-        asked["prefix_cache_memory_gib"] = ("--prefix-cache-memory", args.prefix_cache_memory)
-    if getattr(args, "snapshot_interval", None) is not None:
-        asked["snapshot_interval"] = ("--snapshot-interval", args.snapshot_interval)
-    if args.speculative:
-        asked["speculative"] = ("--speculative", args.speculative)
-    known = inspect.signature(engine_cls).parameters
-    for kw, (flag, _) in asked.items():
-        if kw not in known:
-            raise ArgumentValueError(f"{flag}: this build's serving engine has no {kw!r} option yet")
-    return {kw: v for kw, (_, v) in asked.items()}
+def engine_options(args) -> dict:
+    """The Engine keywords of the prefix-cache and speculative flags (the sizes are the caller's,
+    the memory `plan_engine_memory`'s): prefix_cache, prefix_cache_memory_gib, snapshot_interval,
+    speculative."""
+    return {"prefix_cache": not args.no_prefix_cache, "prefix_cache_memory_gib": args.prefix_cache_memory,
+            "snapshot_interval": args.snapshot_interval, "speculative": args.speculative}
 
 
 def engine_from_args(args, model, report=sys.stderr, budget: Optional[tuple[int, str]] = None) -> Engine:
@@ -239,7 +221,7 @@ def engine_from_args(args, model, report=sys.stderr, budget: Optional[tuple[int,
     check_engine_args(args, model)
     memory, line = plan_engine_memory(args, model, budget)
     engine = Engine(model, max_slots=args.max_slots, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
-                    **memory, **optional_engine_keywords(args))
+                    **memory, **engine_options(args))
     primary = jax.process_index() == 0
     if primary and report is not None:
         print(line, file=report)

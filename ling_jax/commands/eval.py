@@ -14,6 +14,8 @@ import os
 
 import numpy as np
 
+from ling_jax.checks import check_int
+
 
 def add_parser(sub):
     p = sub.add_parser("eval", help="perplexity of a checkpoint on a text file")
@@ -49,8 +51,8 @@ def perplexity(model, ids, window: int = 256, batch: int = 4) -> dict:
 
     if len(ids) < 2:
         raise ValueError("--text-file: fewer than 2 tokens; nothing to score")
-    if window < 1 or batch < 1:
-        raise ValueError("--window and --batch must be positive")
+    check_int(window, "--window", low=1)
+    check_int(batch, "--batch", low=1)
     total, count = 0.0, 0
     for rows, n_valid in window_batches(ids, window, batch):
         logits = forward(model, rows, n_valid=jnp.asarray(np.maximum(n_valid, 1)))["logits"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ling_jax.checks import check_int
 from ling_jax.commands.common import (add_kernel_flags, add_long_context_flag, add_value_check_flag,
                                       apply_value_check_flag, check_cache_fits, check_context_length, check_ids,
                                       checkpoint_config, finite_float, generate_cache_bytes, non_negative_float,
@@ -72,10 +73,8 @@ def run(args) -> int:
     from ling_jax.sampling import SamplingParams
     from ling_jax.tokenizer import Tokenizer, eos_token_ids, load_generation_config
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not 0 <= args.speculative <= 3:
-        raise ValueError(f"--speculative must be 0..3, got {args.speculative}")
+    check_int(args.max_new_tokens, "--max-new-tokens", low=1, expected=">= 1")
+    check_int(args.speculative, "--speculative", low=0, high=3, expected="0..3")
     if args.greedy and args.temperature not in (None, 0.0):
         raise ValueError("--greedy and --temperature > 0 contradict each other")
     if not 0.0 < args.top_p <= 1.0:

@@ -29,6 +29,7 @@ from ling_jax import accounting as A
 from ling_jax.checkpoint import layout as L
 from ling_jax.checkpoint import mxfp4 as MX
 from ling_jax.checkpoint.safetensors_io import open_shards
+from ling_jax.checks import check_int
 from ling_jax.config import read_json_file
 
 
@@ -52,9 +53,7 @@ def _config_fields(d: str) -> tuple[int | None, int | None]:
         v = c.get(k) if isinstance(c, dict) else None
         if v is None:
             return None
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{p}: {k} must be a non-negative integer, got {v!r}")
-        return v
+        return check_int(v, f"{p}: {k}", field=k, low=0, expected="a non-negative integer")
 
     return pos_int("num_hidden_layers"), pos_int("num_experts_per_tok")
 

@@ -40,6 +40,7 @@ import argparse
 import sys
 
 from ling_jax.checkpoint import layout as L
+from ling_jax.checks import check_int
 from ling_jax.config import LingConfig
 
 
@@ -77,9 +78,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _positive(name: str, v) -> int:
     if v is None:
         return v
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    return v
+    return check_int(v, name, low=1, expected="a positive integer")
 
 
 def apply_overrides(cfg: LingConfig, layers=None, experts=None, vocab=None, hidden=None) -> LingConfig:
@@ -94,17 +93,13 @@ def apply_overrides(cfg: LingConfig, layers=None, experts=None, vocab=None, hidd
         kw["num_hidden_layers"] = n
         kw["first_k_dense_replace"] = min(cfg.first_k_dense_replace, max(n - 1, 0))
     if _positive("--experts", experts) is not None:
-        e = experts
-        if e < 2:
-            raise ValueError(f"--experts must be >= 2 (the router takes the top-2 per group), got {e}")
+        e = check_int(experts, "--experts", low=2, expected=">= 2 (the router takes the top-2 per group)")
         g = next(g for g in range(min(cfg.n_group, e // 2), 0, -1) if e % g == 0 and e // g >= 2)
         tg = min(cfg.topk_group, max(1, g // 2)) if g > 1 else 1
         k = min(cfg.num_experts_per_tok, tg * (e // g), max(1, e // 2))
         kw.update(num_experts=e, n_group=g, topk_group=tg, num_experts_per_tok=k)
     if _positive("--vocab", vocab) is not None:
-        kw["vocab_size"] = vocab
-        if vocab < 4:
-            raise ValueError(f"--vocab must be >= 4, got {vocab}")
+        kw["vocab_size"] = check_int(vocab, "--vocab", low=4, expected=">= 4")
         eos = [i if i < vocab else vocab - 1 for i in cfg.eos_token_id]
         kw["eos_token_id"] = eos[0] if len(eos) == 1 else eos
         if cfg.pad_token_id is not None and cfg.pad_token_id >= vocab:

@@ -43,6 +43,7 @@ import math
 
 from ling_jax.commands.common import print_report
 from ling_jax import accounting as A
+from ling_jax.checks import check_int
 from ling_jax.config import LingConfig
 from sharding.mesh import parse_mesh_shape
 
@@ -99,10 +100,9 @@ def plan_from_args(args) -> dict:
     reserve = _number(args.reserve, "--reserve", True)
     try:
         seqs = int(str(args.sequences))
-        if seqs < 0:
-            raise ValueError
     except ValueError:
-        raise ValueError(f"--sequences must be a non-negative integer, got {args.sequences!r}") from None
+        seqs = args.sequences  # refused by name below
+    seqs = check_int(seqs, "--sequences", low=0, expected="a non-negative integer")
     kv = str(args.kv_cache_dtype).lower()
     if kv not in ("bf16", "fp8"):
         raise ValueError(f"unknown --kv-cache-dtype {args.kv_cache_dtype!r} (expected bf16 or fp8)")

@@ -11,6 +11,8 @@ import json
 import os
 import time
 
+from ling_jax.checks import check_int
+
 
 def add_parser(sub):
     p = sub.add_parser("train", help="train a small model on a text corpus (tokenizer, Orbax state, export)")
@@ -74,8 +76,8 @@ def run(args) -> int:
                                 default_model_config, init_model, read_corpus, restore_state, save_state,
                                 train_tokenizer)
 
-    if args.steps < 1 or args.batch < 1 or args.seq < 3:
-        raise ValueError("--steps and --batch must be >= 1 and --seq >= 3")
+    for flag, v, low in (("--steps", args.steps, 1), ("--batch", args.batch, 1), ("--seq", args.seq, 3)):
+        check_int(v, flag, low=low, expected=f">= {low}")
     from ling_jax.commands.common import check_output_path
     check_output_path(args.out, [args.text, args.config])
     out = os.path.abspath(args.out)

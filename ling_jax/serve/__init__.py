@@ -1,5 +1,16 @@
-"""Serving: a continuous-batching engine over paged MLA latents and KDA state slots (README.md)."""
-from ling_jax.sampling import TokenLogprob  # noqa: F401  (the entries of `RequestHandle.logprobs`)
-from ling_jax.serve.engine import Engine, RequestHandle, RequestParams  # noqa: F401
+"""Serving: a continuous-batching engine over paged MLA latents and KDA state slots (README.md).
 
-__all__ = ["Engine", "RequestHandle", "RequestParams", "TokenLogprob"]
+`Engine` and `RequestHandle` (the device side: jax) are imported when first named, so the host-only
+modules of this package (`allocator`, `scheduler`, `prefix_cache`, `request`) import no jax.
+"""
+from ling_jax.sampling_params import TokenLogprob  # noqa: F401  (the entries of `RequestHandle.logprobs`)
+from ling_jax.serve.request import RequestFieldError, RequestParams  # noqa: F401
+
+__all__ = ["Engine", "RequestFieldError", "RequestHandle", "RequestParams", "TokenLogprob"]
+
+
+def __getattr__(name):
+    if name in ("Engine", "RequestHandle"):
+        from ling_jax.serve import engine
+        return getattr(engine, name)
+    raise AttributeError(f"module 'ling_jax.serve' has no attribute {name!r}")

@@ -28,10 +28,8 @@ above and broadcasts each program call (the snapshot copies included); processes
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
-import numbers
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -39,56 +37,19 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ling_jax.checks import FieldError, check_int, is_int
 from ling_jax.exec_config import ExecConfig
-from ling_jax.sampling import INT32_MAX, SamplingParams, TokenLogprob, check_logprobs, check_penalties
+from ling_jax.sampling_params import TokenLogprob
+from ling_jax.serve.allocator import PageAllocator
 from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_RESTORE, OP_SAVE, OP_SPEC, ProgramShape, make_link
-from ling_jax.serve.pools import (GIB, PageAllocator, describe, init_pools, is_abstract, make_placed, per_device_bytes,
+from ling_jax.serve.pools import (GIB, describe, init_pools, is_abstract, make_placed, per_device_bytes,
                                   placed_like, plan_pools)
 from ling_jax.serve.prefix_cache import PrefixCache
+from ling_jax.serve.request import RequestFieldError, RequestParams
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
 from ling_jax.serve.snapshots import DEFAULT_BUDGET_FRACTION, SnapshotPool, plan_snapshots
 from ling_jax.serve.speculative import MAX_SPECULATIVE, make_spec_fn
 from ling_jax.serve.step import RowSampling, StepInputs, make_step_fns
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestParams:
-    """Per-request settings. temperature 0 = greedy; top_k 0 = off; top_p 1 = off; seed: the
-    request's own random stream (token n draws with fold_in(key(seed), n)); stop_ids: None = the
-    config's EOS ids, () = none; max_tokens: new tokens at most (the stop token counts).
-    presence_penalty / frequency_penalty in [-2, 2] (OpenAI semantics, over the generated tokens),
-    repetition_penalty > 0 (HF semantics, over prompt + generated tokens; 1 = off): see
-    `ling_jax.sampling`. logprobs: None = off, 0 = each token's logprob, N <= 20 = plus the top N,
-    under the model's raw distribution (before penalties / temperature / top-k / top-p); the
-    handle's `logprobs` list is aligned with `generated`."""
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: Optional[tuple] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: Optional[int] = None
-
-    def __post_init__(self):
-        SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)  # same checks, same messages
-        check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, "RequestParams.")
-        check_logprobs(self.logprobs, "RequestParams.")
-        if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", int(self.logprobs))
-        m = self.max_tokens
-        if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= INT32_MAX:
-            raise ValueError(f"RequestParams.max_tokens must be an int >= 1 and <= 2**31-1, got {self.max_tokens!r}")
-        if not 0 <= int(self.seed) < 2 ** 32:
-            raise ValueError(f"RequestParams.seed must be in [0, 2**32), got {self.seed!r}")
-        if self.stop_ids is not None:
-            ids = tuple(self.stop_ids)
-            for s in ids:
-                if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s <= INT32_MAX:
-                    raise ValueError(f"RequestParams.stop_ids: each must be an int in [0, 2**31-1], got {s!r}")
-            object.__setattr__(self, "stop_ids", tuple(int(s) for s in ids))
 
 
 class RequestHandle:
@@ -194,8 +155,7 @@ class Engine:
         if num_pages is None and cache_memory_gib is None:
             raise ValueError("Engine needs num_pages or cache_memory_gib (the page pool's size)")
         for name, v in (("prefill_chunk", prefill_chunk), ("prefill_rows", prefill_rows)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Engine {name} must be a positive int, got {v!r}")
+            check_int(v, f"Engine {name}", field=name, low=1)
         with_mtp = (model.mtp is not None) if with_mtp is None else bool(with_mtp)
         if with_mtp and model.mtp is None:
             raise ValueError("Engine with_mtp=True needs the MTP layer, and this model has none")
@@ -693,15 +653,6 @@ class Engine:
             self.prefix.clear()
 
 
-class RequestFieldError(ValueError):
-    """A request `submit` refuses, with `field`: the RequestParams field it is about (a server maps it
-    to its own request field)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
 def _check_speculative_params(params: "RequestParams") -> None:
     """What the speculative program does not do yet, refused by field name: penalties (they would
     depend on the tokens drafted inside a round) and logprobs (the verify pass does not return them)."""
@@ -728,10 +679,8 @@ def default_snapshot_interval(page_size: int, kda_chunk: int) -> int:
 def _check_snapshot_interval(interval, page_size: int, ex: ExecConfig) -> int:
     if interval is None:
         return default_snapshot_interval(page_size, ex.kda_chunk)
-    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1 or interval % page_size:
-        raise ValueError(f"Engine snapshot_interval must be a positive multiple of page_size={page_size} "
-                         f"(snapshots are taken on page boundaries), got {interval!r}")
-    return interval
+    return check_int(interval, "Engine snapshot_interval", field="snapshot_interval", low=1, multiple_of=page_size,
+                     expected=f"a positive multiple of page_size={page_size} (snapshots are taken on page boundaries)")
 
 
 def _check_decode_rows(decode_rows, max_slots: int) -> tuple[int, ...]:
@@ -740,17 +689,15 @@ def _check_decode_rows(decode_rows, max_slots: int) -> tuple[int, ...]:
     if decode_rows is None:
         return row_buckets(max_slots)
     rows = tuple(sorted(set(decode_rows)))
-    if not rows or any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1 for n in rows) \
-            or rows[-1] != max_slots:
-        raise ValueError(f"Engine decode_rows {tuple(decode_rows)!r} must be positive ints ending at "
-                         f"max_slots={max_slots}")
+    if not rows or not all(is_int(n) and n >= 1 for n in rows) or rows[-1] != max_slots:
+        raise FieldError("decode_rows", f"Engine decode_rows {tuple(decode_rows)!r} must be positive ints ending at "
+                                        f"max_slots={max_slots}")
     return tuple(int(n) for n in rows)
 
 
 def _check_speculative(speculative, model, with_mtp: bool) -> None:
-    if not isinstance(speculative, int) or isinstance(speculative, bool) or not 0 <= speculative <= MAX_SPECULATIVE:
-        raise ValueError(f"Engine speculative must be an int in [0, {MAX_SPECULATIVE}] (MTP drafts per decode "
-                         f"step, 0 = off), got {speculative!r}")
+    check_int(speculative, "Engine speculative", field="speculative", low=0, high=MAX_SPECULATIVE,
+              expected=f"an int in [0, {MAX_SPECULATIVE}] (MTP drafts per decode step, 0 = off)")
     if speculative and model.mtp is None:
         raise ValueError("Engine speculative > 0 needs the MTP layer, and this model has none")
     if speculative and not with_mtp:

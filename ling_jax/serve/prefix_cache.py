@@ -51,7 +51,8 @@ import heapq
 import itertools
 from typing import Optional
 
-from ling_jax.serve.pools import PageAllocator
+from ling_jax.checks import check_int
+from ling_jax.serve.allocator import PageAllocator
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,8 +117,7 @@ class PrefixCache:
 
     def __init__(self, alloc: PageAllocator, *, num_snapshots: int, page_bytes: int, snapshot_bytes: int,
                  budget_bytes: int, lookahead: int):
-        if num_snapshots < 1:
-            raise ValueError(f"num_snapshots must be >= 1, got {num_snapshots}")
+        check_int(num_snapshots, "num_snapshots", low=1)
         if lookahead not in (0, 1):
             raise ValueError(f"lookahead must be 0 or 1, got {lookahead}")
         self.alloc, self.P, self.lookahead = alloc, alloc.sizes.page_size, lookahead

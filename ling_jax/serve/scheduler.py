@@ -1,6 +1,6 @@
 """Host-side scheduling: the request queue, slot assignment, page growth and preemption.
 
-Pure Python over `Request` records and a `PageAllocator`; it decides, before each engine step,
+Pure Python over `Request` records and a `PageAllocator` (host-only: no jax); it decides, before each engine step,
 which slots decode one token and which prefill a chunk of how many tokens. Nothing here touches
 the device, so the policy is testable and deterministic.
 
@@ -36,8 +36,9 @@ import collections
 import dataclasses
 from typing import Optional
 
-from ling_jax.serve.pools import PageAllocator
+from ling_jax.serve.allocator import PageAllocator
 from ling_jax.serve.prefix_cache import PrefixCache
+from ling_jax.serve.request import RequestParams
 
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 
@@ -50,7 +51,7 @@ class Request:
     victim; kept across preemptions, so a recomputed request is not the next victim again)."""
     id: int
     prompt: list
-    params: object              # engine.RequestParams
+    params: RequestParams
     stop: frozenset
     generated: list = dataclasses.field(default_factory=list)
     state: str = QUEUED
@@ -141,7 +142,7 @@ class Scheduler:
             feed = self.feed_of(req)
             # a request with penalties starts fresh: its token statistics are built from every token
             # it prefills (a hit would skip the prefix's), so it never restores (it still inserts)
-            hit = self.prefix.lookup(feed) if self.prefix is not None and not _uses_penalties(req.params) else None
+            hit = self.prefix.lookup(feed) if self.prefix is not None and not req.params.penalized else None
             shared, locked = (len(hit.shared), hit.newly_locked) if hit is not None else (0, 0)
             if self.alloc.pages_for(len(feed) + 1) - shared > self.alloc.num_free - locked:
                 break
@@ -196,8 +197,3 @@ def _to_page_boundary(start: int, n: int, page_size: int) -> int:
     end = (start + n) // page_size * page_size
     return end - start if end > start else n
 
-
-def _uses_penalties(params) -> bool:
-    """Whether a request's sampling reads its slot's token statistics (sampling penalties)."""
-    return (getattr(params, "presence_penalty", 0.0) != 0.0 or getattr(params, "frequency_penalty", 0.0) != 0.0
-            or getattr(params, "repetition_penalty", 1.0) != 1.0)

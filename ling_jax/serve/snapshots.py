@@ -28,8 +28,9 @@ from ling_jax.config import LingConfig
 from ling_jax.kda import kda_zero_state
 from ling_jax.layer_stack import zeros_by_kind
 from ling_jax.rows import put_rows, take_rows
+from ling_jax.serve.allocator import PoolSizes
 from ling_jax.serve.multihost import OP_RESTORE, OP_SAVE
-from ling_jax.serve.pools import GIB, Pools, PoolSizes, make_placed
+from ling_jax.serve.pools import GIB, Pools, make_placed
 from ling_jax.serve.prefix_cache import Restore
 
 #: The default prefix-cache budget, as a fraction of the page pool's bytes. Why a fraction of the

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling_jax.checks import check_int
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.exec_config import ExecConfig
 from ling_jax.layer_stack import roll_back_kda
@@ -153,7 +154,6 @@ def make_spec_fn(graphdef, ex: ExecConfig, k: int, pool_sharding=None):
     donated; one program per row bucket and block-table width (like decode). k: drafts per step
     (1 … MAX_SPECULATIVE). pool_sharding: the pools' shardings, fixed as the output's (see
     `step.make_step_fns`)."""
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE:
-        raise ValueError(f"speculative drafts must be an int in [1, {MAX_SPECULATIVE}], got {k!r}")
+    check_int(k, "speculative drafts", field="speculative", low=1, high=MAX_SPECULATIVE)
     return jax.jit(lambda params, pools, inp: _spec(graphdef, params, pools, inp, ex, k), donate_argnums=(1,),
                    out_shardings=(pool_sharding, None, None))

@@ -7,7 +7,7 @@
 | `text.py` | incremental detokeniser, stop-string matcher |
 | `driver.py` | the thread that owns the engine; the bounded queue |
 | `generation.py` | one request's choices on the engine -> text deltas |
-| `app.py` | the FastAPI routes |
+| `app.py` | the FastAPI app: module-level routes (an APIRouter over `app.state`), one streaming helper |
 | `errors.py` | OpenAI error JSON for every refusal |
 | `metrics.py` | Prometheus metrics |
 | `runner.py` | uvicorn: `start_server` (background thread), sockets |

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from ling_jax.checks import FieldError, check_int
 from ling_jax.serve import Engine, RequestHandle, RequestParams
 
 log = logging.getLogger("ling_jax.server")
@@ -35,7 +36,7 @@ class TokenEvent:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     status: int = 400  # the HTTP status an error maps to (400: the engine refused the request)
-    param: Optional[str] = None  # the RequestParams field a refusal names (engine.RequestFieldError)
+    param: Optional[str] = None  # the RequestParams field a refusal names (a checks.FieldError's field)
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,8 +67,7 @@ class EngineDriver:
     def __init__(self, engine: Engine, max_queue: int = 64, on_exit: Callable[[], None] | None = None,
                  idle_wait_s: float = 0.05, on_failure: Callable[[str], None] | None = None,
                  warmup_items: list | None = None, warmup_progress=None):
-        if not isinstance(max_queue, int) or max_queue < 0:
-            raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
+        check_int(max_queue, "max_queue", low=0)
         self.engine = engine
         self.capacity = engine.sizes.max_slots + max_queue
         self.stats = engine.stats()  # refreshed after every step; read by /metrics and /health
@@ -146,9 +146,7 @@ class EngineDriver:
             log.debug("dropped an event for a closed sink", exc_info=True)
 
     def _on_tokens(self, sub: Submission, handle: RequestHandle, toks: list) -> None:
-        lps = getattr(handle, "logprobs", None)
-        wanted = getattr(sub.params, "logprobs", None) is not None
-        lps = tuple(lps[-len(toks):]) if wanted and lps is not None else None
+        lps = tuple(handle.logprobs[-len(toks):]) if sub.params.logprobs is not None else None
         finish = handle.finish_reason if handle.finished else None
         if finish is not None:
             self._release(sub)
@@ -177,7 +175,7 @@ class EngineDriver:
                     log.warning("engine refused a request: %s: %s", type(e).__name__, e)
                 self._release(sub)
                 self._deliver(sub, TokenEvent(error=f"request refused by the engine: {e}",
-                                              param=getattr(e, "field", None)))
+                                              param=e.field if isinstance(e, FieldError) else None))
         elif kind == "cancel" and not sub.done:
             if sub.handle is not None:
                 self.engine.cancel(sub.handle)

@@ -3,22 +3,21 @@
 Why separate from the pydantic models: these checks need the served model (its tokenizer, chat
 template, vocabulary, context length and stop ids), and each refusal is an `APIError(400)` naming
 the field: an empty prompt or message list, a prompt or `max_tokens` beyond the context, a token
-id outside the vocabulary, a sampling field this engine build cannot honour.
+id outside the vocabulary, a sampling field out of its range.
 """
 from __future__ import annotations
 
 import dataclasses
 import random
-import re
 from typing import Optional
 
-from ling_jax.serve import RequestParams
+from ling_jax.checks import FieldError
+from ling_jax.serve.request import RequestParams
 from ling_jax.server.errors import APIError
 from ling_jax.server.generation import ChoicePlan
 from ling_jax.server.protocol import (SEED_LIMIT, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                       SamplingFields)
 
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(RequestParams)}
 CHAT_DEFAULT_MAX_TOKENS = None  # chat: as many as the context leaves, like vLLM
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -115,22 +114,14 @@ def _engine_params(req: SamplingFields, info: ModelInfo, max_tokens: int, seed: 
     check_ids(info, list(stop_ids), "stop_token_ids")
     if not req.ignore_eos:
         stop_ids = tuple(dict.fromkeys(info.eos_ids + stop_ids))
-    kw = dict(max_tokens=max_tokens, temperature=float(req.temperature), top_k=max(0, req.top_k),
-              top_p=float(req.top_p), seed=seed, stop_ids=stop_ids)
-    extras = {"presence_penalty": (float(req.presence_penalty), 0.0),
-              "frequency_penalty": (float(req.frequency_penalty), 0.0),
-              "repetition_penalty": (float(req.repetition_penalty), 1.0), "logprobs": (logprobs, None)}
-    for name, (value, off) in extras.items():
-        if value == off:
-            continue
-        if name not in _ENGINE_FIELDS:  # only until the sampling additions are in this engine build
-            raise APIError(400, f"{name} is not supported by this engine build", param=name)
-        kw[name] = value
     try:
-        return RequestParams(**kw)
-    except ValueError as e:
-        m = re.match(r"(?:RequestParams\.)?(\w+)", str(e))
-        raise APIError(400, str(e), param=m.group(1) if m and m.group(1) in _ENGINE_FIELDS else None) from None
+        return RequestParams(max_tokens=max_tokens, temperature=float(req.temperature), top_k=max(0, req.top_k),
+                             top_p=float(req.top_p), seed=seed, stop_ids=stop_ids,
+                             presence_penalty=float(req.presence_penalty),
+                             frequency_penalty=float(req.frequency_penalty),
+                             repetition_penalty=float(req.repetition_penalty), logprobs=logprobs)
+    except FieldError as e:  # every refusal of RequestParams names its field
+        raise APIError(400, str(e), param=e.field) from None
 
 
 def _seeds(req: SamplingFields, count: int) -> list[int]:

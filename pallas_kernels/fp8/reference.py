@@ -2,7 +2,7 @@
 
 `fp8_linear(x, wq, scale, block)` dequantises the whole weight (`block_dequant_fp8_jax`: float32
 product of the float8_e4m3fn values and the repeated block scales, then x's dtype) and runs the
-model's `linear`, so with `--keep-fp8` the XLA path computes exactly what a dequantising load does.
+model's `linear`, so with `--keep-quantized` the XLA path computes exactly what a dequantising load does.
 """
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ host memory is bounded by one layer's parameters, never the model. Everything is
 sibling `.OUT.converting` directory which is renamed to OUT only when complete; an interrupted
 conversion leaves no OUT (and the loader rejects a directory without the marker). The format:
 `ling_jax.checkpoint.orbax`. Load the result with `ling_jax.loader.load_model`, on any mesh.
+
+A use of the loader (it builds the parameters with the loader's block reads), so it sits above it,
+not in `ling_jax.checkpoint` (which the loader imports); the command is `ling-jax convert`.
 """
 from __future__ import annotations
 
@@ -31,16 +34,17 @@ def _shapes(value):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), value)
 
 
-def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bool = False,
+def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_quantized: bool = False,
             with_mtp: bool = True, progress: bool = True, overwrite: bool = False, _after_group=None) -> dict:
     """Convert an HF checkpoint directory into a converted directory `out` (see module doc).
 
-    dtype: storage dtype of the parameters that are not kept FP8 (bfloat16 default, or float32).
-    keep_fp8 (--keep-quantized): store every F8_E4M3-stored matrix as float8_e4m3fn values + float32
-    scales, and MXFP4-stored routed experts as their uint8 codes + uint8 E8M0 scales (the metadata
-    records each entry's dtype, which is how the loader tells them apart). The parameters are built sharded on `mesh` (default:
-    `parse_mesh(None)`, every device on `expert`) and every process writes its own blocks. Returns the metadata dict.
-    `_after_group(name)` is a test hook.
+    dtype: storage dtype of the parameters that are not kept quantised (bfloat16 default, or float32).
+    keep_quantized (--keep-quantized): store every F8_E4M3-stored matrix as float8_e4m3fn values +
+    float32 scales, and MXFP4-stored routed experts as their uint8 codes + uint8 E8M0 scales (the
+    metadata records each entry's dtype, which is how the loader tells them apart, and the flag as its
+    `keep_fp8` field, the format's name for it). The parameters are built sharded on `mesh` (default:
+    `parse_mesh(None)`, every device on `expert`) and every process writes its own blocks. Returns the
+    metadata dict. `_after_group(name)` is a test hook.
     """
     out = os.path.abspath(out)
     if os.path.exists(out) and not overwrite and (not os.path.isdir(out) or os.listdir(out)):
@@ -50,7 +54,7 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
         raise FileNotFoundError(f"--out: parent directory {parent} does not exist")
     mesh = parse_mesh(None) if mesh is None else mesh
     dtype = as_dtype(dtype or default_dtype())
-    reader, cfg, with_mtp = open_validated(checkpoint, with_mtp, keep_fp8)
+    reader, cfg, with_mtp = open_validated(checkpoint, with_mtp, keep_quantized)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.converting")
     t0 = time.time()
     try:
@@ -59,8 +63,8 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
                 shutil.rmtree(tmp)
             os.makedirs(os.path.join(tmp, "params"))
         barrier("ling_jax_convert_start")
-        model = abstract_model(cfg, dtype, with_mtp, reader_fp8(reader, cfg) if keep_fp8 else None,
-                               reader_mxfp4(reader, cfg) if keep_fp8 else None, layer_loop="unroll")
+        model = abstract_model(cfg, dtype, with_mtp, reader_fp8(reader, cfg) if keep_quantized else None,
+                               reader_mxfp4(reader, cfg) if keep_quantized else None, layer_loop="unroll")
         source = ParamSource(reader, cfg, mesh)
         groups: dict[str, list] = {}
         for path, var in nnx.to_flat_state(nnx.state(model)):  # only parameters: constants come from config.json
@@ -81,7 +85,8 @@ def convert(checkpoint: str, out: str, mesh=None, dtype="bfloat16", keep_fp8: bo
             if _after_group is not None:
                 _after_group(g)
         barrier("ling_jax_convert_saved")
-        meta = {"format": O.FORMAT, "version": O.VERSION, "dtype": str(jnp.dtype(dtype)), "keep_fp8": bool(keep_fp8),
+        meta = {"format": O.FORMAT, "version": O.VERSION, "dtype": str(jnp.dtype(dtype)),
+                "keep_fp8": bool(keep_quantized),  # the format's name of the flag
                 "with_mtp": bool(with_mtp), "source": os.path.abspath(checkpoint), "mesh": mesh_spec_string(mesh),
                 "groups": list(groups), "params": params_meta, "seconds": round(time.time() - t0, 3)}
         if is_primary():
