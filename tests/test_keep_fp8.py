@@ -23,6 +23,7 @@ from ling_jax.config import LingConfig
 from ling_jax.linear import Linear
 from ling_jax.forward import forward
 from ling_jax.loader import abstract_model, load_model
+from ling_jax.layer_stack import is_stacked_path, stacked_layer_paths
 from ling_jax.quantized import BlockFP8
 from test_sharding import IDS, write_small
 
@@ -52,12 +53,17 @@ def flat(model):
     return {tuple(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
+def layer_paths(path, cfg):
+    """The per-layer paths one stored parameter holds (a scanned run stacks several layers)."""
+    return [lp for lp, _, _ in stacked_layer_paths(path, cfg)] if is_stacked_path(path) else [path]
+
+
 def test_keep_fp8_holds_every_fp8_matrix(ckpt, fp8_model):
     m, params = fp8_model, flat(fp8_model)
     f8 = [p for p, v in params.items() if isinstance(v, BlockFP8)]
     assert all(params[p].values.dtype == F8 for p in f8)
     assert not any(v.dtype == F8 for v in params.values() if not isinstance(v, BlockFP8))
-    held = {n for p in f8 for n in checkpoint_names(p, m.cfg)[1]}
+    held = {n for p in f8 for lp in layer_paths(p, m.cfg) for n in checkpoint_names(lp, m.cfg)[1]}
     with CheckpointReader(ckpt) as r:
         stored = {n for n in r.names() if r.info(n).dtype == "F8_E4M3"}
     assert stored and held == stored
