@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from ling_jax.call_mode import FORWARD, CallMode
 from ling_jax.config import KDA, LingConfig
 from ling_jax.exec_config import ExecConfig
 from ling_jax.kda import KimiDeltaAttention
@@ -26,12 +27,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(cfg, layer, dtype=dtype, rngs=rngs) if self.is_moe
                     else SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
-    def __call__(self, h, cache, lengths, n_valid, ex: ExecConfig, forced_idx=None):
-        """h: [B,T,D] → (h, new layer cache, routed expert ids or None, KDA rollback info or None)."""
+    def __call__(self, h, cache, lengths, n_valid, ex: ExecConfig, forced_idx=None, mode: CallMode = FORWARD):
+        """h: [B,T,D] → (h, new layer cache, routed expert ids or None, KDA rollback info or boundary
+        states or None); mode: what the call is for (`CallMode`: the KDA form and what it returns)."""
         a_in = self.input_layernorm(h)
         extra = None
         if self.attn_type == KDA:
-            a, cache, extra = self.attention(a_in, cache, n_valid, ex)
+            a, cache, extra = self.attention(a_in, cache, n_valid, ex, mode)
         else:
             a, cache = self.attention(a_in, cache, lengths, n_valid, ex)
         u = h + a

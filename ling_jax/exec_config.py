@@ -10,7 +10,8 @@ function that takes one compiles once per distinct value.
 (Pallas on TPU/GPU, XLA on CPU; KDA chunk 16 on CPU, 32 on GPU, 64 on TPU; capacity-batched experts on
 XLA:CPU, where `ragged_dot` is dense, and weights-first linears over few rows) or on the model's
 shape (layer loop). The model carries the resolved config as `model.exec`; a call may pass another
-(usually `dataclasses.replace(model.exec, kda_mode="recurrent")`).
+(`model.exec.replace(kernels="pallas")`). What kind of call it is (prefill, decode, verify, ...)
+is not an execution choice: it is the model call's `mode` argument (`call_mode.CallMode`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from ling_jax.checks import check_int
 KERNELS = ("xla", "pallas")
 EXPERT_PATHS = ("auto", "gather", "grouped")
 GROUPED_MATMULS = ("capacity", "ragged")
-KDA_MODES = ("chunk", "recurrent")
 MLA_FORMS = ("auto", "expanded", "absorbed")
 LAYER_LOOPS = ("scan", "unroll")
 PLATFORMS = ("tpu", "gpu", "cpu")
@@ -66,8 +66,8 @@ class ExecConfig:
         3·N·k ≤ E (gather copies each selected expert; grouped reads every expert once).
     grouped_matmul: how "grouped" runs: "ragged" (`ragged_dot_general`, a native grouped GEMM on
         TPU/GPU) or "capacity" (dense batched matmuls over per-expert buffers + spill; XLA:CPU).
-    kda_mode: "chunk" (WY-form chunked scan, prefill) | "recurrent" (token by token, decode).
-    kda_chunk: tokens per KDA chunk.
+    kda_chunk: tokens per chunk of the chunked KDA scan (forward, prefill and training calls;
+        a decode or verify call runs KDA token by token: `call_mode.CallMode`).
     mla_form: "expanded" | "absorbed" | "auto" (expanded when the keys are the new tokens only,
         absorbed over a cache).
     layer_loop: "scan" (repeated layer groups scanned: short compiles) | "unroll" (each layer reads
@@ -78,12 +78,6 @@ class ExecConfig:
     native_experts: routed experts of few tokens (N·k ≤ E, on the XLA:CPU "capacity" path) run the
         native CPU kernel (`pallas_kernels.experts.cpu_kernel`, each used expert read once in place,
         built on first use) instead of its XLA loop; float32 only, XLA loop when it cannot be built.
-    kda_states: also return every per-token KDA state (speculative verification → `kda_rollback`).
-    kda_boundary_states: 0, or N > 0: the chunked KDA scan also returns, per row, the state and conv
-        states after every N tokens of the call (the prefix cache's snapshots inside a prefill
-        chunk, `ling_jax.serve.snapshots`); the scan then runs chunks of gcd(kda_chunk, N) tokens,
-        so its chunk ends pass through those boundaries.
-    skip_logits: do not compute full-sequence logits (prefill needs only the last position's).
     attn_block: keys per block of the XLA blockwise MLA attention (`pallas_kernels.mla.blockwise`):
         its temporaries are [B,H,T,attn_block] scores, whatever the key count.
     prefill_chunk: tokens per model call when `generate` prefills or `forward` runs a longer
@@ -101,15 +95,11 @@ class ExecConfig:
     kernels: str = "xla"
     experts: str = "auto"
     grouped_matmul: str = "ragged"
-    kda_mode: str = "chunk"
     kda_chunk: int = 64
     mla_form: str = "auto"
     layer_loop: str = "scan"
     weights_first_rows: int = 0
     native_experts: bool = False
-    kda_states: bool = False
-    kda_boundary_states: int = 0
-    skip_logits: bool = False
     attn_block: int = 512
     prefill_chunk: int = 2048
     remat: Optional[str] = None
@@ -120,15 +110,10 @@ class ExecConfig:
         _choice("kernels", self.kernels, KERNELS)
         _choice("experts", self.experts, EXPERT_PATHS)
         _choice("grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
-        _choice("kda_mode", self.kda_mode, KDA_MODES)
         _choice("mla_form", self.mla_form, MLA_FORMS)
         _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
-        for name, low in (("kda_chunk", 1), ("attn_block", 1), ("prefill_chunk", 1), ("weights_first_rows", 0),
-                          ("kda_boundary_states", 0)):
+        for name, low in (("kda_chunk", 1), ("attn_block", 1), ("prefill_chunk", 1), ("weights_first_rows", 0)):
             check_int(getattr(self, name), f"ExecConfig.{name}", field=name, low=low)
-        if self.kda_boundary_states and self.kda_states:
-            raise ValueError("ExecConfig.kda_states and kda_boundary_states are exclusive (per-token states for a "
-                             "speculative verify, or boundary states for prefill snapshots)")
         if not isinstance(self.native_experts, bool):
             raise ValueError(f"ExecConfig.native_experts must be a bool, got {self.native_experts!r}")
         if self.platform is not None:

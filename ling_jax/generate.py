@@ -22,6 +22,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
+from ling_jax.call_mode import DECODE, PREFILL, VERIFY
+from ling_jax.checks import check_int
 from ling_jax.exec_config import ExecConfig
 from ling_jax.layer_stack import roll_back_kda
 from ling_jax.model import HybridCache, init_cache
@@ -85,10 +87,10 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, key
     (`prev_hidden`, the last hidden of an earlier call; ignored when `fresh`).
     """
     model = nnx.merge(graphdef, params)
-    ex = (exec or model.exec).replace(kda_mode="chunk", kda_states=False)
+    ex = exec or model.exec
     B, T = ids.shape
     start = cache.lengths
-    out = model(ids, cache, n_valid, exec=ex.replace(skip_logits=True))
+    out = model(ids, cache, n_valid, exec=ex, mode=PREFILL)
     new = out["cache"]
     last = jnp.maximum(n_valid - 1, 0)
     hid = _take(out["hidden"], last)
@@ -193,7 +195,7 @@ def _stream(stream_fn, toks, take):
 def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
     key, sub = jax.random.split(state.key)
     active = ~state.done
-    out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex.replace(kda_mode="recurrent"))
+    out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex, mode=DECODE)
     logits = out["logits"][:, 0]
     nxt = sample(_penalized(logits, state, sampling), sub, sampling)
     cache = out["cache"]
@@ -226,8 +228,7 @@ def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream
     drafts = jnp.stack(drafts, 1)  # [B,k]
     # 2. verify [pending, d_1..d_k] in one forward, keeping every KDA state for rollback
     feed = jnp.concatenate([state.token[:, None], drafts], axis=1)
-    out = model(feed, cache._replace(mtp=None), jnp.where(active, k + 1, 0),
-                exec=ex.replace(kda_states=True))
+    out = model(feed, cache._replace(mtp=None), jnp.where(active, k + 1, 0), exec=ex, mode=VERIFY)
     if sampling.greedy:
         a, nxt = speculative_accept_greedy(drafts, out["logits"])
     else:
@@ -265,7 +266,7 @@ def decode_loop(graphdef, params, state: DecodeState, *, sampling: SamplingParam
     compilation cache can store it). stream_fn: a host callback inside the loop (`io_callback`;
     such a program is never written to the persistent cache)."""
     model = nnx.merge(graphdef, params)
-    ex = (exec or model.exec).replace(skip_logits=False, kda_states=False)
+    ex = exec or model.exec
     if speculative:
         body = lambda s: _spec_step(model, s, speculative, sampling, stop_ids, max_new, stream_fn, ex)
     else:
@@ -334,8 +335,6 @@ def _decode_streamed(graphdef, params, state: DecodeState, stream, chunk: int, *
     random key included, is carried from call to call), so the tokens equal one whole call's; the
     program has no host callback, so the persistent compilation cache stores it, and every call
     after the first reuses it (`max_steps` is traced)."""
-    if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
-        raise ValueError(f"stream_chunk must be an int >= 1, got {chunk!r}")
     seen = np.asarray(state.n_out)
     while True:
         state = decode_loop(graphdef, params, state, max_steps=np.int32(chunk), **kw)
@@ -377,10 +376,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     many (`prefill_in_chunks`: one compiled program, activation memory of one chunk).
     """
     cfg = model.cfg
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not 0 <= speculative <= 3:
-        raise ValueError(f"speculative must be 0..3 MTP drafts, got {speculative}")
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens", low=1)
+    speculative = check_int(speculative, "speculative", low=0, high=3)  # MTP drafts per step
+    stream_chunk = check_int(stream_chunk, "stream_chunk", low=1)
     if speculative and model.mtp is None:
         raise ValueError("speculative decoding needs the MTP layer, and this checkpoint/model has none")
     if speculative and sampling.penalized:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.config import LingConfig
+from ling_jax.call_mode import FORWARD, CallMode
 from ling_jax.exec_config import ExecConfig
 from ling_jax.kernel_mesh import on_mesh
 from ling_jax.linear import Linear
@@ -101,18 +102,19 @@ class KimiDeltaAttention(nnx.Module):
         return on_mesh(kernel, ex.mesh, (t4, t4, t4, t4, ("batch", None, "heads"), ("batch", "heads", None, None)),
                        outs, (q, k, v, g, beta, s0), heads=self.cfg.num_attention_heads)
 
-    def __call__(self, x, state: KDAState, n_valid, ex: ExecConfig):
+    def __call__(self, x, state: KDAState, n_valid, ex: ExecConfig, mode: CallMode = FORWARD):
         """x: [B,T,D]; n_valid: [B] real tokens per row (right padding after).
 
-        ex: `ex.kda_mode` chunk | recurrent, `ex.kda_chunk` tokens per chunk, `ex.kernels` xla | pallas
-        (the KDA kernels and the FP8 matmul of quantised projections), `ex.kda_states`.
+        ex: `ex.kda_chunk` tokens per chunk, `ex.kernels` xla | pallas (the KDA kernels and the FP8
+        matmul of quantised projections). mode: chunked (forward, prefill, train) or recurrent
+        (decode, verify) KDA (`CallMode`).
 
-        Returns (out [B,T,D], new KDAState, extra or None). With `ex.kda_states` extra is the rollback
+        Returns (out [B,T,D], new KDAState, extra or None). With a verify `mode` extra is the rollback
         info (recurrent states before and after every token [B,1+T,H,dk,dv], (q, k, v) raw conv inputs
         [B,K-1+T,P]) so a speculative verify can roll back to any accepted prefix, the empty one
         included, without the state it started from (`kda_rollback`: the engine's slot pool is
         updated in place, so the old state is gone).
-        With `ex.kda_boundary_states` = N (chunk mode) and J = T // N > 0, extra is a KDAState of the
+        With a prefill `mode.snapshot_every` = N and J = T // N > 0, extra is a KDAState of the
         states after N, 2N, .., JN tokens of each row: recurrent [B,J,H,dk,dv], conv_* [B,J,K-1,P]
         (only boundaries within a row's n_valid tokens mean anything: past them the conv states
         hold padding's raw inputs; the engine reads none of those).
@@ -120,11 +122,11 @@ class KimiDeltaAttention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         H, d = cfg.num_attention_heads, cfg.head_dim
-        stride = ex.kda_boundary_states if ex.kda_mode == "chunk" and not ex.kda_states else 0
+        stride = mode.snapshot_every
         n_bounds = T // stride if stride else 0
         valid = jnp.arange(T)[None, :] < n_valid[:, None]  # [B,T]
         convs = [short_conv(getattr(self, f"{n}_proj")(x, ex), getattr(self, f"{n}_conv1d")[...],
-                            getattr(state, f"conv_{n}"), n_valid, return_cat=ex.kda_states or n_bounds > 0)
+                            getattr(state, f"conv_{n}"), n_valid, return_cat=mode.kda_states or n_bounds > 0)
                  for n in "qkv"]
         (q, cq), (k, ck), (v, cv) = [c[:2] for c in convs]
         q = l2_normalize(q.reshape(B, T, H, d)) * (d ** -0.5)
@@ -145,9 +147,9 @@ class KimiDeltaAttention(nnx.Module):
                 kern = partial(kda_chunk_scan_pallas, chunk_size=chunk, platform=ex.platform,
                                return_chunk_states=return_chunk_states)
                 return self._per_head(kern, ex, q, k, v, g, beta, s0, chunk_states=return_chunk_states)
-        if ex.kda_states:  # every per-token state is materialised anyway: the reference scan
+        if mode.kda_states:  # every per-token state is materialised anyway: the reference scan
             o, s, all_states = kda_recurrent_scan(q, k, v, g, beta, state.recurrent, return_all_states=True)
-        elif ex.kda_mode == "recurrent":
+        elif mode.kda_recurrent:
             step = partial(kda_recurrent_scan_pallas, platform=ex.platform) if pallas else kda_recurrent_scan
             o, s = self._per_head(step, ex if pallas else None, q, k, v, g, beta, state.recurrent)
         elif n_bounds:  # chunk ends on every boundary: chunks of gcd(kda_chunk, stride) tokens
@@ -164,7 +166,7 @@ class KimiDeltaAttention(nnx.Module):
         y = gated_rms_norm(o, gate, self.o_norm[...], cfg.rms_norm_eps).astype(x.dtype)
         out = self.o_proj(y.reshape(B, T, H * d), ex)
         new = KDAState(s, cq, ck, cv)
-        if ex.kda_states:
+        if mode.kda_states:
             extra = (jnp.concatenate([state.recurrent[:, None].astype(all_states.dtype), all_states], axis=1),
                      tuple(c[2] for c in convs))
         return out, new, extra
@@ -172,7 +174,7 @@ class KimiDeltaAttention(nnx.Module):
 
 def kda_rollback(rollback, n_keep: jax.Array) -> KDAState:
     """The KDA cache after only the first n_keep[b] of a verify chunk's tokens (0 = unchanged), from
-    the rollback info alone (`KimiDeltaAttention.__call__` with `kda_states`)."""
+    the rollback info alone (`KimiDeltaAttention.__call__` in a verify call)."""
     all_states, cats = rollback
     K = cats[0].shape[1] - (all_states.shape[1] - 1) + 1
     rec = jnp.take_along_axis(all_states, n_keep[:, None, None, None, None], axis=1)[:, 0]

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ling_jax.call_mode import FORWARD, CallMode
 from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.config import KDA, LingConfig
 from ling_jax.decoder_layer import DecoderLayer
@@ -47,9 +48,6 @@ from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
 from ling_jax.kda import kda_rollback
 from ling_jax.mla import MLACache, PagedMLACache
 from ling_jax.rows import take_rows
-
-#: logical axis name of the two leading [repeats, n] axes of a stacked parameter (never split)
-STACK_AXIS = "layers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,12 +332,13 @@ class LayerStack(nnx.Module):
         self.loop = loop
         return self
 
-    def run_block(self, b: int, h, caches, forced, lengths, n_valid, ex: ExecConfig, fresh=None):
+    def run_block(self, b: int, h, caches, forced, lengths, n_valid, ex: ExecConfig, fresh=None,
+                  mode: CallMode = FORWARD):
         """Block b of the plan over h [B,T,D] (the one layer runner: forward, prefill, decode,
         verification and training all come through here).
 
         caches / forced: per run of the block, stacked [repeats, n, ...] (or None); fresh: None or
-        [B] bool, rows whose KDA state reads as zero. Returns (h, per-run new caches, per-run expert
+        [B] bool, rows whose KDA state reads as zero; mode: what the call is for (`CallMode`). Returns (h, per-run new caches, per-run expert
         ids [repeats, n, B, T, k] or None, per-run extras (KDA rollback info or boundary states))."""
         if ex.layer_loop != self.loop:
             raise ValueError(f"ExecConfig.layer_loop={ex.layer_loop!r}, but the layers are stored for "
@@ -347,18 +346,18 @@ class LayerStack(nnx.Module):
                              f"convert with model.set_layer_loop({ex.layer_loop!r}))")
         block = self.plan[b]
         if self.loop == "unroll":
-            return _run_unrolled(block, self.per_layer, h, caches, forced, lengths, n_valid, ex, fresh)
-        return _run_scanned(block, self.runs[b], h, caches, forced, lengths, n_valid, ex, fresh)
+            return _run_unrolled(block, self.per_layer, h, caches, forced, lengths, n_valid, ex, mode, fresh)
+        return _run_scanned(block, self.runs[b], h, caches, forced, lengths, n_valid, ex, mode, fresh)
 
 
 # ---------------------------------------------------------------------------------------------
 # the layer loop
 # ---------------------------------------------------------------------------------------------
-def _layer_fn(gdef, ex: ExecConfig):
+def _layer_fn(gdef, ex: ExecConfig, mode: CallMode):
     """`(params, h, cache, forced, lengths, n_valid) -> (h, cache, expert ids, extra)` of one layer
     structure, rematerialised in the backward pass under `ex.remat` when set (training)."""
     def call(p, h, c, f, lengths, n_valid):
-        return nnx.merge(gdef, p)(h, c, lengths, n_valid, ex, f)
+        return nnx.merge(gdef, p)(h, c, lengths, n_valid, ex, f, mode)
     if ex.remat is None:
         return call
     return jax.checkpoint(call, policy=getattr(jax.checkpoint_policies, ex.remat))
@@ -398,13 +397,14 @@ def _cache_put(cache, new, g, j):
     return jax.tree.map(lambda buf, x: buf.at[g, j].set(x.astype(buf.dtype)), cache, new)
 
 
-def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: ExecConfig, fresh=None):
+def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: ExecConfig, mode: CallMode,
+                 fresh=None):
     """The block as a scan over its repeats of a scan per run over the run's layers. The stored
     parameter stacks are loop-invariant operands indexed at [g, j] by the inner body (as scan inputs
     the outer loop would first copy out a whole repeat's slice of every stack); caches ride in the
     carry (module doc)."""
     gdefs, params = zip(*(nnx.split(m) for m in runs))
-    fns = [_layer_fn(gd, ex) for gd in gdefs]
+    fns = [_layer_fn(gd, ex, mode) for gd in gdefs]
 
     def group_body(carry, xs):
         h, cs = carry
@@ -428,7 +428,8 @@ def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: Ex
     return h, new_c, idxs, extras
 
 
-def _run_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, ex: ExecConfig, fresh=None):
+def _run_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, ex: ExecConfig, mode: CallMode,
+                  fresh=None):
     """The block with every layer applied in turn to its own parameters; caches updated in place
     at [g, j] like the scan's."""
     cs = list(caches)
@@ -438,7 +439,7 @@ def _run_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, ex:
             for j, li in enumerate(block.layer_grid(r)[g]):
                 f = None if forced[r] is None else forced[r][g, j]
                 gdef, p = nnx.split(layers[li])
-                h, new, idx, extra = _layer_fn(gdef, ex)(p, h, _cache_at(cs[r], g, j, fresh), f, lengths, n_valid)
+                h, new, idx, extra = _layer_fn(gdef, ex, mode)(p, h, _cache_at(cs[r], g, j, fresh), f, lengths, n_valid)
                 cs[r] = _cache_put(cs[r], new, g, j)
                 per_run[r][(g, j)] = (idx, extra)
     idxs, extras = [], []

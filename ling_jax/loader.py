@@ -288,8 +288,7 @@ def _finish(graphdef, flat, mesh, cfg: LingConfig, layer_loop: str | None) -> Li
     """The loaded per-layer model, its layers then stored for the layer loop (stacked per run for
     "scan", each layer's arrays freed once stacked: device memory peaks at the model plus one
     stacked parameter), on `mesh`."""
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    model.exec = ExecConfig.for_backend(None, cfg)
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))  # its exec: this backend's, layer loop "unroll"
     model.set_layer_loop(default_layer_loop(cfg, layer_loop), free=True)
     return attach_mesh(model, mesh)
 

@@ -101,10 +101,8 @@ def _contiguous_write(buf: jax.Array, new: jax.Array, lengths: jax.Array, layer=
         return write(buf, new, lengths)
     B, T = new.shape[:2]
     rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T)).reshape(-1)
-    cols = (lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
-    S = buf.shape[3]
-    cols = jnp.where(cols < S, cols, S)  # past the end: dropped
-    return _scatter_tokens(buf, layer, jnp.where(cols < S, rows, B), cols, new.reshape((-1,) + new.shape[2:]), B)
+    cols = (lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)  # past the end: dropped
+    return _scatter_tokens(buf, layer, rows, cols, new.reshape((-1,) + new.shape[2:]), B)
 
 
 def _layer_read(x: jax.Array, layer) -> jax.Array:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling_jax.call_mode import FORWARD, CallMode
 from ling_jax.config import LingConfig
 from ling_jax.decoder_layer import DecoderLayer
 from ling_jax.kda import kda_zero_state
@@ -79,9 +80,9 @@ class MTPLayer(nnx.Module):
 
     def __call__(self, emb, hidden_normed, cache, lengths, n_valid, ex: ExecConfig, forced_idx=None):
         """emb: embeddings of the *next* tokens [B,T,D]; hidden_normed: main final-normed hidden at the
-        same slots. Returns (final-normed MTP hidden [B,T,D], new MLA cache, expert ids)."""
+        same slots. Returns (final-normed MTP hidden [B,T,D], new MLA cache, expert ids). The block is
+        MLA: the call mode changes nothing in it (no KDA state to keep or roll back)."""
         m = self.eh_proj(jnp.concatenate([self.enorm(emb), self.hnorm(hidden_normed)], axis=-1), ex)
-        ex = ex.replace(kda_states=False)  # the MTP block is MLA: nothing to roll back
         if ex.remat is not None:  # rematerialised like the decoder layers (`layer_stack._layer_fn`)
             gdef, p = nnx.split(self.block)
             call = lambda p, m, c: nnx.merge(gdef, p)(m, c, lengths, n_valid, ex, forced_idx)
@@ -138,19 +139,21 @@ class LingForCausalLM(nnx.Module):
         return self
 
     def __call__(self, input_ids, cache: HybridCache | None = None, n_valid=None, *, mtp: bool = False,
-                 exec: ExecConfig | None = None, forced_routing: dict | None = None, mtp_ids=None):
+                 exec: ExecConfig | None = None, forced_routing: dict | None = None, mtp_ids=None,
+                 mode: CallMode = FORWARD):
         """Forward over T new tokens per sequence.
 
         input_ids: [B,T] int32. cache: None for a cache-free forward from position 0 (MLA attends
         to the T tokens only), else a HybridCache holding `cache.lengths[b]` tokens per sequence.
         n_valid: [B] real tokens (default T). mtp: also run the MTP layer; its ids default to the
         inputs shifted left with a 0 fill (spec §11), or `mtp_ids` [B,T] when given.
-        exec: how to run (default `self.exec`; its layer_loop must be the stored one).
-        Returns dict: logits [B,T,V] f32 (absent with `exec.skip_logits`), hidden [B,T,D]
+        exec: how to run (default `self.exec`; its layer_loop must be the stored one). mode: what the
+        call is for (`CallMode`: forward, prefill [with snapshots every N], decode, verify, train).
+        Returns dict: logits [B,T,V] f32 (absent with `mode.logits` False), hidden [B,T,D]
         (final-normed), cache, routing {layer: [B,T,k]}, mtp_logits [B,T,V] (if mtp), kda_states
-        {(block, run): stacked rollback info} (with `exec.kda_states`, for `kda_rollback`),
-        kda_boundary_states {(block, run): stacked KDAState [repeats, n, B, J, ...]} (with
-        `exec.kda_boundary_states` and J = T // it > 0; see `KimiDeltaAttention.__call__`).
+        {(block, run): stacked rollback info} (a verify, for `kda_rollback`), kda_boundary_states
+        {(block, run): stacked KDAState [repeats, n, B, J, ...]} (a prefill with `snapshot_every` N
+        and J = T // N > 0; see `KimiDeltaAttention.__call__`).
         """
         cfg = self.cfg
         ex = exec or self.exec
@@ -167,7 +170,7 @@ class LingForCausalLM(nnx.Module):
         for b, block in enumerate(layer_plan(cfg)):
             forced = tuple(stack_forced(block, r, forced_routing) for r in range(len(block.runs)))
             h, new_c, idxs, extras = stack.run_block(b, h, caches[b], forced, lengths, n_valid, ex,
-                                                     None if cache is None else cache.fresh)
+                                                     None if cache is None else cache.fresh, mode)
             new_layers.append(new_c)
             for r in range(len(block.runs)):
                 if idxs[r] is not None:
@@ -176,10 +179,10 @@ class LingForCausalLM(nnx.Module):
                     kda_states[(b, r)] = extras[r]
         z = self.model.norm(h)
         out = {"hidden": z, "routing": routing}
-        if not ex.skip_logits:  # prefill only needs the last position's logits
+        if mode.logits:  # a prefill only needs the last position's logits
             out["logits"] = self.logits(z, ex)
-        if kda_states:  # per-token rollback info, or the states at prefill boundaries (ExecConfig)
-            out["kda_states" if ex.kda_states else "kda_boundary_states"] = kda_states
+        if kda_states:  # per-token rollback info, or the states at prefill boundaries (CallMode)
+            out["kda_states" if mode.kda_states else "kda_boundary_states"] = kda_states
         mtp_cache = None if cache is None else cache.mtp
         if mtp:
             if self.mtp is None:

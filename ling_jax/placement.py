@@ -39,6 +39,11 @@ def mxfp4_spec(axes, shape, mesh, heads, where: str = "") -> P:
     return spec(axes, mxfp4_scale_shape(shape), mesh, heads, where=where)
 
 
+#: logical axis of the two leading [repeats, n] axes of a stacked run's parameter (`ling_jax.layer_stack`):
+#: never split (sharding/rules.py)
+STACKED_AXIS = "layers"
+
+
 def variable_axes(path, var) -> tuple:
     """The logical axes declared on `var` (an nnx.Variable at `path`), or UnknownParameterError."""
     # a stacked run's parameter ([repeats, n, ...], `ling_jax.layer_stack`) declares one layer's axes and
@@ -48,7 +53,7 @@ def variable_axes(path, var) -> tuple:
     axes = meta.get("axes")
     k = int(meta.get("stacked_axes", 0) or 0)
     if axes is not None and k and len(getattr(var.get_value(), "shape", ())) == len(axes) + k:
-        axes = ("layers",) * k + tuple(axes)
+        axes = (STACKED_AXIS,) * k + tuple(axes)
     if axes is None:
         raise UnknownParameterError(
             f"sharding: parameter {path_str(path)!r} has no logical axes; declare them where it is created, "

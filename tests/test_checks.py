@@ -48,3 +48,17 @@ def test_other_error_classes_get_the_message_alone():
     with pytest.raises(Named) as e:
         check_int(0, "RequestParams.max_tokens", field="max_tokens", low=1, error=Named)
     assert e.value.field == "max_tokens"
+
+
+@pytest.mark.parametrize("kwargs,message", [({"max_new_tokens": 0}, r"^max_new_tokens must be a positive int, got 0$"),
+                                            ({"max_new_tokens": 2.0}, r"^max_new_tokens must be a positive int"),
+                                            ({"speculative": 4}, r"^speculative must be an int in \[0, 3\], got 4$"),
+                                            ({"stream": lambda t: None, "stream_chunk": 0},
+                                             r"^stream_chunk must be a positive int, got 0$")])
+def test_generate_refuses_bad_ints_by_name(tiny_model, kwargs, message):
+    """`generate`'s own integer arguments go through the same check (before anything compiles)."""
+    from ling_jax.generate import generate
+
+    kwargs = {"max_new_tokens": 1, **kwargs}
+    with pytest.raises(FieldError, match=message):
+        generate(tiny_model, [[1, 2]], kwargs.pop("max_new_tokens"), **kwargs)

@@ -185,3 +185,24 @@ def test_request_file_checks(tiny_cfg):
         parse_requests(['{"prompt": 3}'], tiny_cfg, tok, 5)
     with pytest.raises(ArgumentValueError, match="--requests: no requests"):
         parse_requests(["", " "], tiny_cfg, None, 5)
+
+
+@pytest.mark.parametrize("command", ["batch", "serve", "generate", "logits"])
+def test_every_command_builds_its_exec_config_one_way(tiny_model, command):
+    """`--impl` reaches the command's ExecConfig through `common.exec_for_args` (batch included), and
+    the engine runs with that config while the loaded model's own `exec` is left as loaded."""
+    from ling_jax.cli import build_parser
+    from ling_jax.commands.common import exec_for_args
+
+    extra = {"batch": ["--requests", "-"], "serve": [], "generate": ["--input-ids", "1", "--max-new-tokens", "1"],
+             "logits": ["--input-ids", "1", "--out", "x.npz"]}[command]
+    args = build_parser().parse_args([command, "--checkpoint", "x", "--impl", "pallas", *extra])
+    before = tiny_model.exec
+    ex = exec_for_args(args, tiny_model)
+    assert ex == before.replace(kernels="pallas") and tiny_model.exec is before
+    assert exec_for_args(build_parser().parse_args([command, "--checkpoint", "x", *extra]), tiny_model) is before
+    if command in ("batch", "serve"):
+        eflags = flags("--max-slots", "2", "--page-size", "8", "--prefill-chunk", "16", "--max-seq-len", "40",
+                       "--no-warmup")
+        eng = engine_from_args(eflags, tiny_model, report=None, budget=(GIB, "test budget"), exec=ex)
+        assert eng.exec == ex and tiny_model.exec is before

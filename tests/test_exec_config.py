@@ -42,7 +42,7 @@ def test_layer_loop_follows_the_model_shape():
 
 
 @pytest.mark.parametrize("field,value", [("kernels", "cuda"), ("experts", "ep"), ("grouped_matmul", "dense"),
-                                         ("kda_mode", "fast"), ("mla_form", "mixed"), ("layer_loop", "auto"),
+                                         ("mla_form", "mixed"), ("layer_loop", "auto"),
                                          ("kda_chunk", 0), ("kda_chunk", 2.5), ("remat", "no_such_policy")])
 def test_bad_values_are_refused_by_field_name(field, value):
     with pytest.raises(ValueError, match=rf"ExecConfig\.{field} "):

@@ -19,10 +19,15 @@ from ling_jax.serve import Engine
 from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL
 
 
+def _hlo_shape(x) -> str:
+    """x's shape as HLO text writes it (f32[2,3], s32[4], u8[5])."""
+    dt = jnp.dtype(x.dtype).name.replace('float', 'f').replace('uint', 'u').replace('int', 's')
+    return f"{dt}[{','.join(map(str, x.shape))}]"
+
+
 def _copies(hlo: str, arrays) -> int:
     """Instructions in `hlo` that copy an array of one of `arrays`' shapes."""
-    shapes = {f"{jnp.dtype(x.dtype).name.replace('float', 'f').replace('int', 's')}[{','.join(map(str, x.shape))}]"
-              for x in arrays if x.size > 64}
+    shapes = {_hlo_shape(x) for x in arrays if x.size > 64}
     return sum(1 for line in hlo.splitlines()
                if (m := re.search(r"= (\w+\[[\d,]*\])\S* copy\(", line)) and m.group(1) in shapes)
 
@@ -64,17 +69,14 @@ def _materialised(hlo: str, pools, weights, relayout_ok: bool = False) -> list[s
     standing in for a carried one) or of a stacked weight matrix (`weights`: with a copy or a
     concatenation, i.e. a restack). relayout_ok: allow a copy that only changes the layout of a value
     the step computed (the speculative verify's rolled-back conv states, serve/README.md "Left")."""
-    def name(x):
-        return (f"{jnp.dtype(x.dtype).name.replace('float', 'f').replace('uint', 'u').replace('int', 's')}"
-                f"[{','.join(map(str, x.shape))}]")
     # checked: the stacked pools ([repeats, n, ...] slot and page pools, the snapshot rows) of two or
     # more layers, and the stacked weight matrices ([repeats, n, rows, cols]). Not: a per-slot row
     # array ([slots, V] token statistics, [slots, D] hidden: an all-slot decode's own activations have
     # that shape; the one-row test below covers them), a "stack" of one layer ([1, 1, ...]: the tiny
     # model's first, dense KDA layer, whose state the step rewrites whole; the real schedule has no
     # such run), stacked vectors ([1, n, D] norms: the shape of a verify's [R, T, D] activations)
-    pool_shapes = {name(x) for x in pools if x.size > 64 and x.ndim >= 3 and x.shape[0] * x.shape[1] > 1}
-    weight_shapes = {name(x) for x in weights if x.ndim >= 4 and x.shape[0] * x.shape[1] > 1}
+    pool_shapes = {_hlo_shape(x) for x in pools if x.size > 64 and x.ndim >= 3 and x.shape[0] * x.shape[1] > 1}
+    weight_shapes = {_hlo_shape(x) for x in weights if x.ndim >= 4 and x.shape[0] * x.shape[1] > 1}
     out, lines = [], hlo.splitlines()
     for i, line in enumerate(lines):
         m = re.search(r"= (\w+\[[\d,]*\])(\{[\d,]*\})?\S* ([\w-]+)\(", line)

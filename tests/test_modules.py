@@ -9,6 +9,7 @@ import pytest
 
 import np_reference as R
 from conftest import load_from_dict, rel_err
+from ling_jax.call_mode import DECODE, PREFILL, CallMode
 from ling_jax.exec_config import ExecConfig
 from ling_jax.kda import kda_zero_state
 from ling_jax.mla import mla_zero_cache
@@ -63,9 +64,10 @@ def test_kda_layer(tiny_cfg, tiny_params, dtype, mode, chunk):
     dt = jnp.dtype(dtype)
     # two calls with carried state (13 + 8 tokens) against one reference call
     st = kda_zero_state(tiny_cfg, 1, dt)
-    ex = ExecConfig(kda_mode=mode, kda_chunk=chunk or 64)
-    o1, st, _ = att(jnp.asarray(x[None, :13], dt), st, jnp.array([13]), ex)
-    o2, st, _ = att(jnp.asarray(x[None, 13:], dt), st, jnp.array([8]), ex)
+    ex = ExecConfig(kda_chunk=chunk or 64)
+    call = DECODE if mode == "recurrent" else PREFILL  # the call mode picks the KDA form
+    o1, st, _ = att(jnp.asarray(x[None, :13], dt), st, jnp.array([13]), ex, call)
+    o2, st, _ = att(jnp.asarray(x[None, 13:], dt), st, jnp.array([8]), ex, call)
     ref, ref_state = R.kda_layer(tiny_params, "model.layers.0.attention", x, tiny_cfg)
     assert rel_err(jnp.concatenate([o1, o2], 1)[0], ref) < TOL[dtype]
     assert rel_err(st.recurrent[0], ref_state["recurrent"]) < TOL[dtype]
@@ -212,7 +214,7 @@ def test_spilled_expert_gradients_equal_ragged():
 
 @pytest.mark.parametrize("stride,chunk", [(8, 16), (16, 16), (12, 8)])
 def test_kda_layer_boundary_states(tiny_cfg, tiny_params, stride, chunk):
-    """`ExecConfig.kda_boundary_states`: the states after every `stride` tokens of a chunked call equal
+    """A prefill with `CallMode.snapshot_every`: the states after every `stride` tokens of a chunked call equal
     the float64 reference's state after that prefix (from a carried state), recurrent and conv; the
     call's output and final state are unchanged."""
     model = tiny_model_for(tiny_cfg, tiny_params, "float32")
@@ -220,11 +222,11 @@ def test_kda_layer_boundary_states(tiny_cfg, tiny_params, stride, chunk):
     x = _x(13, (2, 5 + 29, tiny_cfg.hidden_size))
     n = np.array([29, 20])
     st = kda_zero_state(tiny_cfg, 2, jnp.float32)
-    ex = ExecConfig(kda_mode="chunk", kda_chunk=chunk)
-    _, st, _ = att(jnp.asarray(x[:, :5], jnp.float32), st, jnp.array([5, 5]), ex)  # a carried state
+    ex = ExecConfig(kda_chunk=chunk)
+    _, st, _ = att(jnp.asarray(x[:, :5], jnp.float32), st, jnp.array([5, 5]), ex, PREFILL)  # a carried state
     xs = jnp.asarray(x[:, 5:], jnp.float32)
-    out, final, bounds = att(xs, st, jnp.asarray(n), ex.replace(kda_boundary_states=stride))
-    out0, final0, none = att(xs, st, jnp.asarray(n), ex)
+    out, final, bounds = att(xs, st, jnp.asarray(n), ex, CallMode.prefill(stride))
+    out0, final0, none = att(xs, st, jnp.asarray(n), ex, PREFILL)
     assert none is None and rel_err(out, out0) < 1e-5 and rel_err(final.recurrent, final0.recurrent) < 1e-5
     J = 29 // stride
     assert bounds.recurrent.shape[:2] == (2, J) and bounds.conv_q.shape[:3] == (2, J, tiny_cfg.short_conv_kernel_size - 1)

@@ -25,9 +25,9 @@ from jax.experimental import multihost_utils
 
 import sharding as S
 from ling_jax.checks import is_int
-from ling_jax.commands.common import (ArgumentValueError, add_value_check_flag, apply_value_check_flag,
-                                      check_ids, check_output_path, checkpoint_config, load_for_args,
-                                      positive_int)
+from ling_jax.commands.common import (ArgumentValueError, add_kernel_flags, add_value_check_flag,
+                                      apply_value_check_flag, check_ids, check_output_path, checkpoint_config,
+                                      load_for_args, positive_int)
 from ling_jax.commands.engine_args import add_engine_flags, check_engine_flags, engine_from_args
 from ling_jax.serve import RequestParams
 from ling_jax.tokenizer import Tokenizer
@@ -47,6 +47,7 @@ def add_parser(sub):
                    help="max_tokens of requests that do not give one")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--mesh", default=None, help="device mesh, e.g. expert=4,model=2 (multi-host: all processes')")
+    add_kernel_flags(p)
     add_engine_flags(p)
     add_value_check_flag(p)
     S.add_distributed_args(p)
@@ -154,8 +155,8 @@ def run(args) -> int:
         raise ArgumentValueError("--requests: process 0 refused the request file (its error says why)")
     apply_value_check_flag(args)
     with _CompileCounter() as start:
-        model, _ = load_for_args(args, with_mtp=args.speculative > 0)
-        engine = engine_from_args(args, model)
+        model, _, ex = load_for_args(args, with_mtp=args.speculative > 0)
+        engine = engine_from_args(args, model, exec=ex)
     if engine.is_follower:
         engine.follow()
         S.barrier("batch_done")

@@ -22,6 +22,7 @@ import sharding as S
 from ling_jax import accounting as A
 from ling_jax.checkpoint.reader import SKIP_VALUE_CHECKS_ENV
 from ling_jax.config import LingConfig
+from ling_jax.exec_config import ExecConfig
 from ling_jax.loader import load_model
 
 ID_LIMIT = 2**31  # token ids are int32 on device
@@ -227,15 +228,24 @@ def load_for_args(args, with_mtp: bool):
     """Model for a CLI command: on `--mesh` (or over every process of a multi-host run) when asked,
     else on one device; `--checkpoint` may be an HF or a converted directory.
 
-    Returns (model, mesh or None). Multi-host: `jax.distributed` is initialised from the flags or the
+    Returns (model, mesh or None, ExecConfig): the one ExecConfig the command runs with, built here
+    the same way for every command (`exec_for_args`); commands pass it to their calls and never
+    change `model.exec`. Multi-host: `jax.distributed` is initialised from the flags or the
     JAX_* environment variables before anything else touches the devices.
     """
     multi = S.init_from_args(args)
-    keep = True if getattr(args, "keep_quantized", False) else None  # batch has no --keep-quantized
+    keep = True if getattr(args, "keep_quantized", False) else None  # None: the loader's default
     mesh = S.parse_mesh(args.mesh) if (getattr(args, "mesh", None) or multi) else None
     model = load_model(args.checkpoint, args.dtype, mesh=mesh, with_mtp=with_mtp, keep_quantized=keep,
                        progress=False)
-    return model, mesh
+    return model, mesh, exec_for_args(args, model)
+
+
+def exec_for_args(args, model) -> ExecConfig:
+    """The ExecConfig of a command's flags: the loaded model's (this backend's defaults, its mesh and
+    stored layer loop) with `--impl` as the kernel choice when given."""
+    impl = getattr(args, "impl", None)
+    return model.exec.replace(kernels=impl) if impl else model.exec
 
 
 def print_report(report: dict, as_json: bool, format_text) -> int:
@@ -249,7 +259,8 @@ def print_report(report: dict, as_json: bool, format_text) -> int:
 
 
 def add_kernel_flags(p: argparse.ArgumentParser) -> None:
-    """`--impl` (ExecConfig.kernels) and `--keep-quantized` (alias `--keep-fp8`), shared by logits and generate."""
+    """`--impl` (ExecConfig.kernels) and `--keep-quantized` (alias `--keep-fp8`), shared by logits,
+    generate, batch and serve."""
     p.add_argument("--impl", choices=["xla", "pallas"], default=None, help="kernel implementation")
     p.add_argument("--keep-quantized", "--keep-fp8", dest="keep_quantized", action="store_true",
                    help="keep quantised weights on device as stored: FP8 matrices as float8 + block scales "

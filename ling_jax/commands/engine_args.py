@@ -35,6 +35,7 @@ from jax.experimental import multihost_utils
 
 from ling_jax.accounting import fmt_bytes
 from ling_jax.commands.common import ArgumentValueError, check_context_length, finite_float, positive_int
+from ling_jax.exec_config import ExecConfig
 from ling_jax.rope import context_limit
 from ling_jax.serve import Engine
 from ling_jax.serve.pools import GIB, plan_pools
@@ -214,14 +215,16 @@ def engine_options(args) -> dict:
             "snapshot_interval": args.snapshot_interval, "speculative": args.speculative}
 
 
-def engine_from_args(args, model, report=sys.stderr, budget: Optional[tuple[int, str]] = None) -> Engine:
-    """The Engine the flags describe, warmed up unless --no-warmup. Prints the start-up report
+def engine_from_args(args, model, report=sys.stderr, budget: Optional[tuple[int, str]] = None,
+                     exec: Optional[ExecConfig] = None) -> Engine:
+    """The Engine the flags describe (running with `exec`, default `model.exec`: the command's
+    ExecConfig, `common.exec_for_args`), warmed up unless --no-warmup. Prints the start-up report
     (memory sizing, `Engine.describe()`, warm-up time) to `report` on process 0. Every process of
     a multi-host run calls it; processes > 0 then call `engine.follow()` (their warm-up runs there)."""
     check_engine_args(args, model)
     memory, line = plan_engine_memory(args, model, budget)
     engine = Engine(model, max_slots=args.max_slots, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
-                    **memory, **engine_options(args))
+                    exec=exec, **memory, **engine_options(args))
     primary = jax.process_index() == 0
     if primary and report is not None:
         print(line, file=report)

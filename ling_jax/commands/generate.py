@@ -117,7 +117,7 @@ def run(args) -> int:
     if args.speculative and sampling.penalized:
         raise ValueError("--presence-penalty / --frequency-penalty / --repetition-penalty do not combine with "
                          "--speculative")
-    model, mesh = load_for_args(args, with_mtp=args.speculative > 0)
+    model, mesh, ex = load_for_args(args, with_mtp=args.speculative > 0)
     if mesh is not None and jax_process_count() > 1:
         raise ValueError("--mesh: generate runs sharded within one process (use `logits` for multi-process runs)")
     if args.speculative and model.mtp is None:
@@ -128,8 +128,7 @@ def run(args) -> int:
     if not args.json and tok is not None:
         stream = _Printer(tok)
     res = generate(model, [ids], args.max_new_tokens, sampling=sampling, speculative=args.speculative,
-                   stop_ids=stop, stream=stream, kv_cache_dtype=kv, logprobs=args.logprobs,
-                   exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
+                   stop_ids=stop, stream=stream, kv_cache_dtype=kv, logprobs=args.logprobs, exec=ex)
     new = res.tokens[0]
     if args.json:
         out = {"token_ids": new}

@@ -77,12 +77,11 @@ def run(args) -> int:
     check_context_length(len(ids), cfg, args.allow_long_context, "--input-ids")
     out_path = check_npz_out(args.out, args.checkpoint)
     apply_value_check_flag(args)
-    model, _ = load_for_args(args, with_mtp=args.mtp)
+    model, _, ex = load_for_args(args, with_mtp=args.mtp)
     check_ids(ids, model.cfg)
     if args.mtp and model.mtp is None:
         raise ValueError(f"--mtp: checkpoint {args.checkpoint} has no MTP layer (num_nextn_predict_layers=0)")
-    out = forward(model, np.asarray([ids], np.int32), mtp=args.mtp,
-                  exec=model.exec.replace(kernels=args.impl or model.exec.kernels))
+    out = forward(model, np.asarray([ids], np.int32), mtp=args.mtp, exec=ex)
     if not is_primary():
         return 0
     arrays = {"logits": np.asarray(out["logits"][0], np.float32)}

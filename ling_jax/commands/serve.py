@@ -84,10 +84,8 @@ def run(args) -> int:
     nproc = getattr(args, "num_processes", None) or os.environ.get("JAX_NUM_PROCESSES") or 1
     if args.warmup == "lazy" and str(nproc) != "1":
         raise ArgumentValueError("--warmup lazy: single-process only (multi-host: --warmup full or off)")
-    model, _ = load_for_args(args, with_mtp=args.speculative > 0)
-    if args.impl:
-        model.exec = model.exec.replace(kernels=args.impl)
-    engine = engine_from_args(args, model)
+    model, _, ex = load_for_args(args, with_mtp=args.speculative > 0)
+    engine = engine_from_args(args, model, exec=ex)
     if jax.process_index() > 0:  # multi-host: follow process 0's steps until it shuts the engine down
         sock.close()
         engine.follow()

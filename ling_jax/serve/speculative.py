@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling_jax.call_mode import VERIFY
 from ling_jax.checks import check_int
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.exec_config import ExecConfig
@@ -110,13 +111,12 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     prev_hidden = pools.hidden if rows is None else take_rows(pools.hidden, rows)
     s = inp.sampling
     base = request_keys(s.seed, s.n_gen)
-    draft_ex = ex.replace(kda_states=False, skip_logits=False)
     # 1. drafts: MTP slot P-1+j pairs the j-th input token with the hidden before it. A scan over j,
     #    so the MTP layer is compiled once, not K times.
     def draft(carry, j):
         tok, h, mtp = carry
         write = jnp.where(j == 0, active, j < n_drafts)
-        lg, zm, mtp = model.mtp_forward(tok[:, None], h[:, None], mtp, P - 1 + j, write.astype(jnp.int32), draft_ex)
+        lg, zm, mtp = model.mtp_forward(tok[:, None], h[:, None], mtp, P - 1 + j, write.astype(jnp.int32), ex)
         lg = lg[:, 0]
         keys = jax.vmap(jax.random.fold_in)(base, jnp.broadcast_to(1 + j, (S,)))
         d = sample_rows(lg, keys, s.temperature, s.top_k, s.top_p)
@@ -127,8 +127,7 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     drafts, draft_logits = drafts.T, jnp.swapaxes(draft_logits, 0, 1)  # [S,k], [S,k,V]
     # 2. verify [pending, d_1..d_k], every per-token KDA state kept for the rollback
     feed = jnp.concatenate([inp.ids[:, :1], drafts], axis=1)
-    out = model(feed, cache._replace(mtp=None), inp.n_valid,
-                exec=ex.replace(kda_mode="recurrent", kda_states=True, skip_logits=False))
+    out = model(feed, cache._replace(mtp=None), inp.n_valid, exec=ex, mode=VERIFY)
     # 3. accept per row
     a, nxt = accept_rows(drafts, draft_logits, out["logits"], n_drafts, s, _fold(base, 0))
     a = jnp.where(active, a, 0)

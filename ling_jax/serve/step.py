@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling_jax.call_mode import CallMode
 from ling_jax.exec_config import ExecConfig
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.sampling import MAX_LOGPROBS, request_keys, sample_rows, token_logprobs
@@ -108,14 +109,15 @@ def _save_boundaries(snaps, bounds: dict, hidden, snap_rows, interval: int):
     return snaps._replace(layers=layers, hidden=put_rows(snaps.hidden, idx, h))
 
 
-def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, gather_rows: bool, snaps=None):
+def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: CallMode, gather_rows: bool,
+         snaps=None):
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
     rows = inp.rows if gather_rows else None
     fresh = (inp.lengths == 0) & (inp.n_valid > 0)  # a new sequence, maybe in a reused slot
     cache = as_cache(cfg, pools, inp.block_table, inp.lengths, rows, fresh)
     prev_hidden = take_rows(pools.hidden, inp.rows) if gather_rows else pools.hidden
-    out = model(inp.ids, cache, inp.n_valid, exec=ex)
+    out = model(inp.ids, cache, inp.n_valid, exec=ex, mode=mode)
     new_cache = out["cache"]
     if pools.mtp is not None:
         new_cache = new_cache._replace(mtp=_mtp_update(model, cache.mtp, inp.ids, out["hidden"], prev_hidden,
@@ -138,7 +140,7 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, gather
         return result
     if "kda_boundary_states" in out and inp.snap_rows is not None and inp.snap_rows.shape[1] > 0:
         snaps = _save_boundaries(snaps, out["kda_boundary_states"], out["hidden"], inp.snap_rows,
-                                 ex.kda_boundary_states)
+                                 mode.snapshot_every)
     return result + (snaps,)
 
 
@@ -171,20 +173,20 @@ def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sha
     snapshot_interval > 0 (an engine with a prefix cache): prefill is `(params, pools, StepInputs,
     snaps) -> (pools, tokens, logprobs, snaps)`, both pools and snapshot rows donated: it also writes
     the KDA states at every `snapshot_interval` tokens of a row into the rows `inp.snap_rows` names
-    (`_save_boundaries`; the scan passes through them, `ExecConfig.kda_boundary_states`).
+    (`_save_boundaries`; the scan passes through them, `CallMode.snapshot_every`).
     snap_sharding: the snapshot rows' placement, fixed as the output's: every program that returns
     them (this one, `snapshots.SnapshotPool`'s save) must return one spelling of it, or the next
     call sees a new signature (P() vs P(None, None)) and compiles after warm-up. pool_sharding: the
     pools' shardings (`pools.pool_shardings`), fixed as the returned pools' for the same reason
     (None: left to propagation)."""
-    pre_ex = ex.replace(kda_mode="chunk", kda_states=False, skip_logits=True, kda_boundary_states=snapshot_interval)
-    dec_ex = ex.replace(kda_mode="recurrent", kda_states=False, skip_logits=True)
+    prefill_mode, decode_mode = CallMode.prefill(snapshot_interval), CallMode.decode(logits=False)
     if snapshot_interval:
-        prefill = jax.jit(lambda params, pools, inp, snaps: _run(graphdef, params, pools, inp, pre_ex, True, snaps),
+        prefill = jax.jit(lambda params, pools, inp, snaps: _run(graphdef, params, pools, inp, ex, prefill_mode, True, snaps),
                           donate_argnums=(1, 3), out_shardings=(pool_sharding, None, None, snap_sharding))
     else:
-        prefill = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, pre_ex, True),
+        prefill = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, ex, prefill_mode, True),
                           donate_argnums=(1,), out_shardings=(pool_sharding, None, None))
-    decode = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, dec_ex, gathers_rows(pools, inp)),
+    decode = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, ex, decode_mode,
+                                                            gathers_rows(pools, inp)),
                      donate_argnums=(1,), out_shardings=(pool_sharding, None, None))
     return prefill, decode

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ling_jax.call_mode import TRAIN
 from ling_jax.config import LingConfig
 from ling_jax.model import LingForCausalLM
 from ling_jax.train.config import TrainConfig, mtp_lambda
@@ -61,9 +62,8 @@ def forward(model: LingForCausalLM, ids, *, mtp: bool, remat: bool = False, poli
     decoder layer body and the MTP block run under `jax.checkpoint(policy)` (`ExecConfig.remat`), so
     the backward pass keeps only each layer's input.
     """
-    ex = model.exec.replace(kda_mode="chunk", kda_chunk=chunk_size, kda_states=False, skip_logits=False,
-                            remat=policy if remat else None)
-    out = model(ids, mtp=mtp, exec=ex)
+    ex = model.exec.replace(kda_chunk=chunk_size, remat=policy if remat else None)
+    out = model(ids, mtp=mtp, exec=ex, mode=TRAIN)
     return out["logits"], out.get("mtp_logits"), out["routing"]
 
 
