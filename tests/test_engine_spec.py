@@ -1,8 +1,8 @@
 """Speculative decoding inside the engine: K = 1..3 gives exactly plain greedy decoding (with drafts
 partly accepted and partly rejected, preemptions under a small pool, stops inside accepted runs),
 the KDA state after a rolled-back verify equals plain decoding of the accepted tokens, a seeded
-sampled request gives the same tokens alone, in a busy batch and after a preemption, no leaks after
-cancellations, no compiles after warm-up."""
+sampled request gives the same tokens alone, in a busy batch and after a preemption, logprobs equal
+plain decoding's, no leaks after cancellations, no compiles after warm-up."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,6 +145,36 @@ def test_speculative_engine_equals_plain_greedy(engine_for, reference, k):
     assert st["spec_steps"] > 0 and st["spec_accepted_tokens"] == eng.spec_accepted
     assert st["spec_acceptance_length"] == pytest.approx((eng.spec_accepted + eng.spec_rounds) / eng.spec_rounds)
     assert 1.0 < (accepted + rounds) / rounds < k + 1
+    _assert_all_free(eng)
+
+
+def test_logprobs_with_speculation_equal_plain(engine_for, reference, model):
+    """Logprobs of speculatively decoded tokens (drafts accepted and the verify's own token) are the
+    verify position's raw distribution: equal to plain `generate`'s for the same tokens (float32,
+    1e-4), with each request's own top-N, and None for a request that asked for none."""
+    prompts, params, arrivals, expected = reference
+    idx = list(range(8))
+    ref = generate(model, [prompts[i] for i in idx], MAX_NEW, stop_ids=(), logprobs=5)
+    asked = [(None, 0, 2, 5)[i % 4] for i in idx]
+    ps = [RequestParams(max_tokens=params[i].max_tokens, stop_ids=params[i].stop_ids, logprobs=asked[j])
+          for j, i in enumerate(idx)]
+    eng = engine_for(2)
+    before = eng.spec_accepted
+    handles = _run(eng, [prompts[i] for i in idx], ps, [arrivals[i] for i in idx])
+    assert eng.spec_accepted > before  # some tokens came from accepted drafts
+    checked = 0
+    for j, (i, h) in enumerate(zip(idx, handles)):
+        assert h.generated == expected[i], i
+        assert len(h.logprobs) == len(h.generated)
+        if asked[j] is None:
+            assert h.logprobs == [None] * len(h.generated)
+            continue
+        for g, w in zip(h.logprobs, ref.logprobs[j]):
+            assert abs(g.logprob - w.logprob) < 1e-4 and len(g.top) == asked[j]
+            assert [t for t, _ in g.top] == [t for t, _ in w.top[:asked[j]]], i
+            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g.top, w.top))
+            checked += 1
+    assert checked >= 20
     _assert_all_free(eng)
 
 
@@ -295,8 +325,7 @@ def test_speculative_argument_checks(model, tiny_cfg, tiny_params):
     eng = Engine(model, speculative=2, **kw)
     assert "speculative decode (K=2: [R, 3] verify) for R in [1, 2]" in eng.describe()
     # what the verify program does not do is refused by field name, and nothing is queued
-    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2),
-                         ("logprobs", 0)):
+    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2)):
         with pytest.raises(ValueError, match=f"RequestParams.{field}.*not supported with speculative"):
             eng.submit([1, 2, 3], RequestParams(max_tokens=2, **{field: value}))
     assert not eng.sched.queue

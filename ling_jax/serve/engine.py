@@ -586,8 +586,9 @@ class Engine:
                 ids[i, 0], n_valid[i] = r.generated[-1], 1 + self.sched.drafts_for(r)
         held = max(len(self.alloc.pages[r.slot]) for r in decode)
         width = next(w for w in self.widths if w >= held)
-        self.pools, emitted, n_emit = self._spec(self.params, self.pools, self._inputs(rows, ids, n_valid, reqs, width))
-        emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
+        self.pools, emitted, n_emit, lp = self._spec(self.params, self.pools,
+                                                     self._inputs(rows, ids, n_valid, reqs, width))
+        emitted, n_emit, lp = np.asarray(emitted), np.asarray(n_emit), _host_logprobs(lp, decode)
         self.spec_steps += 1
         for i, r in enumerate(reqs):
             if r is None:
@@ -597,8 +598,8 @@ class Engine:
             self.spec_accepted += n - 1
             self.spec_drafted += int(n_valid[i]) - 1
             r.n_fed += n
-            for t in emitted[i, :n]:
-                self._emit(r, int(t), out)
+            for j, t in enumerate(emitted[i, :n]):
+                self._emit(r, int(t), out, None if lp is None else tuple(x[:, j] for x in lp), i)
                 if r.state == DONE:
                     break
 
@@ -655,14 +656,11 @@ class Engine:
 
 def _check_speculative_params(params: "RequestParams") -> None:
     """What the speculative program does not do yet, refused by field name: penalties (they would
-    depend on the tokens drafted inside a round) and logprobs (the verify pass does not return them)."""
+    depend on the tokens drafted inside a round). Logprobs are the verify positions' (`_spec`)."""
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
         if getattr(params, name) != neutral:
             raise RequestFieldError(name, f"RequestParams.{name}={getattr(params, name)!r} is not supported with speculative "
                              f"decoding (Engine speculative > 0); use {neutral} or an engine without speculation")
-    if params.logprobs is not None:
-        raise RequestFieldError("logprobs", "RequestParams.logprobs is not supported with speculative decoding "
-                                            "(Engine speculative > 0)")
 
 
 def _host_logprobs(lp, reqs):

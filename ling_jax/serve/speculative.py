@@ -44,7 +44,7 @@ from ling_jax.model import HybridCache
 from ling_jax.sampling import (processed_logits_rows, request_keys, sample_rows, speculative_accept,
                                speculative_accept_greedy)
 from ling_jax.serve.pools import Pools, as_cache, with_cache
-from ling_jax.serve.step import StepInputs, gathers_rows
+from ling_jax.serve.step import StepInputs, gathers_rows, row_logprobs
 
 #: The most drafts per verify step: what `generate` allows (the MTP layer is trained for the next
 #: token; drafts further out come from its own recursion and are rarely accepted).
@@ -135,7 +135,7 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     # 4. roll back: KDA to the accepted length; pages past it are masked by length
     layers = roll_back_kda(cfg, out["cache"].layers, out["kda_states"], adv)
     # MTP slots P..P+a-1: the accepted drafts with the main model's true hidden states
-    _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, a, draft_ex)
+    _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, a, ex)
     idx = jnp.maximum(adv - 1, 0)
     last = jnp.take_along_axis(out["hidden"], idx[:, None, None], axis=1)[:, 0]
     hidden = jnp.where(active[:, None], last.astype(pools.hidden.dtype), prev_hidden)
@@ -144,15 +144,20 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     new_pools = with_cache(cfg, pools, HybridCache(tuple(layers), mtp, P + adv), rows)
     j = jnp.arange(k + 1)[None, :]
     emitted = jnp.where(j < a[:, None], jnp.concatenate([drafts, jnp.zeros((S, 1), jnp.int32)], axis=1),
-                        jnp.where(j == a[:, None], nxt[:, None], 0))
-    return new_pools._replace(hidden=hidden), emitted.astype(jnp.int32), adv
+                        jnp.where(j == a[:, None], nxt[:, None], 0)).astype(jnp.int32)
+    # emitted token j was drawn at verify position j: its logprobs are that position's (the model's
+    # raw distribution, as plain decoding reports them), for every position of a row that asked
+    wanted = None if s.logprobs is None else jnp.repeat(s.logprobs, k + 1)
+    lp = row_logprobs(out["logits"].reshape(S * (k + 1), -1), emitted.reshape(-1), wanted)
+    lp = tuple(x.reshape((S, k + 1) + x.shape[1:]) for x in lp)
+    return new_pools._replace(hidden=hidden), emitted, adv, lp
 
 
 def make_spec_fn(graphdef, ex: ExecConfig, k: int, pool_sharding=None):
-    """Jitted `(params, pools, StepInputs) -> (pools, emitted [R, k+1], n_emitted [R])`, pools
-    donated; one program per row bucket and block-table width (like decode). k: drafts per step
+    """Jitted `(params, pools, StepInputs) -> (pools, emitted [R, k+1], n_emitted [R], logprobs)`,
+    pools donated; logprobs: `step.row_logprobs`' triple per verify position ([R, k+1], [R, k+1, N] x2); one program per row bucket and block-table width (like decode). k: drafts per step
     (1 … MAX_SPECULATIVE). pool_sharding: the pools' shardings, fixed as the output's (see
     `step.make_step_fns`)."""
     check_int(k, "speculative drafts", field="speculative", low=1, high=MAX_SPECULATIVE)
     return jax.jit(lambda params, pools, inp: _spec(graphdef, params, pools, inp, ex, k), donate_argnums=(1,),
-                   out_shardings=(pool_sharding, None, None))
+                   out_shardings=(pool_sharding, None, None, None))

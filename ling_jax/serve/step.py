@@ -135,7 +135,7 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
     hid = jnp.where((inp.n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
     new_pools = with_cache(cfg, pools, new_cache, rows)
     hidden = put_rows(pools.hidden, inp.rows, hid) if gather_rows else hid.astype(pools.hidden.dtype)
-    result = (new_pools._replace(hidden=hidden, stats=stats), tok, _row_logprobs(logits, tok, s.logprobs))
+    result = (new_pools._replace(hidden=hidden, stats=stats), tok, row_logprobs(logits, tok, s.logprobs))
     if snaps is None:
         return result
     if "kda_boundary_states" in out and inp.snap_rows is not None and inp.snap_rows.shape[1] > 0:
@@ -144,10 +144,11 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
     return result + (snaps,)
 
 
-def _row_logprobs(logits, tok, wanted):
+def row_logprobs(logits, tok, wanted):
     """(sampled token's logprob [R], top ids [R, N], top logprobs [R, N]), N = min(MAX_LOGPROBS, V),
     of the model's raw distribution (`sampling.token_logprobs`): fixed shapes whatever each row
-    asked for (the host keeps its N); zeros, without the softmax and top-k, when no row asked."""
+    asked for (the host keeps its N); zeros, without the softmax and top-k, when no row asked.
+    The speculative program passes its [R·(K+1)] verify positions as rows."""
     R, V = logits.shape
     n = min(MAX_LOGPROBS, V)
     zeros = lambda: (jnp.zeros((R,), jnp.float32), jnp.zeros((R, n), jnp.int32), jnp.zeros((R, n), jnp.float32))
@@ -163,7 +164,7 @@ def gathers_rows(pools: Pools, inp: StepInputs) -> bool:
 
 def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sharding=None, pool_sharding=None):
     """(prefill, decode): jitted `(params, pools, StepInputs) -> (pools, tokens [R], logprobs)`,
-    pools donated; logprobs = `_row_logprobs`' triple.
+    pools donated; logprobs = `row_logprobs`' triple.
 
     prefill runs the chunked KDA scan over the gathered rows; decode the recurrent KDA step over
     the gathered rows, or in place over every slot when it has max_slots rows (rows =
