@@ -46,6 +46,7 @@ from ling_jax.serve.pools import (GIB, describe, init_pools, is_abstract, make_p
                                   placed_like, plan_pools)
 from ling_jax.serve.prefix_cache import PrefixCache
 from ling_jax.serve.request import RequestFieldError, RequestParams
+from ling_jax.serve.slot_sampling import SlotSampling
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
 from ling_jax.serve.snapshots import DEFAULT_BUDGET_FRACTION, SnapshotPool, plan_snapshots
 from ling_jax.serve.speculative import MAX_SPECULATIVE, make_spec_fn
@@ -192,6 +193,7 @@ class Engine:
                                                       lambda pools: placed_like(cfg, pools, self.params),
                                                       self.abstract)
         self.alloc = PageAllocator(self.sizes)
+        self.slot_sampling = SlotSampling(max_slots)
         self.prefix, self.snapshots = self._make_prefix_cache(prefix_cache, prefix_cache_memory_gib, model.dtype)
         self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, self.prefix,
                                speculative=speculative)
@@ -483,21 +485,14 @@ class Engine:
         """Numpy StepInputs for rows (`reqs[i]` None = padding: greedy, nothing fed); the block
         table cut to `width` pages (default all max_blocks); snap_rows: a prefill's (`_snap_rows`)."""
         n = len(reqs)
-        temp, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
-        seed, n_gen, lengths = np.zeros(n, np.uint32), np.zeros(n, np.int32), np.zeros(n, np.int32)
-        presence, frequency, repetition = np.zeros(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32)
-        prompt_len, logprobs = np.zeros(n, np.int32), np.zeros(n, bool)
+        n_gen, lengths = np.zeros(n, np.int32), np.zeros(n, np.int32)  # what changes every step
         for i, r in enumerate(reqs):
             if r is not None:
-                p = r.params
-                temp[i], top_k[i], top_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.seed
                 n_gen[i], lengths[i] = len(r.generated), r.n_fed
-                presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-                prompt_len[i], logprobs[i] = len(r.prompt), p.logprobs is not None
+        static = self.slot_sampling.rows(reqs)  # written once per admission (`slot_sampling.py`)
         bt = self.alloc.block_rows([None if r is None else r.slot for r in reqs])[:, :width]
         return StepInputs(np.asarray(rows, np.int32), ids, n_valid, lengths, bt,
-                          RowSampling(temp, top_k, top_p, seed, n_gen, presence, frequency, repetition,
-                                      prompt_len, logprobs), snap_rows)
+                          RowSampling(n_gen=n_gen, **static), snap_rows)
 
     def _emit(self, req: Request, tok: int, out: dict, lp=None, i: int = 0) -> None:
         """Record req's new token; lp: the step's logprob arrays (numpy), row i is req's."""

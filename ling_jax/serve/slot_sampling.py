@@ -1,0 +1,53 @@
+"""Each slot's sampling parameters in persistent host arrays (host-only: no jax).
+
+Why: a step's per-row sampling inputs (`step.RowSampling`) were rebuilt field by field from every
+row's `RequestParams` at every step, in Python. A request's temperature, top-k, top-p, seed,
+penalties, prompt length and logprobs flag do not change while it holds its slot, so they are
+written once into row `slot` of these arrays when the request is admitted (or re-admitted after a
+preemption, possibly into another slot) and a step only gathers its rows' entries: one NumPy
+fancy index per field. Row `max_slots` is the padding row: neutral values (greedy, no penalties,
+no logprobs), what a padding row of a step computes with.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ling_jax.serve.request import RequestParams
+
+#: (field, dtype, neutral value) of the static per-slot parameters, in `step.RowSampling` order
+FIELDS = (("temperature", np.float32, 0.0), ("top_k", np.int32, 0), ("top_p", np.float32, 1.0),
+          ("seed", np.uint32, 0), ("presence", np.float32, 0.0), ("frequency", np.float32, 0.0),
+          ("repetition", np.float32, 1.0), ("prompt_len", np.int32, 0), ("logprobs", np.bool_, False))
+
+
+class SlotSampling:
+    """Arrays [max_slots + 1] per field of `FIELDS`; `owner[slot]`: the request id whose parameters
+    row `slot` holds (-1: none)."""
+
+    def __init__(self, max_slots: int):
+        self.pad = max_slots
+        self.arrays = {name: np.full(max_slots + 1, neutral, dtype) for name, dtype, neutral in FIELDS}
+        self.owner = np.full(max_slots + 1, -1, np.int64)
+
+    def admit(self, slot: int, request_id: int, params: RequestParams, prompt_len: int) -> None:
+        """Row `slot` <- the request's parameters (once per admission)."""
+        a = self.arrays
+        a["temperature"][slot], a["top_k"][slot], a["top_p"][slot] = params.temperature, params.top_k, params.top_p
+        a["seed"][slot] = params.seed
+        a["presence"][slot], a["frequency"][slot] = params.presence_penalty, params.frequency_penalty
+        a["repetition"][slot], a["prompt_len"][slot] = params.repetition_penalty, prompt_len
+        a["logprobs"][slot] = params.logprobs is not None
+        self.owner[slot] = request_id
+
+    def rows(self, requests) -> dict:
+        """{field: [R] array} for a step's rows (`requests[i]` None = the padding row), admitting any
+        request whose slot does not hold its parameters yet."""
+        slots = np.empty(len(requests), np.int64)
+        for i, r in enumerate(requests):
+            if r is None:
+                slots[i] = self.pad
+                continue
+            slots[i] = r.slot
+            if self.owner[r.slot] != r.id:
+                self.admit(r.slot, r.id, r.params, len(r.prompt))
+        return {name: arr[slots] for name, arr in self.arrays.items()}
