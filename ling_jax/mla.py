@@ -51,12 +51,17 @@ class PagedMLACache(NamedTuple):
     length needs, so many sequences of different lengths share one pool without one max_len buffer
     each. Entries past a sequence's length may name any page: they are masked by length.
     The engine stores pools with `block_table=None` and fills it in per call.
+    An FP8 pool (`ling_jax.kv_quant`, the engine's `kv_cache_dtype="fp8"`) stores c_pages / kpe_pages
+    as float8_e4m3fn with float32 per-token scales c_scale_pages / kpe_scale_pages [n_pages, P]
+    (written with the values, by the same scatter); otherwise those are None.
     """
     c_pages: jax.Array
     kpe_pages: jax.Array
     block_table: jax.Array
     #: None, or (g, j): the pages are a run's stacked pool [repeats, n, n_pages, P, ...] (see MLACache.layer)
     layer: Optional[tuple] = None
+    c_scale_pages: Optional[jax.Array] = None
+    kpe_scale_pages: Optional[jax.Array] = None
 
 
 def _scatter_tokens(buf: jax.Array, layer, a: jax.Array, b: jax.Array, vals: jax.Array, a_end: int):
@@ -86,11 +91,12 @@ def paged_write(pages: jax.Array, new: jax.Array, block_table: jax.Array, pos: j
 
 
 def paged_gather(pages: jax.Array, block_table: jax.Array, layer=None) -> jax.Array:
-    """The pages of each sequence in order: [B, max_blocks·P, X] (a contiguous-cache view), read
-    from layer (g, j) of stacked pages when `layer` is given (one gather, no slice of the pool)."""
+    """The pages of each sequence in order: [B, max_blocks·P, X] (a contiguous-cache view; [B,
+    max_blocks·P] for per-token scale pages), read from layer (g, j) of stacked pages when `layer`
+    is given (one gather, no slice of the pool)."""
     B, nb = block_table.shape
     got = pages[block_table] if layer is None else pages[layer[0], layer[1], block_table]
-    return got.reshape(B, nb * got.shape[2], got.shape[3])
+    return got.reshape((B, nb * got.shape[2]) + got.shape[3:])
 
 
 def _contiguous_write(buf: jax.Array, new: jax.Array, lengths: jax.Array, layer=None) -> jax.Array:
@@ -246,11 +252,22 @@ class MultiheadLatentAttention(nnx.Module):
                 form = "expanded"
         elif isinstance(cache, PagedMLACache):
             valid = jnp.arange(T)[None, :] < n_valid[:, None]
-            L = cache.layer
-            cp = paged_write(cache.c_pages, c_new, cache.block_table, pos, valid, L)
-            kp = paged_write(cache.kpe_pages, kpe_new, cache.block_table, pos, valid, L)
-            new_cache = cache._replace(c_pages=cp, kpe_pages=kp)
-            c_all, kpe_all = paged_gather(cp, cache.block_table, L), paged_gather(kp, cache.block_table, L)
+            L, bt = cache.layer, cache.block_table
+            if cache.c_scale_pages is not None:  # FP8 pages: per-token e4m3 + scale, dequantised on read
+                (cq, cs), (kq, ks) = quantize_per_token(c_new), quantize_per_token(kpe_new)
+                new_cache = cache._replace(c_pages=paged_write(cache.c_pages, cq, bt, pos, valid, L),
+                                           kpe_pages=paged_write(cache.kpe_pages, kq, bt, pos, valid, L),
+                                           c_scale_pages=paged_write(cache.c_scale_pages, cs, bt, pos, valid, L),
+                                           kpe_scale_pages=paged_write(cache.kpe_scale_pages, ks, bt, pos, valid, L))
+                c_all = dequantize_per_token(paged_gather(new_cache.c_pages, bt, L),
+                                             paged_gather(new_cache.c_scale_pages, bt, L), x.dtype)
+                kpe_all = dequantize_per_token(paged_gather(new_cache.kpe_pages, bt, L),
+                                               paged_gather(new_cache.kpe_scale_pages, bt, L), x.dtype)
+            else:
+                cp = paged_write(cache.c_pages, c_new, bt, pos, valid, L)
+                kp = paged_write(cache.kpe_pages, kpe_new, bt, pos, valid, L)
+                new_cache = cache._replace(c_pages=cp, kpe_pages=kp)
+                c_all, kpe_all = paged_gather(cp, bt, L), paged_gather(kp, bt, L)
             if form == "auto":
                 form = "absorbed"
         else:

@@ -67,7 +67,7 @@ def gpu_report(config):
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
         rc = main(["aot", "--config", config, "--weights", "mxfp4", "--target", "h100x8", "--mesh", "expert=8",
                    "--programs", "verify,generate-prefill,generate-decode", "--speculative", "1",
-                   "--no-compilation-cache", *ENGINE])
+                   "--kv-cache-dtype", "fp8", "--no-compilation-cache", *ENGINE])
     assert rc == 0, err.getvalue()
     return json.loads(buf.getvalue()), err.getvalue()
 
@@ -112,6 +112,8 @@ def test_tpu_collectives_and_kernels(tpu_report):
 
 
 def test_gpu_report(gpu_report):
+    """H100 x 8, MXFP4 experts, FP8 latent pages / cache (`--kv-cache-dtype fp8`): the verify's
+    argument bytes are the plan's with 584-byte tokens."""
     r, _ = gpu_report
     assert r["platform"] == "gpu" and r["devices"] == 8 and r["device_kind"].startswith("NVIDIA H100")
     progs = {p["family"]: p for p in r["programs"]}

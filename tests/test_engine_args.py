@@ -106,12 +106,14 @@ def test_page_arithmetic(tiny_model, tiny_cfg):
 
 
 def test_engine_options_from_the_flags():
+    auto = {"kv_cache_dtype": "auto"}
     assert engine_options(flags()) == {"prefix_cache": True, "prefix_cache_memory_gib": None,
-                                       "snapshot_interval": None, "speculative": 0}  # the Engine's defaults
+                                       "snapshot_interval": None, "speculative": 0, **auto}  # the Engine's defaults
     assert engine_options(flags("--no-prefix-cache", "--speculative", "2")) == \
-        {"prefix_cache": False, "prefix_cache_memory_gib": None, "snapshot_interval": None, "speculative": 2}
+        {"prefix_cache": False, "prefix_cache_memory_gib": None, "snapshot_interval": None, "speculative": 2, **auto}
     assert engine_options(flags("--prefix-cache-memory", "0.5", "--snapshot-interval", "32")) == \
-        {"prefix_cache": True, "prefix_cache_memory_gib": 0.5, "snapshot_interval": 32, "speculative": 0}
+        {"prefix_cache": True, "prefix_cache_memory_gib": 0.5, "snapshot_interval": 32, "speculative": 0, **auto}
+    assert engine_options(flags("--kv-cache-dtype", "fp8"))["kv_cache_dtype"] == "fp8"
 
 
 def test_engine_from_args_reports_on_stderr(tiny_model):

@@ -121,3 +121,42 @@ def test_generate_with_fp8_cache(tiny_model):
     assert len(res.tokens[0]) == 3 and all(0 <= t < tiny_model.cfg.vocab_size for t in res.tokens[0])
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8"):
         init_cache(tiny_model.cfg, 1, 8, jnp.float32, kv_cache_dtype="int8")
+
+
+def test_engine_with_fp8_pages_equals_generate_with_fp8_cache(tiny_model):
+    """`Engine(kv_cache_dtype="fp8")` (`batch` / `serve` / `aot --kv-cache-dtype fp8`): the MLA and
+    MTP page pools hold float8 values + float32 per-token scales, written by the same per-token codec
+    as `generate`'s FP8 cache, so greedy requests give `generate(kv_cache_dtype="fp8")`'s tokens and
+    logprobs (1e-4), alone, batched, and through a prefix-cache hit (its page copy moves the scales
+    with the values). Its pages cost (512+64+8)/(2·576) of bfloat16's per token at the real shape;
+    here float32 vs fp8 pages of the tiny config, counted by `describe`."""
+    from ling_jax.serve import Engine, RequestParams
+
+    cfg = tiny_model.cfg
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, cfg.vocab_size, 30).tolist()
+    prompts = [base, base[:24] + rng.integers(0, cfg.vocab_size, 5).tolist(),
+               rng.integers(0, cfg.vocab_size, 11).tolist()]
+    n = 6
+    kw = dict(max_slots=3, page_size=8, num_pages=24, prefill_chunk=16, max_seq_len=48)
+    eng = Engine(tiny_model, kv_cache_dtype="fp8", **kw)
+    plain = Engine(tiny_model, **kw)
+    pages = [x for x in jax.tree.leaves(eng.pools) if x.dtype == jnp.float8_e4m3fn]
+    scales = [x for x in jax.tree.leaves(eng.pools) if x.ndim >= 2 and x.shape[-2:] == (24, 8)]
+    assert len(pages) == len(scales) > 0
+    item = 4  # float32 tiny model
+    per_tok = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert eng.sizes.page_bytes * per_tok * item == plain.sizes.page_bytes * (per_tok + 8)
+    assert "float8_e4m3fn latents + float32 per-token scales" in eng.describe()
+    params = RequestParams(max_tokens=n, stop_ids=(), logprobs=0)
+    first = eng.submit(prompts[0], params)
+    eng.run_until_done()
+    rest = [eng.submit(p, params) for p in prompts[1:]]  # batched; prompt 1 hits prompt 0's cached pages
+    eng.run_until_done()
+    assert eng.stats()["prefix_hits"] >= 1 and eng.stats()["prefix_tokens_saved"] >= 16
+    for p, h in zip(prompts, [first] + rest):
+        ref = generate(tiny_model, [p], n, stop_ids=(), kv_cache_dtype="fp8", logprobs=0)
+        assert h.generated == ref.tokens[0]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(h.logprobs, ref.logprobs[0])) < 1e-4
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8"):
+        Engine(tiny_model, kv_cache_dtype="int8", **kw)

@@ -21,7 +21,7 @@ def _config_path(path: str) -> str:
     return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
-def plan_arguments(cfg, weights: str, mesh_shape: dict, include_mtp: bool):
+def plan_arguments(cfg, weights: str, mesh_shape: dict, include_mtp: bool, kv_cache_dtype: str = "auto"):
     """plan(kind, ...) -> `ling-jax plan`'s per-device bytes of a program's arguments (jit drops the
     arguments a program does not read, so each kind counts what its program reads):
       "weights":  the resident weights (`accounting.resident_bytes_per_device`), without the MTP layer's
@@ -33,7 +33,8 @@ def plan_arguments(cfg, weights: str, mesh_shape: dict, include_mtp: bool):
       "generate": + batch x max_len tokens of MLA cache + batch KDA states.
     Left out (small; the difference the report shows): the hidden rows, the token statistics and the step
     inputs."""
-    full = A.plan(cfg, weights, mesh_shape, include_mtp=include_mtp)
+    kv = "fp8" if kv_cache_dtype == "fp8" else "bf16"  # the MLA cache bytes per token (`--kv-cache-dtype`)
+    full = A.plan(cfg, weights, mesh_shape, include_mtp=include_mtp, kv_cache_dtype=kv)
     main_only = A.plan(cfg, weights, mesh_shape, include_mtp=False) if include_mtp else full
     kda = full["kda_state_bytes_per_sequence_per_device"] + full["kda_conv_state_bytes_per_sequence_per_device"]
 
@@ -108,7 +109,8 @@ def aot_report(args, progress=None) -> dict:
     with_mtp = not args.no_mtp and cfg.has_mtp
     t = time.perf_counter()
     model = placed_abstract_model(cfg, weights, mesh, target.platform, with_mtp=with_mtp)
-    plan = plan_arguments(cfg, weights, shape, with_mtp)
+    kv = getattr(args, "kv_cache_dtype", "auto")
+    plan = plan_arguments(cfg, weights, shape, with_mtp, kv)
     programs = []
     if "forward" in families:
         programs.append(forward_program(model, mesh, args.forward_tokens, plan))
@@ -119,7 +121,8 @@ def aot_report(args, progress=None) -> dict:
         memory, _ = plan_engine_memory(args, model)
     if any(f.startswith("generate") for f in families):
         programs += generate_programs(model, mesh, families, batch=args.max_slots, prompt=args.prefill_chunk,
-                                      max_len=memory["max_seq_len"], speculative=args.speculative, plan=plan)
+                                      max_len=memory["max_seq_len"], speculative=args.speculative, plan=plan,
+                                      kv_cache_dtype=kv)
     if engine_fams:
         fams = set(engine_fams) | ({"decode"} if "verify" in engine_fams else set())
         programs += engine_programs(model, fams, plan=plan, shapes=args.shapes, rows=args.decode_rows,

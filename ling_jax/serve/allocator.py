@@ -21,6 +21,7 @@ class PoolSizes:
     page_bytes: int
     slot_bytes: int
     stats_bytes: int = 0  # of slot_bytes: the token statistics (not part of a prefix-cache snapshot)
+    kv_cache_dtype: str = "auto"  # "fp8": the MLA pages as float8 + per-token scales (`ling_jax.kv_quant`)
 
     @property
     def snapshot_bytes(self) -> int:

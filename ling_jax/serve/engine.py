@@ -150,7 +150,8 @@ class Engine:
                  max_seq_len: int | None = None, with_mtp: bool | None = None, exec: ExecConfig | None = None,
                  buckets: Sequence[int] | None = None, widths: Sequence[int] | None = None,
                  decode_rows: Sequence[int] | None = None, speculative: int = 0, prefix_cache: bool = True,
-                 prefix_cache_memory_gib: float | None = None, snapshot_interval: int | None = None):
+                 prefix_cache_memory_gib: float | None = None, snapshot_interval: int | None = None,
+                 kv_cache_dtype: str | None = None):
         cfg = model.cfg
         self.cfg = cfg
         if num_pages is None and cache_memory_gib is None:
@@ -162,7 +163,8 @@ class Engine:
             raise ValueError("Engine with_mtp=True needs the MTP layer, and this model has none")
         _check_speculative(speculative, model, with_mtp)
         self.sizes = plan_pools(cfg, model.dtype, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
-                                cache_memory_gib=cache_memory_gib, max_seq_len=max_seq_len, with_mtp=with_mtp)
+                                cache_memory_gib=cache_memory_gib, max_seq_len=max_seq_len, with_mtp=with_mtp,
+                                kv_cache_dtype=kv_cache_dtype)
         if self.sizes.max_seq_len > self.sizes.num_pages * page_size:
             raise ValueError(f"max_seq_len={self.sizes.max_seq_len} exceeds the pool "
                              f"({self.sizes.num_pages} pages x {page_size} tokens)")

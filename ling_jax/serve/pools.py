@@ -31,6 +31,7 @@ from ling_jax.accounting import cache_bytes
 from ling_jax.checks import check_int
 from ling_jax.config import KDA, LingConfig
 from ling_jax.kda import kda_zero_state
+from ling_jax.kv_quant import FP8, check_kv_cache_dtype
 from ling_jax.layer_stack import map_runs, zeros_by_kind
 from ling_jax.mla import PagedMLACache
 from ling_jax.model import HybridCache
@@ -54,10 +55,12 @@ class Pools(NamedTuple):
     stats: Optional[TokenStats] = None
 
 
-def _byte_costs(cfg: LingConfig, dtype, with_mtp: bool) -> tuple[int, int, dict]:
-    """(bytes of one page across all MLA pools, bytes of one slot across all KDA layers, cache_bytes)."""
+def _byte_costs(cfg: LingConfig, dtype, with_mtp: bool, kv_cache_dtype: str = "auto") -> tuple[int, int, dict]:
+    """(bytes of one token's page entries across all MLA pools, bytes of one slot across all KDA
+    layers, cache_bytes)."""
     item = jnp.dtype(dtype).itemsize
-    cb = cache_bytes(cfg, cache_dtype_bytes=item, state_dtype_bytes=4, conv_dtype_bytes=item)
+    cb = cache_bytes(cfg, cache_dtype_bytes=item, state_dtype_bytes=4, conv_dtype_bytes=item,
+                     kv_cache_dtype=kv_cache_dtype)
     per_token = cb["mla_bytes_per_token_with_mtp"] if with_mtp else cb["mla_bytes_per_token"]
     slot = (cb["kda_state_bytes_per_sequence"] + cb["kda_conv_state_bytes_per_sequence"]
             + cfg.hidden_size * item + stats_bytes_per_slot(cfg.vocab_size))
@@ -66,14 +69,16 @@ def _byte_costs(cfg: LingConfig, dtype, with_mtp: bool) -> tuple[int, int, dict]
 
 def plan_pools(cfg: LingConfig, dtype, *, max_slots: int, page_size: int, num_pages: int | None = None,
                cache_memory_gib: float | None = None, max_seq_len: int | None = None,
-               with_mtp: bool = True) -> PoolSizes:
+               with_mtp: bool = True, kv_cache_dtype: str | None = None) -> PoolSizes:
     """Sizes from either `num_pages` or a cache memory budget (slots are paid first, the rest
     becomes pages). max_seq_len (prompt + generated tokens of one request) defaults to the
-    smaller of the model's context and the whole pool."""
+    smaller of the model's context and the whole pool. kv_cache_dtype: "auto"/None (pages in
+    `dtype`) or "fp8" (float8 + two float32 scales per token: ~1.97x the tokens per GiB in bf16)."""
     for name, v in (("max_slots", max_slots), ("page_size", page_size)):
         check_int(v, name, low=1)
+    kv = check_kv_cache_dtype(kv_cache_dtype)
     with_mtp = bool(with_mtp and cfg.has_mtp)
-    per_token, slot, _ = _byte_costs(cfg, dtype, with_mtp)
+    per_token, slot, _ = _byte_costs(cfg, dtype, with_mtp, kv)
     page = per_token * page_size
     if (num_pages is None) == (cache_memory_gib is None):
         raise ValueError("give exactly one of num_pages or cache_memory_gib")
@@ -89,17 +94,19 @@ def plan_pools(cfg: LingConfig, dtype, *, max_slots: int, page_size: int, num_pa
     max_seq_len = max_seq_len or min(cfg.max_position_embeddings, num_pages * page_size)
     check_int(max_seq_len, "max_seq_len", low=2)
     return PoolSizes(max_slots, page_size, num_pages, max_seq_len, with_mtp, page, slot,
-                     stats_bytes_per_slot(cfg.vocab_size))
+                     stats_bytes_per_slot(cfg.vocab_size), kv)
 
 
 def describe(cfg: LingConfig, sizes: PoolSizes, dtype) -> str:
     """The start-up report: what the pools hold and the arithmetic of their size."""
-    per_token, slot, cb = _byte_costs(cfg, dtype, sizes.with_mtp)
+    per_token, slot, cb = _byte_costs(cfg, dtype, sizes.with_mtp, sizes.kv_cache_dtype)
     n_mla = cb["num_mla_layers"] + (1 if sizes.with_mtp else 0)
     pages = sizes.num_pages * sizes.page_bytes
     slots = sizes.max_slots * sizes.slot_bytes
+    latents = ("float8_e4m3fn latents + float32 per-token scales" if sizes.kv_cache_dtype == "fp8"
+               else f"{jnp.dtype(dtype).name} latents")
     return "\n".join([
-        f"cache pools ({jnp.dtype(dtype).name} latents, float32 KDA state):",
+        f"cache pools ({latents}, float32 KDA state):",
         f"  pages: {sizes.num_pages} x {sizes.page_size} tokens x {n_mla} MLA layers"
         f"{' (incl. MTP)' if sizes.with_mtp else ''} x {cb['mla_bytes_per_token_per_layer']} B/token/layer"
         f" = {pages / GIB:.4f} GiB ({sizes.num_pages * sizes.page_size} tokens in all)",
@@ -118,6 +125,9 @@ def init_pools(cfg: LingConfig, sizes: PoolSizes, dtype) -> Pools:
     S, NP, P = sizes.max_slots, sizes.num_pages, sizes.page_size
 
     def paged():
+        if sizes.kv_cache_dtype == "fp8":  # zero values with unit scales: a masked key stays finite
+            return PagedMLACache(jnp.zeros((NP, P, cfg.kv_lora_rank), FP8), jnp.zeros((NP, P, cfg.qk_rope_head_dim), FP8),
+                                 None, None, jnp.ones((NP, P), jnp.float32), jnp.ones((NP, P), jnp.float32))
         return PagedMLACache(jnp.zeros((NP, P, cfg.kv_lora_rank), dtype),
                              jnp.zeros((NP, P, cfg.qk_rope_head_dim), dtype), None)
 

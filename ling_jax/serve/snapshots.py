@@ -84,18 +84,26 @@ def _save(snaps: Snapshots, pools: Pools, slots, rows) -> Snapshots:
     return Snapshots(layers, _put(snaps.hidden, pools.hidden, rows, slots, 0))
 
 
+_PAGE_FIELDS = ("c_pages", "kpe_pages", "c_scale_pages", "kpe_scale_pages")
+
+
+def _copy_pages(p, dst, src, axis: int):
+    """A PagedMLACache with pages src copied onto pages dst in every page array it has (values and,
+    in an FP8 pool, their per-token scales)."""
+    return p._replace(**{f: _put(getattr(p, f), getattr(p, f), dst, src, axis)
+                         for f in _PAGE_FIELDS if getattr(p, f) is not None})
+
+
 def _restore(pools: Pools, snaps: Snapshots, rows, slots, dst, src) -> Pools:
     def run(p, s):
         if s is not None:  # a KDA run: the slot rows
             return jax.tree.map(lambda x, y: _put(x, y, slots, rows, 2), p, s)
-        return p._replace(c_pages=_put(p.c_pages, p.c_pages, dst, src, 2),
-                          kpe_pages=_put(p.kpe_pages, p.kpe_pages, dst, src, 2))
+        return _copy_pages(p, dst, src, 2)
 
     layers = tuple(tuple(run(p, s) for p, s in zip(pb, sb)) for pb, sb in zip(pools.layers, snaps.layers))
     mtp = pools.mtp
     if mtp is not None:
-        mtp = mtp._replace(c_pages=_put(mtp.c_pages, mtp.c_pages, dst, src, 0),
-                           kpe_pages=_put(mtp.kpe_pages, mtp.kpe_pages, dst, src, 0))
+        mtp = _copy_pages(mtp, dst, src, 0)
     return pools._replace(layers=layers, mtp=mtp, hidden=_put(pools.hidden, snaps.hidden, slots, rows, 0))
 
 
