@@ -113,6 +113,11 @@ class Engine:
     snapshot_interval: tokens between the KDA snapshots a prefill chunk takes inside itself (a
     multiple of page_size; default `default_snapshot_interval`: lcm(page_size, exec.kda_chunk), the
     block boundaries the chunked scan passes through anyway); chunk ends on a page are snapshotted too.
+
+    The engine keeps the host side (`sizes`, `alloc`, `sched`, `prefix`, the handles and counters);
+    `runner` (a `ModelRunner`, runner.py) holds the device side built from these settings: params,
+    pools, programs, the shapes (`runner.buckets`, `.widths`, `.decode_rows`, `.prefill_rows`,
+    `.snapshot_interval`) and the prefix cache's snapshot rows (`runner.snapshots`).
     """
 
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
