@@ -23,8 +23,8 @@ def engine(tiny_model):
                  max_seq_len=MAX_SEQ)
     with xla_compiles() as events:
         eng.warmup()
-    assert eng.decode_rows == (1, 2, 4)  # row buckets: a step with 1 or 2 decoding slots runs 1 or 2 rows
-    n = (len(eng.decode_rows) + len(eng.buckets)) * len(eng.widths)
+    assert eng.runner.decode_rows == (1, 2, 4)  # row buckets: a step with 1 or 2 decoding slots runs 1 or 2 rows
+    n = (len(eng.runner.decode_rows) + len(eng.runner.buckets)) * len(eng.runner.widths)
     assert len(events) >= n == (3 + 3) * 1  # every step shape ((3 row buckets + 3 buckets) x 1 width) compiled at warm-up
     # dispatch signatures per shape: at most the first-call placement and the steady state (the second
     # round of warm-up records the latter and compiles nothing, see Engine.warmup)
@@ -85,18 +85,18 @@ def test_random_requests_equal_generate_alone(engine, tiny_model, reference):
     decode step ran the fewest rows (row bucket) that hold its decoding slots, gathered (1, 2 rows)
     and in place (all 4)."""
     prompts, params, arrivals, expected, full = reference
-    calls, program = [], engine._decode
+    calls, program = [], engine.runner.decode_fn
 
     def spy(params_, pools, inp):  # (rows of the call, slots decoding in it)
         calls.append((inp.ids.shape[0], int((np.asarray(inp.n_valid) > 0).sum())))
         return program(params_, pools, inp)
 
-    engine._decode = spy
+    engine.runner.decode_fn = spy
     try:
         handles = _run(engine, prompts, params, arrivals)
     finally:
-        engine._decode = program
-    assert all(r == next(n for n in engine.decode_rows if n >= k) for r, k in calls), calls
+        engine.runner.decode_fn = program
+    assert all(r == next(n for n in engine.runner.decode_rows if n >= k) for r, k in calls), calls
     assert {r for r, _ in calls} == {1, 2, 4}
     for i, h in enumerate(handles):
         assert h.generated == expected[i], i
@@ -118,7 +118,7 @@ def test_preemption_under_tiny_pool_gives_same_tokens(tiny_model, reference):
                  max_seq_len=80, buckets=(16,), widths=(4, 10))
     handles = _run(eng, prompts, params, arrivals)
     assert [h.generated for h in handles] == expected
-    assert 2 <= eng._decode._cache_size() <= len(eng.decode_rows) * 2  # row buckets x the 2 widths
+    assert 2 <= eng.runner.decode_fn._cache_size() <= len(eng.runner.decode_rows) * 2  # row buckets x the 2 widths
     st = eng.stats()
     assert st["preemptions"] >= 3, st
     assert st["slots_in_use"] == st["pages_in_use"] == st["queue_depth"] == 0
@@ -211,7 +211,7 @@ def test_engine_pages_equal_contiguous_prefill(engine, tiny_model, tiny_cfg):
                              sampling=SamplingParams(), with_mtp=True, fresh=True)
     n = len(fed)
     checked = 0
-    for layer, c_pages, kpe_pages in mla_layer_pages(engine.pools, cfg):
+    for layer, c_pages, kpe_pages in mla_layer_pages(engine.runner.pools, cfg):
         ref = layer_cache(cache, cfg, layer)
         # not bit-equal: the engine fed 32 + 13 chunked, then 5 recurrent decode steps
         assert rel_err(paged_gather(c_pages, bt)[0, :n], ref.c[0, :n]) < 1e-5
@@ -219,8 +219,8 @@ def test_engine_pages_equal_contiguous_prefill(engine, tiny_model, tiny_cfg):
         checked += 1
     assert checked == sum(t != KDA for t in cfg.layer_types)
     m = n - 1  # MTP slot t pairs token t+1 with hidden t: n fed tokens complete n-1 slots
-    assert rel_err(paged_gather(engine.pools.mtp.c_pages, bt)[0, :m], cache.mtp.c[0, :m]) < 1e-5
-    assert rel_err(paged_gather(engine.pools.mtp.kpe_pages, bt)[0, :m], cache.mtp.k_pe[0, :m]) < 1e-5
+    assert rel_err(paged_gather(engine.runner.pools.mtp.c_pages, bt)[0, :m], cache.mtp.c[0, :m]) < 1e-5
+    assert rel_err(paged_gather(engine.runner.pools.mtp.kpe_pages, bt)[0, :m], cache.mtp.k_pe[0, :m]) < 1e-5
     engine.cancel(h)
     assert engine.stats()["pages_in_use"] == 0
 
@@ -282,7 +282,7 @@ def _check_token_stats(eng):
     """Every running slot's device statistics are exactly those of the tokens it has fed: counts of
     the generated ones, the seen-mask of the prompt ones (nothing of a previous owner; a slot whose
     new request has fed nothing yet is cleared by its first chunk)."""
-    stats = jax.device_get(eng.pools.stats)
+    stats = jax.device_get(eng.runner.pools.stats)
     V = stats.gen_counts.shape[1]
     checked = 0
     for r in eng.sched.running():

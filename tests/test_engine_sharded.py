@@ -43,16 +43,16 @@ def test_pools_split_by_head_serve_the_one_device_tokens(tiny_cfg, tiny_params, 
     model = shard_model(load_from_dict(tiny_cfg, tiny_params), mesh)
     eng = Engine(model, **KW)
     assert tiny_cfg.num_attention_heads % 2 == 0
-    specs = _specs(eng.pools, tiny_cfg)
+    specs = _specs(eng.runner.pools, tiny_cfg)
     assert specs["recurrent"] == {(None, None, None, "model", None, None)}  # [repeats, n, slots, H, dk, dv]
     assert specs["conv"] == {(None, None, None, None, "model")}              # [repeats, n, slots, K-1, H*dk]
     assert all(set(s) == {None} for s in specs["other"])                      # pages, hidden, stats
-    snap = _specs(eng.snapshots.snaps, tiny_cfg)
+    snap = _specs(eng.runner.snapshots.snaps, tiny_cfg)
     assert snap["recurrent"] == specs["recurrent"] and snap["conv"] == specs["conv"]
-    total = sum(x.nbytes for x in jax.tree.leaves(eng.pools))
+    total = sum(x.nbytes for x in jax.tree.leaves(eng.runner.pools))
     kda = sum(x.nbytes for b, block in enumerate(layer_plan(tiny_cfg)) for r, run in enumerate(block.runs)
-              if run.attn == KDA for x in jax.tree.leaves(eng.pools.layers[b][r]))
-    assert per_device_bytes(eng.pools) == total - kda // 2
+              if run.attn == KDA for x in jax.tree.leaves(eng.runner.pools.layers[b][r]))
+    assert per_device_bytes(eng.runner.pools) == total - kda // 2
     assert "KDA states split by head over 'model'" in eng.describe()
     eng.warmup()
 
@@ -64,10 +64,10 @@ def test_pools_split_by_head_serve_the_one_device_tokens(tiny_cfg, tiny_params, 
         got = [_serve(eng, [p])[0] for p in prompts]  # one after another: the later ones hit
     assert events == []
     assert eng.stats()["prefix_hits"] >= 3 and eng.stats()["pages_in_use"] == 0
-    for tree in (eng.pools, eng.snapshots.snaps):  # every program returned the placement it got
+    for tree in (eng.runner.pools, eng.runner.snapshots.snaps):  # every program returned the placement it got
         after = _specs(tree, tiny_cfg)
         assert after["recurrent"] == specs["recurrent"] and after["conv"] == specs["conv"]
 
     one = Engine(tiny_model, **KW)
-    assert per_device_bytes(one.pools) == total  # one device holds everything
+    assert per_device_bytes(one.runner.pools) == total  # one device holds everything
     assert got == [_serve(one, [p])[0] for p in prompts]

@@ -60,10 +60,10 @@ def engine_for(model):
                 eng.warmup()
             finally:
                 jax.monitoring.unregister_event_duration_listener(listener)
-            n = len(eng.decode_rows) * len(eng.widths)  # speculative shapes: row buckets x widths
-            assert len(events) >= n + len(eng.buckets) * len(eng.widths)  # prefill: buckets x widths
-            assert eng._decode._cache_size() == 0  # the speculative program replaces decode
-            assert n <= eng._spec._cache_size() <= 2 * n
+            n = len(eng.runner.decode_rows) * len(eng.runner.widths)  # speculative shapes: row buckets x widths
+            assert len(events) >= n + len(eng.runner.buckets) * len(eng.runner.widths)  # prefill: buckets x widths
+            assert eng.runner.decode_fn._cache_size() == 0  # the speculative program replaces decode
+            assert n <= eng.runner.spec_fn._cache_size() <= 2 * n
             _ENGINES[k] = eng
         return _ENGINES[k]
     yield get
@@ -217,17 +217,17 @@ def test_kda_state_after_rollback_equals_plain(engine_for, model, tiny_cfg):
     cache, _, _, hid = prefill(graphdef, params, cache, jnp.asarray([fed], jnp.int32), jnp.asarray([n], jnp.int32),
                                jnp.zeros((1, cfg.hidden_size)), jax.random.key(0), sampling=SamplingParams(),
                                with_mtp=True, fresh=True)
-    states = _kda_layer_states(eng.pools, cfg, req.slot)
+    states = _kda_layer_states(eng.runner.pools, cfg, req.slot)
     assert len(states) == sum(t == KDA for t in cfg.layer_types)
     for layer, st in states.items():
         ref = layer_cache(cache, cfg, layer)
         for name in ("recurrent", "conv_q", "conv_k", "conv_v"):
             assert rel_err(getattr(st, name), getattr(ref, name)[0]) < 1e-5, (layer, name)
-    assert rel_err(eng.pools.hidden[req.slot], hid[0]) < 1e-5
+    assert rel_err(eng.runner.pools.hidden[req.slot], hid[0]) < 1e-5
     bt = jnp.asarray(eng.alloc.block_rows([req.slot]))
     m = n - 1  # MTP slots 0..n-2 are complete (the drafts' own writes past them were re-written)
-    assert rel_err(paged_gather(eng.pools.mtp.c_pages, bt)[0, :m], cache.mtp.c[0, :m]) < 1e-5
-    assert rel_err(paged_gather(eng.pools.mtp.kpe_pages, bt)[0, :m], cache.mtp.k_pe[0, :m]) < 1e-5
+    assert rel_err(paged_gather(eng.runner.pools.mtp.c_pages, bt)[0, :m], cache.mtp.c[0, :m]) < 1e-5
+    assert rel_err(paged_gather(eng.runner.pools.mtp.kpe_pages, bt)[0, :m], cache.mtp.k_pe[0, :m]) < 1e-5
     eng.cancel(h)
     _assert_all_free(eng)
 

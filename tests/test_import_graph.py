@@ -7,6 +7,8 @@ and has no cycle, between modules or between the packages. Inside ling_jax (issu
 * the host side of serving imports no jax, flax or orbax, not even through what it imports: the
   scheduler, the prefix cache, the page allocator, the request parameters and the checks they use
   (`HOST_ONLY`); importing them at run time leaves jax unloaded (the packages' faces included);
+* the engine's device side (`ling_jax.serve.runner`) imports none of the request lifecycle (the
+  engine, the scheduler, the prefix cache, the request parameters);
 * `ling_jax.checkpoint` is storage only: of ling_jax it imports itself, `ling_jax.config` and
   `ling_jax.checks`, so neither the model, the loader nor the HF -> Orbax conversion; the conversion
   (`ling_jax.convert`, a use of the loader) sits above the loader, which never reaches it.
@@ -236,6 +238,18 @@ def test_host_side_of_serving_loads_no_jax_at_run_time():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_model_runner_knows_no_request_lifecycle():
+    """ling_jax.serve.runner (the engine's device side: programs, pools, shapes, warm-up) imports
+    neither the engine nor the scheduler, the prefix cache's tree or the request parameters, and
+    reaches no engine: the request lifecycle sits on top of the runner, never below it."""
+    runner = "ling_jax.serve.runner"
+    assert runner in _MODULES and runner in _GRAPH["ling_jax.serve.engine"]
+    lifecycle = {"ling_jax.serve.engine", "ling_jax.serve.scheduler", "ling_jax.serve.prefix_cache",
+                 "ling_jax.serve.request"}
+    assert not lifecycle & _GRAPH[runner], sorted(lifecycle & _GRAPH[runner])
+    assert "ling_jax.serve.engine" not in reachable(_GRAPH, runner)
 
 
 def test_checkpoint_is_storage_only():

@@ -97,7 +97,7 @@ def _materialised(hlo: str, pools, weights, relayout_ok: bool = False) -> list[s
 
 def _stacked_weights(eng) -> list:
     """The parameters of the runs stored stacked [repeats, n, ...] (none when unrolled)."""
-    runs = nnx.merge(eng.graphdef, eng.params).model.layers.runs
+    runs = nnx.merge(eng.runner.graphdef, eng.runner.params).model.layers.runs
     return [] if runs is None else jax.tree.leaves(nnx.state(runs))
 
 
@@ -116,8 +116,9 @@ def test_no_engine_program_copies_a_pool_or_a_weight_stack(tiny_model, loop):
         eng = Engine(model, max_slots=4, page_size=8, num_pages=12, prefill_chunk=8, max_seq_len=32,
                      decode_rows=(1, 4), buckets=(8,), snapshot_interval=8, prefix_cache_memory_gib=2 ** -10,
                      speculative=spec)
-        pools = jax.tree.leaves(eng.pools) + jax.tree.leaves(eng.snapshots.snaps)
-        assert any(x.ndim == 5 and x.shape[2] == 12 for x in jax.tree.leaves(eng.pools))  # the page pools are checked
+        run = eng.runner
+        pools = jax.tree.leaves(run.pools) + jax.tree.leaves(run.snapshots.snaps)
+        assert any(x.ndim == 5 and x.shape[2] == 12 for x in jax.tree.leaves(run.pools))  # the page pools are checked
         if loop == "scan":
             assert _stacked_weights(eng)
         names = []
@@ -135,17 +136,18 @@ def test_one_row_programs_do_not_copy_the_pools(tiny_model):
     eng = Engine(tiny_model, max_slots=4, page_size=8, num_pages=16, prefill_chunk=8, prefill_rows=1,
                  max_seq_len=32, snapshot_interval=8, prefix_cache_memory_gib=2 ** -10)
     # (many snapshot rows: their shapes must not coincide with a gathered row's)
-    assert eng.decode_rows[0] == 1 and eng.snapshots.copies == 1 and eng.snapshots.rows > 4
-    pools, snaps = eng.pools, eng.snapshots.snaps
+    run = eng.runner
+    assert run.decode_rows[0] == 1 and run.snapshots.copies == 1 and run.snapshots.rows > 4
+    pools, snaps = run.pools, run.snapshots.snaps
     # the slot rows (KDA states, hidden, token statistics), the MLA page pools and the snapshot rows
     arrays = jax.tree.leaves(pools) + jax.tree.leaves(snaps)
     assert len(arrays) > 10
-    dec = eng._decode.lower(eng.params, pools, eng._padding_inputs(OP_DECODE, 1, 1, eng.widths[0])).compile()
+    dec = run.decode_fn.lower(run.params, pools, run.padding_inputs(OP_DECODE, 1, 1, run.widths[0])).compile()
     assert _copies(dec.as_text(), arrays) == 0
-    pre = eng._prefill.lower(eng.params, pools, eng._padding_inputs(OP_PREFILL, 1, 8), snaps).compile()
+    pre = run.prefill_fn.lower(run.params, pools, run.padding_inputs(OP_PREFILL, 1, 8), snaps).compile()
     assert _copies(pre.as_text(), arrays) == 0
     one = np.zeros(1, np.int32)
-    save = eng.snapshots._save.lower(snaps, pools, one, one).compile()
+    save = run.snapshots._save.lower(snaps, pools, one, one).compile()
     assert _copies(save.as_text(), arrays) == 0
     from ling_jax.serve.snapshots import _restore
     restore = jax.jit(_restore, donate_argnums=(0,)).lower(pools, snaps, one, one, one, one).compile()

@@ -141,8 +141,8 @@ def test_engine_with_fp8_pages_equals_generate_with_fp8_cache(tiny_model):
     kw = dict(max_slots=3, page_size=8, num_pages=24, prefill_chunk=16, max_seq_len=48)
     eng = Engine(tiny_model, kv_cache_dtype="fp8", **kw)
     plain = Engine(tiny_model, **kw)
-    pages = [x for x in jax.tree.leaves(eng.pools) if x.dtype == jnp.float8_e4m3fn]
-    scales = [x for x in jax.tree.leaves(eng.pools) if x.ndim >= 2 and x.shape[-2:] == (24, 8)]
+    pages = [x for x in jax.tree.leaves(eng.runner.pools) if x.dtype == jnp.float8_e4m3fn]
+    scales = [x for x in jax.tree.leaves(eng.runner.pools) if x.ndim >= 2 and x.shape[-2:] == (24, 8)]
     assert len(pages) == len(scales) > 0
     item = 4  # float32 tiny model
     per_tok = cfg.kv_lora_rank + cfg.qk_rope_head_dim

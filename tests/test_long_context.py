@@ -126,8 +126,8 @@ def test_engine_prefill_reads_pages_up_to_its_width_bucket(tiny_model, tiny_cfg)
     eng = Engine(tiny_model, max_slots=2, page_size=8, num_pages=24, prefill_chunk=16, prefill_rows=2,
                  max_seq_len=96, buckets=(16,), widths=(2, 12))
     eng.warmup()
-    assert eng._prefill._cache_size() >= 1 * 2
-    widths, program = [], eng._prefill
+    assert eng.runner.prefill_fn._cache_size() >= 1 * 2
+    widths, program = [], eng.runner.prefill_fn
 
     def spy(params, pools, inp, *snaps):
         widths.append(inp.block_table.shape[1])
@@ -135,13 +135,13 @@ def test_engine_prefill_reads_pages_up_to_its_width_bucket(tiny_model, tiny_cfg)
 
     rng = np.random.default_rng(8)
     prompts = [rng.integers(0, tiny_cfg.vocab_size, size=n).tolist() for n in (5, 70)]
-    eng._prefill = spy
+    eng.runner.prefill_fn = spy
     try:
         with xla_compiles() as events:
             handles = [eng.submit(p, RequestParams(max_tokens=6)) for p in prompts]
             eng.run_until_done()
     finally:
-        eng._prefill = program
+        eng.runner.prefill_fn = program
     assert events == []
     assert set(widths) == {2, 12}, widths  # the short prompt's chunk gathered 2 pages, not 12
     want = generate(tiny_model, prompts, 6, stop_ids=()).tokens

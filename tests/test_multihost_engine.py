@@ -119,9 +119,9 @@ def test_message_round_trip_is_bit_exact(small_engine):
     eng = small_engine
     rng = np.random.default_rng(0)
     S = eng.sizes.max_slots
-    for op, R, T, W in ((OP_DECODE, 1, 1, eng.widths[0]), (OP_DECODE, S, 1, eng.widths[-1]),
-                        (OP_PREFILL, eng.prefill_rows, eng.buckets[-1], eng.sizes.max_blocks)):
-        tmpl = eng._padding_inputs(op, R, T, W)
+    for op, R, T, W in ((OP_DECODE, 1, 1, eng.runner.widths[0]), (OP_DECODE, S, 1, eng.runner.widths[-1]),
+                        (OP_PREFILL, eng.runner.prefill_rows, eng.runner.buckets[-1], eng.sizes.max_blocks)):
+        tmpl = eng.runner.padding_inputs(op, R, T, W)
         assert np.asarray(tmpl.ids).shape == (R, T) and np.asarray(tmpl.block_table).shape == (R, W)
         leaves = []
         for x in _leaves(tmpl):

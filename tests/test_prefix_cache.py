@@ -36,11 +36,11 @@ def engines(tiny_model):
     engine's compiled decode programs (same shapes, same placement); its prefill is its own (the hit
     engine's also writes snapshot rows)."""
     hit = Engine(tiny_model, prefix_cache_memory_gib=ROWS * UNIT / GIB, **KW)
-    assert hit.prefix.num_snapshots == ROWS and hit.snapshot_interval == 16  # lcm(page 8, kda_chunk 16)
+    assert hit.prefix.num_snapshots == ROWS and hit.runner.snapshot_interval == 16  # lcm(page 8, kda_chunk 16)
     hit.warmup()
-    assert hit.snapshots.compiled_shapes() == 2  # save and restore, one shape each
+    assert hit.runner.snapshots.compiled_shapes() == 2  # save and restore, one shape each
     miss = Engine(tiny_model, prefix_cache=False, **KW)
-    miss._decode = hit._decode
+    miss.runner.decode_fn = hit.runner.decode_fn
     return hit, miss
 
 
@@ -66,10 +66,10 @@ def _serve(eng, cfg, prompts, max_tokens):
             r = h._req
             if r.slot is None:
                 return
-            hidden[i].append(np.asarray(eng.pools.hidden)[r.slot])
+            hidden[i].append(np.asarray(eng.runner.pools.hidden)[r.slot])
             if first[i] is None:
                 bt, n = eng.alloc.block_rows([r.slot])[0], r.n_fed
-                pools = jax.tree.map(np.asarray, eng.pools)
+                pools = jax.tree.map(np.asarray, eng.runner.pools)
                 pages = [c[bt].reshape(-1, c.shape[-1])[:n] for _, c, _ in mla_layer_pages(pools, cfg)]
                 pages += [k[bt].reshape(-1, k.shape[-1])[:n] for _, _, k in mla_layer_pages(pools, cfg)]
                 pages += [x[bt].reshape(-1, x.shape[-1])[:n - 1] for x in (pools.mtp.c_pages, pools.mtp.kpe_pages)]
@@ -102,7 +102,7 @@ def test_shared_prefix_hits_equal_misses(engines, tiny_model, tiny_cfg):
     while h._req.n_fed < 32:
         miss.step()
     assert h._req.n_fed == 32
-    state32 = _kda_rows(miss.pools, cfg, h._req.slot) + [np.asarray(miss.pools.hidden)[h._req.slot]]
+    state32 = _kda_rows(miss.runner.pools, cfg, h._req.slot) + [np.asarray(miss.runner.pools.hidden)[h._req.slot]]
     miss.run_until_done()
     ref_a = h.generated
 
@@ -115,7 +115,7 @@ def test_shared_prefix_hits_equal_misses(engines, tiny_model, tiny_cfg):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert events == []  # restores, snapshots and steps: all compiled at warm-up
-    assert hit.snapshots.compiled_shapes() == 2
+    assert hit.runner.snapshots.compiled_shapes() == 2
     assert h.generated == ref_a
     st = hit.stats()
     assert st["prefix_hits"] - before["prefix_hits"] == sum(s > 0 for s in saved)
@@ -124,7 +124,7 @@ def test_shared_prefix_hits_equal_misses(engines, tiny_model, tiny_cfg):
 
     node = hit.prefix.lookup(A).node
     assert node.depth * KW["page_size"] == 32
-    snap = hit.snapshots.snaps
+    snap = hit.runner.snapshots.snaps
     snap_rows = [np.asarray(x)[:, :, node.snapshot] for x in jax.tree.leaves(snap.layers)]
     for a, b in zip(snap_rows + [np.asarray(snap.hidden)[node.snapshot]], state32, strict=True):
         assert rel_err(a, b) < 1e-5
@@ -154,7 +154,7 @@ def test_hits_at_snapshots_inside_a_prefill_chunk(engines, tiny_model, tiny_cfg)
     hit, miss = engines
     cfg = tiny_cfg
     inner = Engine(tiny_model, prefix_cache_memory_gib=ROWS * UNIT / GIB, snapshot_interval=8, **KW)
-    inner._decode = hit._decode  # same decode shapes
+    inner.runner.decode_fn = hit.runner.decode_fn  # same decode shapes
     inner.warmup()
     rng = np.random.default_rng(5)
     A = rng.integers(0, cfg.vocab_size, 40).tolist()
@@ -165,15 +165,16 @@ def test_hits_at_snapshots_inside_a_prefill_chunk(engines, tiny_model, tiny_cfg)
     inner.prefix.check()
 
     stop24 = Engine(tiny_model, prefix_cache=False, **{**KW, "prefill_chunk": 8})
-    stop24._decode = hit._decode
+    stop24.runner.decode_fn = hit.runner.decode_fn
     h24 = stop24.submit(A, RequestParams(max_tokens=1, stop_ids=()))
     while h24._req.n_fed < 24:
         stop24.step()
     assert h24._req.n_fed == 24
-    state24 = _kda_rows(stop24.pools, cfg, h24._req.slot) + [np.asarray(stop24.pools.hidden)[h24._req.slot]]
+    pools24 = stop24.runner.pools
+    state24 = _kda_rows(pools24, cfg, h24._req.slot) + [np.asarray(pools24.hidden)[h24._req.slot]]
     node = inner.prefix.lookup(A[:25]).node
     assert node.depth * 8 == 24
-    snap = inner.snapshots.snaps
+    snap = inner.runner.snapshots.snaps
     rows = [np.asarray(x)[:, :, node.snapshot] for x in jax.tree.leaves(snap.layers)]
     for a, b in zip(rows + [np.asarray(snap.hidden)[node.snapshot]], state24, strict=True):
         assert rel_err(a, b) < 1e-5
@@ -188,7 +189,7 @@ def test_hits_at_snapshots_inside_a_prefill_chunk(engines, tiny_model, tiny_cfg)
     # the miss: the same engine without the cache, its scan in the same chunks of gcd(16, 8) = 8 tokens
     # (the rounding of another chunking alone moves these logits by ~1.5e-5)
     miss8 = Engine(tiny_model, prefix_cache=False, exec=inner.exec.replace(kda_chunk=8), **KW)
-    miss8._decode = hit._decode
+    miss8.runner.decode_fn = hit.runner.decode_fn
     want, want_hidden, want_first = _serve(miss8, cfg, prompts, [6] * len(prompts))
     assert want == _serve(miss, cfg, prompts, [6] * len(prompts))[0]
     assert got == want
@@ -212,7 +213,7 @@ def test_lru_eviction_under_a_tiny_budget(engines, tiny_model, tiny_cfg):
     hit, miss = engines
     assert UNIT == hit.sizes.snapshot_bytes + 2 * hit.sizes.page_bytes
     small = Engine(tiny_model, prefix_cache_memory_gib=2.5 * UNIT / GIB, **KW)
-    small._decode = hit._decode  # its prefill and snapshot copies compile (other snapshot rows)
+    small.runner.decode_fn = hit.runner.decode_fn  # its prefill and snapshot copies compile (other snapshot rows)
     assert small.prefix.num_snapshots == 2
     rng = np.random.default_rng(1)
     bases = [rng.integers(0, tiny_cfg.vocab_size, 20).tolist() for _ in range(3)]
@@ -326,10 +327,10 @@ class FakeDevice:
         self.snap, self.main, self.mtp_slots = {}, {}, {}
         self.writes = 0
         self.inner = 0  # snapshots taken inside a prefill chunk
-        eng._decode = self.step
-        eng._prefill = self.step if eng.snapshots is None else self.prefill
-        if eng.snapshots is not None:
-            eng.snapshots.save, eng.snapshots.restore = self.save, self.restore
+        eng.runner.decode_fn = self.step
+        eng.runner.prefill_fn = self.step if eng.runner.snapshots is None else self.prefill
+        if eng.runner.snapshots is not None:
+            eng.runner.snapshots.save, eng.runner.snapshots.restore = self.save, self.restore
 
     def _write(self, table, bt, pos, value):
         page = int(bt[pos // self.P])
@@ -365,10 +366,10 @@ class FakeDevice:
         (j+1)·interval of the tokens it is fed), as the compiled prefill writes them."""
         before = [self.state[s] if int(L) else () for s, L in zip(np.asarray(inp.rows).tolist(), inp.lengths)]
         pools, toks, lp = self.step(params, pools, inp)
-        I = self.eng.snapshot_interval
+        I = self.eng.runner.snapshot_interval
         for i, row_plan in enumerate(np.asarray(inp.snap_rows)):
             for j, row in enumerate(row_plan.tolist()):
-                if row < self.eng.snapshots.rows:
+                if row < self.eng.runner.snapshots.rows:
                     n = (j + 1) * I
                     assert n < int(inp.n_valid[i]), "a snapshot asked past the chunk's tokens"
                     self.snap[row] = before[i] + tuple(int(x) for x in inp.ids[i, :n])

@@ -149,7 +149,7 @@ def test_engine_policy_stress_with_a_stub_model(tiny_model):
     eng = Engine(tiny_model, max_slots=3, page_size=4, num_pages=9, prefill_chunk=8, prefill_rows=2,
                  max_seq_len=36, prefix_cache=False)
     fake = lambda params, pools, inp: (pools, np.ones(len(inp.rows), np.int32), None)  # no logprobs asked
-    eng._prefill = eng._decode = fake
+    eng.runner.prefill_fn = eng.runner.decode_fn = fake
     rng = np.random.default_rng(0)
     handles = []
     for step in range(4000):

@@ -83,10 +83,10 @@ def main():
     for e in ev:
         if e.get("ph") == "X":
             per_thunk[e["name"]] += e.get("dur", 0)
-    widths = eng.widths[0]
-    R, rows, _ = eng._decode_rows_for([h._req for h in hs])
-    inp = eng._inputs(rows, np.zeros((R, 1), np.int32), np.zeros(R, np.int32), [None] * R, widths)
-    names = op_names(eng._decode.lower(eng.params, eng.pools, inp).compile().as_text())
+    widths = eng.runner.widths[0]
+    R, rows, _ = eng.runner.decode_rows_for([h._req for h in hs])
+    inp = eng.runner.inputs(rows, np.zeros((R, 1), np.int32), np.zeros(R, np.int32), [None] * R, widths)
+    names = op_names(eng.runner.decode_fn.lower(eng.runner.params, eng.runner.pools, inp).compile().as_text())
     by_op = collections.Counter()
     for n, us in per_thunk.items():
         if n in names:

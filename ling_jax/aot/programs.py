@@ -97,7 +97,7 @@ def engine_programs(model, families, *, plan: Callable, shapes: str = "largest",
     if rows:
         engine_kw["decode_rows"] = tuple(sorted(set(rows) | {engine_kw["max_slots"]}))
     eng = Engine(model, speculative=speculative, **engine_kw)
-    mesh = model.exec.mesh or jax.tree.leaves(eng.params)[0].sharding.mesh
+    mesh = model.exec.mesh or jax.tree.leaves(eng.runner.params)[0].sharding.mesh
     calls = eng.program_calls()
     calls = [c for c in calls if c[0].split("[")[0].split("-")[0] in families]
     if rows:
@@ -108,7 +108,7 @@ def engine_programs(model, families, *, plan: Callable, shapes: str = "largest",
     for name, fn, args in calls:
         fam = name.split("[")[0].split("-")[0]
         args = tuple(_abstract_inputs(a, mesh) for a in args)
-        per_row = eng.prefill_rows if fam == "prefill" else 1
+        per_row = eng.runner.prefill_rows if fam == "prefill" else 1
         kind = "pools" if fam == "snapshot" else "engine"
         out.append(Program(name, fam, fn, args, {}, _step_tokens(name, speculative) * per_row,
                            plan(kind, eng=eng, snapshots=fam in ("prefill", "snapshot"), mtp=eng.sizes.with_mtp)))

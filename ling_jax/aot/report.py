@@ -45,7 +45,7 @@ def plan_arguments(cfg, weights: str, mesh_shape: dict, include_mtp: bool, kv_ca
         if kind in ("engine", "pools"):
             s = eng.sizes
             per_tok = full["mla_cache_bytes_per_token_main"] + (full["mla_cache_bytes_per_token_mtp"] if s.with_mtp else 0)
-            rows = eng.snapshots.rows if (snapshots and eng.snapshots is not None) else 0
+            rows = eng.runner.snapshots.rows if (snapshots and eng.runner.snapshots is not None) else 0
             pools = s.num_pages * s.page_size * per_tok + (s.max_slots + rows) * kda
             return pools + (resident if kind == "engine" else 0)
         per_tok = full["mla_cache_bytes_per_token_main"] + (full["mla_cache_bytes_per_token_mtp"] if mtp else 0)

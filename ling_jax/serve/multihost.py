@@ -4,7 +4,8 @@ Under `jax.distributed` the parameters and the pools are global arrays on a mesh
 process, so each compiled step is one SPMD program that every process must launch, in the same
 order, with the same inputs. Only process 0 (the leader) holds the queue and the scheduler; before
 each program call it broadcasts what to run; the other processes (followers) sit in
-`Engine.follow()`, receive and run it, until the leader's `Engine.shutdown()`.
+`Engine.follow()` (its `ModelRunner.follow`), receive and run it, until the leader's
+`Engine.shutdown()`.
 
 The message: one int32 buffer of a fixed size (`StepLink.size`), so the broadcast compiles exactly
 one program however the steps vary:
@@ -12,7 +13,7 @@ one program however the steps vary:
     [op, rows R, tokens T, block-table width W, call number, flattened StepInputs..., zero padding]
 
 op names the program (`OP_DECODE`, `OP_PREFILL`, `OP_SPEC`; `OP_SHUTDOWN` ends `follow()`); from (op, R, T, W)
-the follower builds a template StepInputs of the right shapes (`Engine._padding_inputs`) and
+the follower builds a template StepInputs of the right shapes (`ModelRunner.padding_inputs`) and
 reads the leaves back from the buffer in pytree order (4-byte dtypes bit-exact via a view, bools
 and small ints through int32). The call number catches a follower out of step with the leader
 (it would otherwise run a different program than the leader and hang in a collective).

@@ -1,0 +1,369 @@
+"""`ModelRunner`: the device side of the engine, the model's compiled programs over the pools.
+
+Why a runner apart from the engine (`engine.py`, the request lifecycle): what runs on the devices
+(parameters, pools and their placement, the compiled programs, the shapes they are compiled for,
+their warm-up, the packing of one call's inputs, the multi-host link) is what a compile-only run
+(`ling-jax aot`: `program_calls()` on a shape-only model), a multi-host follower (`follow()`, which
+has no requests at all) and a future second engine over the same model need, without a queue,
+stop rules or handles. The engine decides what to run (scheduler, prefix cache, stop / length
+rules); the runner runs it: `decode`, `verify`, `prefill` take a step's rows and return its tokens
+(and logprobs) on the host; `restore` / `save` run the prefix cache's copy orders.
+
+Shapes (see `engine.py`'s docstring for the compile bound): decode [R, 1] per row bucket R in
+`decode_rows` and block-table width in `widths`; prefill [prefill_rows, T] per token bucket T in
+`buckets` and width; with `speculative=K` the verify program [R, K+1] takes decode's place.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ling_jax.checks import FieldError, is_int
+from ling_jax.exec_config import ExecConfig
+from ling_jax.serve.allocator import PageAllocator, PoolSizes
+from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_RESTORE, OP_SAVE, OP_SPEC, ProgramShape, make_link
+from ling_jax.serve.pools import GIB, describe, init_pools, is_abstract, make_placed, per_device_bytes, placed_like
+from ling_jax.serve.slot_sampling import SlotSampling
+from ling_jax.serve.snapshots import SnapshotPool
+from ling_jax.serve.speculative import make_spec_fn
+from ling_jax.serve.step import RowSampling, StepInputs, make_step_fns
+
+
+def decode_widths(max_blocks: int, smallest: int) -> tuple[int, ...]:
+    """Block-table widths the decode program is compiled for: powers of two from `smallest`
+    below max_blocks, and max_blocks. Why: a decode step attends over width·page_size keys, so
+    short sequences should not pay for the longest allowed one."""
+    out, w = [], max(1, min(smallest, max_blocks))
+    while w < max_blocks:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (max_blocks,)
+
+
+def row_buckets(max_slots: int) -> tuple[int, ...]:
+    """Decode row counts compiled: powers of two below max_slots, and max_slots. Why: a decode
+    step's cost is its rows' (every row streams the weights through the same GEMMs and reads and
+    writes its KDA state), so 3 requests on a 32-slot engine should run 4 rows, not 32."""
+    out, r = [], 1
+    while r < max_slots:
+        out.append(r)
+        r *= 2
+    return tuple(out) + (max_slots,)
+
+
+def token_buckets(prefill_chunk: int, smallest: int = 8) -> tuple[int, ...]:
+    """Prefill widths compiled: powers of two from `smallest` below `prefill_chunk`, and the chunk."""
+    out, t = [], min(smallest, prefill_chunk)
+    while t < prefill_chunk:
+        out.append(t)
+        t *= 2
+    return tuple(out) + (prefill_chunk,)
+
+
+def check_decode_rows(decode_rows, max_slots: int) -> tuple[int, ...]:
+    """The decode row buckets: default `row_buckets(max_slots)`; given ones must be positive ints
+    ending at max_slots (the most slots a step can decode)."""
+    if decode_rows is None:
+        return row_buckets(max_slots)
+    rows = tuple(sorted(set(decode_rows)))
+    if not rows or not all(is_int(n) and n >= 1 for n in rows) or rows[-1] != max_slots:
+        raise FieldError("decode_rows", f"Engine decode_rows {tuple(decode_rows)!r} must be positive ints ending at "
+                                        f"max_slots={max_slots}")
+    return tuple(int(n) for n in rows)
+
+
+def host_logprobs(lp, reqs):
+    """The step's logprob arrays on the host, fetched only when one of its requests asked."""
+    return tuple(np.asarray(a) for a in lp) if any(r.params.logprobs is not None for r in reqs) else None
+
+
+class ModelRunner:
+    """The model's programs over the pools (module docstring). Built by `Engine` from its checked
+    settings: sizes (the pools' plan), exec, alloc (the page allocator whose block table a call's
+    rows read), buckets / widths / decode_rows / prefill_rows (the compiled shapes), speculative
+    (drafts per verify, 0 = plain decode), snapshot_rows (the prefix cache's snapshot pool, None =
+    no prefix cache) and snapshot_interval (tokens between the snapshots a prefill takes inside
+    itself). A call's rows are given as `reqs` (None = padding): the runner reads a request's slot,
+    tokens fed and generated and its sampling parameters, nothing of its lifecycle."""
+
+    def __init__(self, model, sizes: PoolSizes, exec: ExecConfig, alloc: PageAllocator, *, buckets, widths,
+                 decode_rows, prefill_rows: int, speculative: int = 0, snapshot_rows: int | None = None,
+                 snapshot_interval: int = 0):
+        cfg = self.cfg = model.cfg
+        self.sizes, self.exec, self.alloc = sizes, exec, alloc
+        self.buckets, self.widths, self.decode_rows = tuple(buckets), tuple(widths), tuple(decode_rows)
+        self.prefill_rows, self.speculative, self.snapshot_interval = prefill_rows, speculative, snapshot_interval
+        self.graphdef, self.params = nnx.split(model)
+        # compile-only (`ling-jax aot`): shape-only parameters on devices that cannot hold data; the
+        # pools are then shapes too, and `program_calls()` lists what warmup() would compile
+        self.abstract = is_abstract(self.params)
+        # Placed next to the parameters (a loaded model lives on a mesh, one device by default): KDA
+        # states split by head over `model`, the rest replicated (`pools.pool_shardings`). Every program
+        # that returns pools returns them with exactly these shardings (out_shardings), so the first call
+        # of each shape and every later call run one compiled program.
+        self.pools, self.pool_sharding = make_placed(lambda: init_pools(cfg, sizes, model.dtype),
+                                                     lambda pools: placed_like(cfg, pools, self.params),
+                                                     self.abstract)
+        self.slot_sampling = SlotSampling(sizes.max_slots)
+        self.snapshots = None if snapshot_rows is None else SnapshotPool(
+            cfg, sizes, snapshot_rows, model.dtype, prefill_rows, lambda snaps: placed_like(cfg, snaps, self.params),
+            self.pool_sharding, abstract=self.abstract)
+        self.prefill_fn, self.decode_fn = make_step_fns(
+            self.graphdef, exec, snapshot_interval if self.snapshots is not None else 0,
+            self.snapshots.sharding if self.snapshots is not None else None, self.pool_sharding)
+        self.spec_fn = make_spec_fn(self.graphdef, exec, speculative, self.pool_sharding) if speculative else None
+        self._link = make_link(self.padding_inputs, self._program_shapes(),
+                               self.snapshots.index_words if self.snapshots is not None else 0)
+        if self._link is not None:  # multi-process: process 0 broadcasts each program call (serve/multihost.py)
+            self.prefill_fn = self._link.wrap(OP_PREFILL, self.prefill_fn)
+            self.decode_fn = self._link.wrap(OP_DECODE, self.decode_fn)
+            if self.spec_fn is not None:
+                self.spec_fn = self._link.wrap(OP_SPEC, self.spec_fn)
+            if self.snapshots is not None:
+                self.snapshots.link = self._link
+
+    # -- start-up report -----------------------------------------------------------------------
+    def describe_pools(self) -> str:
+        """Pool sizes with their byte arithmetic, and their placement on a mesh."""
+        return describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n" + self._describe_placement()
+
+    def describe_programs(self) -> str:
+        """The compiled shapes."""
+        decode = (f"speculative decode (K={self.speculative}: [R, {self.speculative + 1}] verify)"
+                  if self.speculative else "decode [R, 1]")
+        return (f"  compiled shapes: {decode} for R in {list(self.decode_rows)} over block-table widths "
+                f"{list(self.widths)}; prefill [{self.prefill_rows}, T] for T in {list(self.buckets)}")
+
+    def _describe_placement(self) -> str:
+        sh = jax.tree.leaves(self.pool_sharding)[0]
+        if not isinstance(sh, jax.sharding.NamedSharding) or sh.mesh.size == 1:
+            return ""
+        split = {str(s.spec) for s, x in zip(jax.tree.leaves(self.pool_sharding), jax.tree.leaves(self.pools))
+                 if s.shard_shape(x.shape) != x.shape}
+        total = sum(x.nbytes for x in jax.tree.leaves(self.pools))
+        return (f"  placement: mesh {dict(sh.mesh.shape)}; KDA states split by head over 'model' "
+                f"({len(split)} spec(s) {sorted(split)}), latent pages, hidden and token stats replicated: "
+                f"{per_device_bytes(self.pools) / GIB:.4f} GiB of the pools' {total / GIB:.4f} GiB per device\n")
+
+    # -- shapes ---------------------------------------------------------------------------------
+    def width_for(self, pages: int) -> int:
+        """The smallest block-table width (pages) of `widths` holding `pages`."""
+        return next(w for w in self.widths if w >= pages)
+
+    def token_bucket(self, tokens: int) -> int:
+        """The smallest prefill token bucket holding `tokens`."""
+        return next(b for b in self.buckets if b >= tokens)
+
+    def prefill_width(self, chunk: list) -> int:
+        """The block-table width (pages) a prefill chunk [(request, tokens fed now)] runs at: the
+        smallest of `widths` holding every row's pages up to the chunk's last token. Why: the chunk
+        attends over (and gathers) width·page_size keys per row, so its cost and temporaries follow
+        its rows' lengths, not `max_seq_len`."""
+        P = self.sizes.page_size
+        return self.width_for(max(-(-(r.n_fed + n) // P) for r, n in chunk))
+
+    def decode_rows_for(self, reqs: list) -> tuple[int, np.ndarray, list]:
+        """(R, rows [R], requests by row) for a decode-like step over `reqs`: the smallest row bucket
+        that holds them; with R = max_slots every request sits at its slot's row (in place),
+        otherwise they are packed into the first rows and the rest are padding (slot max_slots)."""
+        S = self.sizes.max_slots
+        R = next(n for n in self.decode_rows if n >= len(reqs))
+        if R == S:
+            by_row = [None] * S
+            for r in reqs:
+                by_row[r.slot] = r
+            return R, np.arange(S), by_row
+        rows = np.full(R, S)
+        rows[:len(reqs)] = [r.slot for r in reqs]
+        return R, rows, list(reqs) + [None] * (R - len(reqs))
+
+    # -- one call's inputs ------------------------------------------------------------------------
+    def inputs(self, rows, ids, n_valid, reqs, width: int | None = None, snap_rows=None) -> StepInputs:
+        """Numpy StepInputs for rows (`reqs[i]` None = padding: greedy, nothing fed); the block
+        table cut to `width` pages (default all max_blocks); snap_rows: a prefill's (`_snap_rows`)."""
+        n = len(reqs)
+        n_gen, lengths = np.zeros(n, np.int32), np.zeros(n, np.int32)  # what changes every step
+        for i, r in enumerate(reqs):
+            if r is not None:
+                n_gen[i], lengths[i] = len(r.generated), r.n_fed
+        static = self.slot_sampling.rows(reqs)  # written once per admission (`slot_sampling.py`)
+        bt = self.alloc.block_rows([None if r is None else r.slot for r in reqs])[:, :width]
+        return StepInputs(np.asarray(rows, np.int32), ids, n_valid, lengths, bt,
+                          RowSampling(n_gen=n_gen, **static), snap_rows)
+
+    def padding_inputs(self, op: int, rows: int, tokens: int, width: int | None = None) -> StepInputs:
+        """A StepInputs of program `op`'s shapes [rows, tokens] on padding rows (warm-up, and the
+        followers' unpacking template); a decode over every slot runs them in place (arange)."""
+        S = self.sizes.max_slots
+        slots = np.arange(S) if op in (OP_DECODE, OP_SPEC) and rows == S else np.full(rows, S)
+        snap_rows = self._snap_rows(rows, tokens, []) if op == OP_PREFILL else None
+        return self.inputs(slots, np.zeros((rows, tokens), np.int32), np.zeros(rows, np.int32), [None] * rows, width,
+                           snap_rows)
+
+    def _snap_rows(self, rows: int, tokens: int, plans: list) -> np.ndarray | None:
+        """A prefill's `snap_rows` [rows, tokens // snapshot_interval] from `PrefixCache.plan_boundaries`'
+        plans (row i: [(j, boundary, snapshot row)]); unused entries = the pool's row count (dropped).
+        None without a prefix cache."""
+        if self.snapshots is None:
+            return None
+        out = np.full((rows, tokens // self.snapshot_interval), self.snapshots.rows, np.int32)
+        for i, plan in enumerate(plans):
+            for j, _, row in plan:
+                out[i, j] = row
+        return out
+
+    # -- running one program ----------------------------------------------------------------------
+    def decode(self, rows, ids, n_valid, reqs, width: int):
+        """The decode program on these rows (`decode_rows_for`); returns (tokens [R], logprob arrays
+        or None when no row asked) on the host."""
+        self.pools, tok, lp = self.decode_fn(self.params, self.pools, self.inputs(rows, ids, n_valid, reqs, width))
+        return np.asarray(tok), host_logprobs(lp, [r for r in reqs if r is not None])
+
+    def verify(self, rows, ids, n_valid, reqs, width: int):
+        """The speculative program (MTP drafts, one verify pass) on these rows; returns (emitted
+        [R, K+1], n_emitted [R], logprob arrays or None) on the host."""
+        self.pools, emitted, n_emit, lp = self.spec_fn(self.params, self.pools,
+                                                       self.inputs(rows, ids, n_valid, reqs, width))
+        return np.asarray(emitted), np.asarray(n_emit), host_logprobs(lp, [r for r in reqs if r is not None])
+
+    def prefill(self, rows, ids, n_valid, reqs, width: int, boundaries: list = ()):
+        """The prefill program on these rows; boundaries: `PrefixCache.plan_boundaries`' plans (the
+        snapshots it takes inside the chunks). Returns (tokens [R], logprob arrays or None) on the host."""
+        R, T = ids.shape
+        tok, lp = self._run_prefill(self.inputs(rows, ids, n_valid, reqs, width, self._snap_rows(R, T, boundaries)))
+        return np.asarray(tok), host_logprobs(lp, [r for r in reqs if r is not None])
+
+    def _run_prefill(self, inp: StepInputs):
+        """The prefill program on `inp` (with a prefix cache it also writes `inp.snap_rows`' snapshot
+        rows); returns (tokens, logprob arrays)."""
+        if self.snapshots is None:
+            self.pools, tok, lp = self.prefill_fn(self.params, self.pools, inp)
+        else:
+            self.pools, tok, lp, self.snapshots.snaps = self.prefill_fn(self.params, self.pools, inp,
+                                                                        self.snapshots.snaps)
+        return tok, lp
+
+    def restore(self, ops: list) -> None:
+        """The prefix cache's restore orders (`PrefixCache.take_restores`): snapshot rows -> slots, page copies."""
+        self.pools = self.snapshots.restore(self.pools, ops)
+
+    def save(self, copies: list) -> None:
+        """The prefix cache's (slot, snapshot row) copies (`PrefixCache.after_prefill`)."""
+        self.snapshots.save(self.pools, copies)
+
+    def compiled_shapes(self) -> int:
+        """How many programs the step functions hold ((len(decode_rows) + len(buckets)) x len(widths)
+        after warmup; the prefix cache's two copy programs: `snapshots.compiled_shapes()`)."""
+        return (self.prefill_fn._cache_size() + self.decode_fn._cache_size()
+                + (self.spec_fn._cache_size() if self.spec_fn is not None else 0))
+
+    # -- warm-up ----------------------------------------------------------------------------------
+    def warmup(self, progress=None) -> None:
+        """Run every item of `warmup_items()`; progress(done, total, label, seconds) after each."""
+        items = self.warmup_items()
+        for i, (label, call) in enumerate(items):
+            t = time.perf_counter()
+            call()
+            if progress is not None:
+                progress(i + 1, len(items), label, time.perf_counter() - t)
+
+    def warmup_items(self) -> list:
+        """The warm-up as [(label, call)] (see `Engine.warmup_items`); empty on a follower."""
+        if self.is_follower:
+            return []
+        S, R = self.sizes.max_slots, self.prefill_rows
+        spec = self.speculative
+
+        def decode(n, w):
+            def call():
+                program = self.spec_fn if self.speculative else self.decode_fn
+                self.pools = program(self.params, self.pools, self.padding_inputs(OP_DECODE, n, 1, w))[0]
+            return (f"{'speculative decode' if spec else 'decode'} {n} row(s) x {w} page(s)", call)
+
+        def prefill(T, w):
+            return (f"prefill {R} row(s) x {T} tokens x {w} page(s)",
+                    lambda: self._run_prefill(self.padding_inputs(OP_PREFILL, R, T, w)))
+
+        first = [prefill(self.buckets[0], self.widths[0]), decode(self.decode_rows[0], self.widths[0])]
+        rest = ([decode(n, w) for w in self.widths for n in self.decode_rows
+                 if (n, w) != (self.decode_rows[0], self.widths[0])]
+                + [prefill(T, w) for w in self.widths for T in self.buckets
+                   if (T, w) != (self.buckets[0], self.widths[0])])
+        items = first + rest
+        if self.snapshots is not None:
+            items.append(("prefix-cache snapshot copies", self._warmup_snapshots))
+
+        def again():
+            self._warmup_round(S, R)
+            if self.snapshots is not None:
+                self._warmup_snapshots()
+        return items + [("every program once more (placement; no compile)", again)]
+
+    def _warmup_snapshots(self) -> None:
+        self.pools = self.snapshots.warmup(self.pools)
+
+    def _warmup_round(self, S: int, R: int) -> None:
+        program = self.spec_fn if self.speculative else self.decode_fn  # speculative replaces decode
+        for n in self.decode_rows:
+            for w in self.widths:
+                self.pools = program(self.params, self.pools, self.padding_inputs(OP_DECODE, n, 1, w))[0]
+        for T in self.buckets:
+            for w in self.widths:
+                self._run_prefill(self.padding_inputs(OP_PREFILL, R, T, w))
+
+    def program_calls(self) -> list:
+        """[(name, jitted program, arguments)] of every program `warmup()` compiles, in its order:
+        decode (or the speculative verify) per row bucket R and block-table width W, prefill per token
+        bucket T and width W, and the prefix cache's two copy programs. A compile-only run (`ling-jax
+        aot`) lowers each with `program.lower(*arguments)`; the arguments are the warm-up's padding inputs."""
+        name, program = ("verify", self.spec_fn) if self.speculative else ("decode", self.decode_fn)
+        calls = [(f"{name}[R={n},W={w}]", program, (self.params, self.pools, self.padding_inputs(OP_DECODE, n, 1, w)))
+                 for n in self.decode_rows for w in self.widths]
+        snaps = (self.snapshots.snaps,) if self.snapshots is not None else ()
+        calls += [(f"prefill[T={T},W={w}]", self.prefill_fn,
+                   (self.params, self.pools, self.padding_inputs(OP_PREFILL, self.prefill_rows, T, w)) + snaps)
+                  for T in self.buckets for w in self.widths]
+        if self.snapshots is not None:
+            calls += self.snapshots.program_calls(self.pools)
+        return calls
+
+    # -- multi-host (serve/multihost.py) ------------------------------------------------------------
+    @property
+    def is_follower(self) -> bool:
+        """True on processes > 0 of a multi-process run: they call `follow()`, not submit / step."""
+        return self._link is not None and not self._link.is_leader
+
+    def follow(self) -> None:
+        """Processes > 0: run every program call process 0 broadcasts (its warm-up and steps), on
+        the same global params and pools, until process 0 calls `shutdown()`; then return."""
+        if not self.is_follower:
+            raise RuntimeError("Engine.follow() is for processes > 0 of a multi-process run (jax.distributed); "
+                               "process 0 drives submit() / step()")
+        programs = {OP_DECODE: self.decode_fn.program, OP_PREFILL: self.prefill_fn.program}
+        if self.spec_fn is not None:
+            programs[OP_SPEC] = self.spec_fn.program
+        for op, inputs in self._link.messages():
+            if op in (OP_SAVE, OP_RESTORE):  # the prefix cache's copies (snapshots.py)
+                self.pools = self.snapshots.follow(self.pools, op, inputs)
+            elif op == OP_PREFILL and self.snapshots is not None:  # it writes snapshot rows too
+                self.pools, _, _, self.snapshots.snaps = self.prefill_fn.program(
+                    self.params, self.pools, inputs, self.snapshots.snaps)
+            else:
+                self.pools = programs[op](self.params, self.pools, inputs)[0]
+
+    def shutdown(self) -> None:
+        """Process 0: release the followers (their `follow()` returns). Idempotent; does nothing
+        single-process or on a follower."""
+        if self._link is not None:
+            self._link.shutdown()
+
+    def _program_shapes(self) -> list:
+        """Every (op, R, T, W) the runner runs: decode [R, 1] per row bucket and width, prefill
+        [prefill_rows, T] per bucket and width."""
+        R = self.prefill_rows
+        dec = OP_SPEC if self.speculative else OP_DECODE
+        return ([ProgramShape(dec, n, 1, w) for n in self.decode_rows for w in self.widths]
+                + [ProgramShape(OP_PREFILL, R, t, w) for t in self.buckets for w in self.widths])
