@@ -131,6 +131,7 @@ def test_engine_with_fp8_pages_equals_generate_with_fp8_cache(tiny_model):
     with the values). Its pages cost (512+64+8)/(2·576) of bfloat16's per token at the real shape;
     here float32 vs fp8 pages of the tiny config, counted by `describe`."""
     from ling_jax.serve import Engine, RequestParams
+    from ling_jax.serve.pools import plan_pools
 
     cfg = tiny_model.cfg
     rng = np.random.default_rng(5)
@@ -140,13 +141,13 @@ def test_engine_with_fp8_pages_equals_generate_with_fp8_cache(tiny_model):
     n = 6
     kw = dict(max_slots=3, page_size=8, num_pages=24, prefill_chunk=16, max_seq_len=48)
     eng = Engine(tiny_model, kv_cache_dtype="fp8", **kw)
-    plain = Engine(tiny_model, **kw)
+    plain = plan_pools(cfg, tiny_model.dtype, max_slots=3, page_size=8, num_pages=24, max_seq_len=48)
     pages = [x for x in jax.tree.leaves(eng.runner.pools) if x.dtype == jnp.float8_e4m3fn]
     scales = [x for x in jax.tree.leaves(eng.runner.pools) if x.ndim >= 2 and x.shape[-2:] == (24, 8)]
     assert len(pages) == len(scales) > 0
     item = 4  # float32 tiny model
     per_tok = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    assert eng.sizes.page_bytes * per_tok * item == plain.sizes.page_bytes * (per_tok + 8)
+    assert eng.sizes.page_bytes * per_tok * item == plain.page_bytes * (per_tok + 8)
     assert "float8_e4m3fn latents + float32 per-token scales" in eng.describe()
     params = RequestParams(max_tokens=n, stop_ids=(), logprobs=0)
     first = eng.submit(prompts[0], params)
