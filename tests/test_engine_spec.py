@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import np_reference as R
-from conftest import load_from_dict, rel_err, xla_compiles
+from conftest import is_compile_event, load_from_dict, rel_err, xla_compiles
 from ling_jax.config import KDA
 from ling_jax.generate import generate, prefill
 from ling_jax.layer_stack import layer_plan
@@ -53,7 +53,7 @@ def engine_for(model):
             eng = Engine(model, max_slots=4, page_size=PAGE, num_pages=12, prefill_chunk=16, prefill_rows=2,
                          max_seq_len=MAX_SEQ, buckets=(16,), widths=(4, 10), speculative=k)
             events = []
-            listener = lambda name, *a, **kw: (events.append(name) if name.endswith("backend_compile_duration")
+            listener = lambda name, *a, **kw: (events.append(name) if is_compile_event(name)
                                                else None)
             jax.monitoring.register_event_duration_secs_listener(listener)
             try:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import mla_layer_pages, rel_err
+from conftest import is_compile_event, mla_layer_pages, rel_err
 from ling_jax.config import KDA
 from ling_jax.layer_stack import layer_plan
 from ling_jax.serve import Engine, RequestParams
@@ -25,7 +25,7 @@ ROWS = 8
 
 def _compile_events():
     events = []
-    listener = lambda name, *a, **k: events.append(name) if name.endswith("backend_compile_duration") else None
+    listener = lambda name, *a, **k: events.append(name) if is_compile_event(name) else None
     jax.monitoring.register_event_duration_secs_listener(listener)
     return events, listener
 
