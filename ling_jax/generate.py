@@ -5,10 +5,15 @@ token, the final-normed hidden of the last processed token (the MTP layer's inpu
 done flags and the output buffer. Prompts of different lengths are right-padded and handled
 exactly (padding never enters a KDA/conv state or an MLA softmax).
 
-Speculative decoding (k = 1..3 drafts): the MTP layer drafts k tokens recursively, the main model
-verifies them in one forward that also returns every per-token KDA state, and the caches are rolled
-back to the accepted prefix. The MTP cache is then re-filled for the accepted slots from the main
-model's true hidden states, so it is exactly what plain decoding would have built.
+Sampling goes through the engine's row API (`sampling.RowSampling`): the call's one
+`SamplingParams` is a broadcast row, row b seeded with seed + b, and token n of a row is drawn with
+fold_in(key(seed), n). So a row's tokens depend only on its seed and prompt, and equal those of an
+engine request with that seed.
+
+Speculative decoding (k = 1..3 drafts): one `speculation.speculative_round` per loop step, the
+engine's own (MTP drafts, one verify forward keeping every per-token KDA state, per-row acceptance,
+rollback to the accepted prefix, the MTP cache re-filled from the main model's true hidden states).
+A row near its max_new_tokens verifies fewer drafts, so a round never emits past it.
 """
 from __future__ import annotations
 
@@ -22,13 +27,13 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from ling_jax.call_mode import DECODE, PREFILL, VERIFY
+from ling_jax.call_mode import DECODE, PREFILL
 from ling_jax.checks import check_int
 from ling_jax.exec_config import ExecConfig
-from ling_jax.layer_stack import roll_back_kda
 from ling_jax.model import HybridCache, init_cache
-from ling_jax.sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, apply_penalties, check_logprobs, probs,
-                               sample, speculative_accept, speculative_accept_greedy, token_logprobs, token_stats)
+from ling_jax.sampling import (MAX_LOGPROBS, RowSampling, SamplingParams, TokenLogprob, apply_penalties,
+                               check_logprobs, token_logprobs, token_stats)
+from ling_jax.speculation import MAX_SPECULATIVE, speculative_round
 
 
 class LogprobBuffers(NamedTuple):
@@ -45,8 +50,7 @@ class DecodeState(NamedTuple):
     hidden: jax.Array     # [B,D] final-normed hidden of the last processed token
     done: jax.Array       # [B] bool
     out: jax.Array        # [B,max_new] emitted tokens
-    n_out: jax.Array      # [B] how many emitted
-    key: jax.Array
+    n_out: jax.Array      # [B] how many emitted (= the index of the token each row draws next)
     rounds: jax.Array     # [B] verify rounds (speculative) or steps
     accepted: jax.Array   # [B] tokens emitted by those rounds
     gen_counts: Optional[jax.Array] = None   # [B,V] int32 emitted-token counts (penalties on), else None
@@ -78,12 +82,12 @@ def _is_stop(tok, stop_ids):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "with_mtp", "fresh", "exec"),
                    donate_argnames=("cache",))
-def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, key, *, sampling: SamplingParams,
+def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, *, sampling: SamplingParams,
             with_mtp: bool, fresh: bool, exec: ExecConfig | None = None):
     """Feed [B,T] right-padded tokens (n_valid[b] real) into the cache.
 
-    Returns (cache, logits at each row's last real token [B,V], sampled next token [B], last hidden
-    [B,D]). With MTP, the MTP cache gets the slots pairing each fed token with the previous hidden
+    Returns (cache, logits at each row's last real token [B,V], next token [B] drawn as the rows'
+    token 0 (`RowSampling.broadcast(sampling, B)`), last hidden [B,D]). With MTP, the MTP cache gets the slots pairing each fed token with the previous hidden
     (`prev_hidden`, the last hidden of an earlier call; ignored when `fresh`).
     """
     model = nnx.merge(graphdef, params)
@@ -104,16 +108,16 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, key
             _, _, mtp = model.mtp_forward(ids, h, cache.mtp, start - 1, n_valid, ex)
         new = new._replace(mtp=mtp)
     hid = jnp.where((n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
-    tok = sample(logits, key, sampling)
+    tok = RowSampling.broadcast(sampling, B).draw(logits)
     return new, logits, tok, hid
 
 
 @functools.partial(jax.jit, static_argnames=("sampling",))
-def _sample_first(logits, key, *, sampling: SamplingParams):
-    return sample(logits, key, sampling)
+def _sample_first(logits, *, sampling: SamplingParams):
+    return RowSampling.broadcast(sampling, logits.shape[0]).draw(logits)
 
 
-def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, lens: np.ndarray, hidden0, key,
+def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, lens: np.ndarray, hidden0,
                       chunk: int, *, with_mtp: bool, exec: ExecConfig | None = None):
     """`prefill` of a right-padded prompt batch ids [B, n·chunk] as n calls of `chunk` tokens (one
     compiled program), so activation memory is that of one chunk, not of the prompt.
@@ -123,14 +127,14 @@ def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, len
     before it (`prev_hidden`, the previous call's last). A row whose prompt ended in an earlier chunk
     feeds nothing more (n_valid 0: padding never enters a state) and keeps its logits and hidden.
     Returns (cache, logits at each row's last prompt token [B,V], last hidden [B,D]); the first
-    token is drawn by the caller from those logits with the same key as a single `prefill` would.
+    token is drawn by the caller from those logits as a single `prefill` would.
     """
     B, W = ids.shape
     logits, hid = None, hidden0
     for i in range(W // chunk):
         nv = np.clip(lens - i * chunk, 0, chunk).astype(np.int32)
         cache, lg, _, hid = prefill(graphdef, params, cache, jnp.asarray(ids[:, i * chunk:(i + 1) * chunk]),
-                                    jnp.asarray(nv), hid, key, sampling=SamplingParams(), with_mtp=with_mtp,
+                                    jnp.asarray(nv), hid, sampling=SamplingParams(), with_mtp=with_mtp,
                                     fresh=i == 0 or not with_mtp, exec=exec)  # (ignored without MTP: one program)
         logits = lg if logits is None else jnp.where(jnp.asarray(nv > 0)[:, None], lg, logits)
     return cache, logits, hid
@@ -193,14 +197,14 @@ def _stream(stream_fn, toks, take):
 
 
 def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
-    key, sub = jax.random.split(state.key)
     active = ~state.done
     out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex, mode=DECODE)
     logits = out["logits"][:, 0]
-    nxt = sample(_penalized(logits, state, sampling), sub, sampling)
+    rows = RowSampling.broadcast(sampling, logits.shape[0], state.n_out)
+    nxt = rows.draw(_penalized(logits, state, sampling))
     cache = out["cache"]
     hidden = jnp.where(active[:, None], out["hidden"][:, 0], state.hidden)
-    new, take = _emit(state._replace(key=key), nxt[:, None], jnp.ones_like(state.n_out), stop_ids, max_new,
+    new, take = _emit(state, nxt[:, None], jnp.ones_like(state.n_out), stop_ids, max_new,
                       _logprob_values(logits[:, None], nxt[:, None], state))
     _stream(stream_fn, nxt[:, None], take)
     return new._replace(cache=cache, hidden=hidden, token=jnp.where(active, nxt, state.token),
@@ -208,47 +212,16 @@ def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_f
 
 
 def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
-    cfg = model.cfg
-    key, kd, ka = jax.random.split(state.key, 3)
+    """One `speculative_round`; a row with r tokens left verifies min(k, r - 1) drafts (the engine's
+    `Scheduler.drafts_for`), so its draws are the engine's for the same seed."""
     active = ~state.done
-    cache = state.cache
-    P = cache.lengths
-    # 1. draft k tokens with the MTP layer (slot P-1 pairs the pending token with the true hidden)
-    tok, h, mtp = state.token, state.hidden, cache.mtp
-    drafts, qprobs = [], []
-    dkeys = jax.random.split(kd, k)
-    for j in range(k):
-        lg, zm, mtp = model.mtp_forward(tok[:, None], h[:, None], mtp, P - 1 + j, active.astype(jnp.int32), ex)
-        lg = lg[:, 0]
-        d = sample(lg, dkeys[j], sampling)
-        drafts.append(d)
-        if not sampling.greedy:
-            qprobs.append(probs(lg, sampling))
-        tok, h = d, zm[:, 0]
-    drafts = jnp.stack(drafts, 1)  # [B,k]
-    # 2. verify [pending, d_1..d_k] in one forward, keeping every KDA state for rollback
-    feed = jnp.concatenate([state.token[:, None], drafts], axis=1)
-    out = model(feed, cache._replace(mtp=None), jnp.where(active, k + 1, 0), exec=ex, mode=VERIFY)
-    if sampling.greedy:
-        a, nxt = speculative_accept_greedy(drafts, out["logits"])
-    else:
-        tp = jax.vmap(lambda l: probs(l, sampling), in_axes=1, out_axes=1)(out["logits"])
-        a, nxt = speculative_accept(drafts, jnp.stack(qprobs, 1), tp, ka)
-    adv = jnp.where(active, a + 1, 0)
-    # 3. roll the main cache back to the accepted prefix
-    layers = roll_back_kda(cfg, out["cache"].layers, out["kda_states"], adv)
-    hidden = jnp.where(active[:, None], _take(out["hidden"], jnp.maximum(adv - 1, 0)), state.hidden)
-    # 4. MTP slots P..P+a-1 from the accepted drafts and the main model's true hidden states
-    _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, jnp.where(active, a, 0), ex)
-    new_cache = HybridCache(tuple(layers), mtp, P + adv)
-    emitted = jnp.concatenate([drafts, nxt[:, None]], axis=1)
-    emitted = jnp.where(jnp.arange(k + 1)[None, :] < a[:, None], emitted,
-                        jnp.where(jnp.arange(k + 1)[None, :] == a[:, None], nxt[:, None], 0))
+    rows = RowSampling.broadcast(sampling, state.token.shape[0], state.n_out)
+    n_drafts = jnp.clip(max_new - state.n_out - 1, 0, k)
+    r = speculative_round(model, state.cache, state.token, state.hidden, n_drafts, active, rows, k, ex)
     # emitted token j was drawn from the verify logits at position j: its logprobs are those
-    new, take = _emit(state._replace(key=key), emitted, adv, stop_ids, max_new,
-                      _logprob_values(out["logits"], emitted, state))
-    _stream(stream_fn, emitted, take)
-    return new._replace(cache=new_cache, hidden=hidden, token=jnp.where(active, nxt, state.token),
+    new, take = _emit(state, r.emitted, r.n_emitted, stop_ids, max_new, _logprob_values(r.logits, r.emitted, state))
+    _stream(stream_fn, r.emitted, take)
+    return new._replace(cache=r.cache, hidden=r.hidden, token=jnp.where(active, r.next_token, state.token),
                         rounds=state.rounds + active, accepted=state.accepted + take)
 
 
@@ -331,9 +304,9 @@ STREAM_CHUNK = 8  # decode steps per compiled call when streaming (`generate(str
 
 def _decode_streamed(graphdef, params, state: DecodeState, stream, chunk: int, **kw) -> DecodeState:
     """`decode_loop` in calls of at most `chunk` steps, handing the tokens each call emitted to
-    `stream(tokens [B,n], counts [B])` between calls. The steps are the loop's own (the state,
-    random key included, is carried from call to call), so the tokens equal one whole call's; the
-    program has no host callback, so the persistent compilation cache stores it, and every call
+    `stream(tokens [B,n], counts [B])` between calls. The steps are the loop's own (the state is
+    carried from call to call, and a row's draws follow its token count), so the tokens equal one
+    whole call's; the program has no host callback, so the persistent compilation cache stores it, and every call
     after the first reuses it (`max_steps` is traced)."""
     seen = np.asarray(state.n_out)
     while True:
@@ -377,7 +350,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     """
     cfg = model.cfg
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", low=1)
-    speculative = check_int(speculative, "speculative", low=0, high=3)  # MTP drafts per step
+    speculative = check_int(speculative, "speculative", low=0, high=MAX_SPECULATIVE)  # MTP drafts per step
     stream_chunk = check_int(stream_chunk, "stream_chunk", low=1)
     if speculative and model.mtp is None:
         raise ValueError("speculative decoding needs the MTP layer, and this checkpoint/model has none")
@@ -403,19 +376,17 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     graphdef, params = nnx.split(model)
     with_mtp = bool(speculative)
     cache = init_cache(cfg, B, max_len, model.dtype, with_mtp=with_mtp, kv_cache_dtype=kv_cache_dtype)
-    key = jax.random.key(sampling.seed)
-    key, k0 = jax.random.split(key)
     hidden0 = jnp.zeros((B, cfg.hidden_size), model.dtype)
     penalized = sampling.penalized
     # with penalties the first token is drawn below (prefill's own draw, then a cheap argmax, is unused)
     if one_call:
-        cache, logits, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0, k0,
+        cache, logits, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0,
                                           sampling=SamplingParams() if penalized else sampling, with_mtp=with_mtp,
                                           fresh=True, exec=exec)
     else:
-        cache, logits, hid = prefill_in_chunks(graphdef, params, cache, ids, lens, hidden0, k0, chunk,
+        cache, logits, hid = prefill_in_chunks(graphdef, params, cache, ids, lens, hidden0, chunk,
                                                with_mtp=with_mtp, exec=exec)
-        tok = _sample_first(logits, k0, sampling=SamplingParams() if penalized else sampling)
+        tok = _sample_first(logits, sampling=SamplingParams() if penalized else sampling)
     zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the loop state is donated
     out_width = length_bucket(max_new_tokens)  # the output buffer is bucketed; max_new is traced
     V = cfg.vocab_size
@@ -424,11 +395,11 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         jnp.zeros((B, out_width), jnp.float32), jnp.zeros((B, out_width, n_top), jnp.int32),
         jnp.zeros((B, out_width, n_top), jnp.float32))
     state = DecodeState(cache, tok, hid, jnp.zeros((B,), bool), jnp.zeros((B, out_width), jnp.int32),
-                        zeros(), key, zeros(), zeros(),
+                        zeros(), zeros(), zeros(),
                         gen_counts=jnp.zeros((B, V), jnp.int32) if penalized else None,
                         prompt_seen=token_stats(ids, lens, V) > 0 if penalized else None, logprobs=lp_bufs)
     if penalized:
-        tok = sample(_penalized(logits, state, sampling), k0, sampling)
+        tok = _sample_first(_penalized(logits, state, sampling), sampling=sampling)
         state = state._replace(token=tok)
     state, take = _emit(state, tok[:, None], jnp.ones((B,), jnp.int32), stop, max_new_tokens,
                         _logprob_values(logits[:, None], tok[:, None], state))

@@ -29,10 +29,11 @@ what the model thinks of each token, whatever the sampling settings drew it with
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # the settings and their checks are host-only (`ling_jax.sampling_params`); part of this module's API too
 from ling_jax.sampling_params import (MAX_LOGPROBS, SamplingParams, TokenLogprob, check_logprobs,  # noqa: F401
@@ -54,6 +55,7 @@ __all__ = [
     "probs",
     "processed_logits_rows",
     "request_keys",
+    "RowSampling",
     "sample",
     "sample_rows",
     "speculative_accept",
@@ -207,7 +209,57 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, n_top: int) -> Tuple[ja
 
 
 # ---------------------------------------------------------------------------------------------
-# per-row parameters (the serving engine: one batch, every row its own request)
+# per-row parameters: the one sampling API of `generate` and the engine (one batch, every row its
+# own request; `generate`'s one SamplingParams is a broadcast row)
+
+SEED_SPAN = 2 ** 32
+
+
+class RowSampling(NamedTuple):
+    """Per-row sampling parameters ([R] arrays): temperature f32 (0 = greedy), top_k int32 (0 =
+    off), top_p f32, seed uint32, n_gen int32 (index of the token being drawn: its random stream
+    is fold_in(key(seed), n_gen), `request_keys`); presence / frequency / repetition f32 penalties
+    (0, 0, 1 = off), prompt_len int32 (fed positions below it are prompt tokens, see
+    `serve.token_stats`), logprobs bool (the row wants log-probabilities). The last five None = no
+    penalties, no logprobs."""
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    n_gen: jax.Array
+    presence: jax.Array | None = None
+    frequency: jax.Array | None = None
+    repetition: jax.Array | None = None
+    prompt_len: jax.Array | None = None
+    logprobs: jax.Array | None = None
+
+    @classmethod
+    def broadcast(cls, params: SamplingParams, batch: int, n_gen=None) -> "RowSampling":
+        """`params` as `batch` rows (what `generate` samples with). Row b's seed is
+        (params.seed + b) mod 2**32: the rows of one call draw independently, and row b draws
+        exactly as an engine request with that seed would. n_gen: [batch] (default zeros).
+        Penalty fields only when `params.penalized`."""
+        full = lambda v, dt: jnp.full((batch,), v, dt)  # noqa: E731
+        seeds = jnp.asarray((params.seed + np.arange(batch, dtype=np.uint64)) % SEED_SPAN, jnp.uint32)
+        pen = {}
+        if params.penalized:
+            pen = dict(presence=full(params.presence_penalty, jnp.float32),
+                       frequency=full(params.frequency_penalty, jnp.float32),
+                       repetition=full(params.repetition_penalty, jnp.float32))
+        return cls(full(params.temperature, jnp.float32), full(params.top_k, jnp.int32),
+                   full(params.top_p, jnp.float32), seeds,
+                   jnp.zeros((batch,), jnp.int32) if n_gen is None else jnp.asarray(n_gen, jnp.int32), **pen)
+
+    def draw(self, logits: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+        """`sample_rows` of logits [R, V] with these rows' parameters; keys default to each row's
+        `request_keys(seed, n_gen)`."""
+        keys = request_keys(self.seed, self.n_gen) if keys is None else keys
+        return sample_rows(logits, keys, self.temperature, self.top_k, self.top_p)
+
+    def probs(self, logits: jax.Array) -> jax.Array:
+        """[R, V] the distribution each row draws from (its temperature / top-k / top-p)."""
+        return jax.nn.softmax(processed_logits_rows(logits, self.temperature, self.top_k, self.top_p), axis=-1)
+
 
 def processed_logits_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                           top_p: jax.Array) -> jax.Array:

@@ -125,7 +125,7 @@ def test_preemption_under_tiny_pool_gives_same_tokens(tiny_model, reference):
     assert sorted(eng.alloc.free) == list(range(10))
 
 
-def test_seeded_request_same_alone_and_in_busy_batch(engine, tiny_cfg):
+def test_seeded_request_same_alone_and_in_busy_batch(engine, tiny_cfg, tiny_model):
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, tiny_cfg.vocab_size, 21).tolist()
     p = RequestParams(max_tokens=16, temperature=1.0, top_k=20, top_p=0.9, seed=1234, stop_ids=())
@@ -143,6 +143,9 @@ def test_seeded_request_same_alone_and_in_busy_batch(engine, tiny_cfg):
                                                      seed=99, stop_ids=()))
     engine.run_until_done()
     assert other_seed.generated != alone  # the stream really depends on the seed
+    # one row-sampling API: `generate`'s row b with seed s draws as an engine request with seed s + b
+    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=1233)
+    assert generate(tiny_model, [others[0], prompt], 16, sampling=sp, stop_ids=()).tokens[1] == alone
 
 
 def test_cancel_and_no_leak(engine, reference):
@@ -207,7 +210,7 @@ def test_engine_pages_equal_contiguous_prefill(engine, tiny_model, tiny_cfg):
     graphdef, params = nnx.split(tiny_model)
     cache = init_cache(cfg, 1, 64, jnp.float32, with_mtp=True)
     cache, _, _, _ = prefill(graphdef, params, cache, jnp.asarray([fed], jnp.int32),
-                             jnp.asarray([len(fed)], jnp.int32), jnp.zeros((1, cfg.hidden_size)), jax.random.key(0),
+                             jnp.asarray([len(fed)], jnp.int32), jnp.zeros((1, cfg.hidden_size)),
                              sampling=SamplingParams(), with_mtp=True, fresh=True)
     n = len(fed)
     checked = 0

@@ -21,7 +21,7 @@ from ling_jax.serve import Engine, RequestParams
 from ling_jax.serve.allocator import PageAllocator
 from ling_jax.serve.pools import plan_pools
 from ling_jax.serve.scheduler import DECODE, PREFILL, Request, Scheduler
-from ling_jax.serve.speculative import MAX_SPECULATIVE
+from ling_jax.speculation import MAX_SPECULATIVE
 
 PAGE, MAX_SEQ, MAX_NEW, N_REQ = 8, 80, 20, 14
 
@@ -215,7 +215,7 @@ def test_kda_state_after_rollback_equals_plain(engine_for, model, tiny_cfg):
     graphdef, params = nnx.split(model)
     cache = init_cache(cfg, 1, 80, jnp.float32, with_mtp=True)
     cache, _, _, hid = prefill(graphdef, params, cache, jnp.asarray([fed], jnp.int32), jnp.asarray([n], jnp.int32),
-                               jnp.zeros((1, cfg.hidden_size)), jax.random.key(0), sampling=SamplingParams(),
+                               jnp.zeros((1, cfg.hidden_size)), sampling=SamplingParams(),
                                with_mtp=True, fresh=True)
     states = _kda_layer_states(eng.runner.pools, cfg, req.slot)
     assert len(states) == sum(t == KDA for t in cfg.layer_types)
@@ -232,7 +232,7 @@ def test_kda_state_after_rollback_equals_plain(engine_for, model, tiny_cfg):
     _assert_all_free(eng)
 
 
-def test_seeded_sampled_request_alone_busy_and_preempted(engine_for, reference, tiny_cfg):
+def test_seeded_sampled_request_alone_busy_and_preempted(engine_for, reference, tiny_cfg, model):
     """Speculative sampling: a seeded request's tokens are the same alone, in a busy mixed batch and
     when it is preempted (recomputed) mid-way; greedy neighbours still equal plain decoding."""
     prompts, params, _, expected = reference
@@ -244,6 +244,9 @@ def test_seeded_sampled_request_alone_busy_and_preempted(engine_for, reference, 
     eng.run_until_done()
     alone = h.generated
     assert len(alone) == 18 and eng.spec_accepted > accepted0  # sampled drafts were accepted too
+    # one speculation module: `generate`'s row b with seed s draws as an engine request with seed s + b
+    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1233)
+    assert generate(model, [prompts[3], prompt], 18, sampling=sp, speculative=2, stop_ids=()).tokens[1] == alone
     rng = np.random.default_rng(6)
     others = [prompts[i] for i in range(8)]
     kinds = [params[i] if i % 2 == 0 else

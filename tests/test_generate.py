@@ -60,7 +60,6 @@ def test_two_prefill_calls_with_carried_cache_equal_one(tiny_model, tiny_cfg):
     graphdef, params = nnx.split(tiny_model)
     ids = np.random.default_rng(1).integers(0, tiny_cfg.vocab_size, (2, 12)).astype(np.int32)
     g = SamplingParams()
-    import jax
     h0 = jnp.zeros((2, tiny_cfg.hidden_size), jnp.float32)
 
     def run(splits):
@@ -68,12 +67,12 @@ def test_two_prefill_calls_with_carried_cache_equal_one(tiny_model, tiny_cfg):
         hid, start = h0, 0
         for i, end in enumerate(splits):
             cache, logits, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids[:, start:end]),
-                                              jnp.full((2,), end - start, jnp.int32), hid, jax.random.key(0),
+                                              jnp.full((2,), end - start, jnp.int32), hid,
                                               sampling=g,
                                               with_mtp=True, fresh=(i == 0))
             start = end
         st = DecodeState(cache, tok, hid, jnp.zeros((2,), bool), jnp.zeros((2, 8), jnp.int32),
-                         jnp.zeros((2,), jnp.int32), jax.random.key(1), jnp.zeros((2,), jnp.int32),
+                         jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32),
                          jnp.zeros((2,), jnp.int32))
         st = decode_loop(graphdef, params, st, sampling=g, stop_ids=(), max_new=8, speculative=2)
         return np.asarray(logits), np.asarray(st.out)

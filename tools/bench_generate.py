@@ -174,7 +174,7 @@ def main():
 
         def go():
             cache = init_cache(cfg, B, L + a.decode_steps + 8, jnp.float32, with_mtp=False)
-            out = prefill(graphdef, params, cache, ids, lens, h0, jax.random.key(0), sampling=g,
+            out = prefill(graphdef, params, cache, ids, lens, h0, sampling=g,
                           with_mtp=False, fresh=True)
             jax.block_until_ready(out)
             return out
@@ -204,7 +204,7 @@ def main():
             z = lambda: jnp.zeros((B,), jnp.int32)
             c = jax.tree.map(lambda x: x.copy(), cache)
             return DecodeState(c, tok.copy(), hid.copy(), jnp.zeros((B,), bool), jnp.zeros((B, a.decode_steps), jnp.int32),
-                               z(), jax.random.key(1), z(), z())
+                               z(), z(), z())
 
         def go():
             st = state()

@@ -147,24 +147,19 @@ def generate_programs(model, mesh, families, *, batch: int, prompt: int, max_len
     make_cache = lambda: init_cache(cfg, batch, max_len, model.dtype, with_mtp=with_mtp,  # noqa: E731
                                     kv_cache_dtype=kv_cache_dtype)
     cache = abstract_like(make_cache, pool_shardings(cfg, jax.eval_shape(make_cache), mesh))
-    key = jax.eval_shape(lambda: jax.random.key(0))
     rep = lambda tree: replicated(tree, mesh)  # noqa: E731
     out = []
     if "generate-prefill" in families:
         args = (graphdef, params, cache) + rep((np.zeros((batch, prompt), np.int32), np.zeros((batch,), np.int32),
                                                 np.zeros((batch, cfg.hidden_size), model.dtype)))
-        key_arg = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec()))
         out.append(Program(f"generate-prefill[B={batch},T={prompt}]", "generate-prefill", prefill,
-                           args + (key_arg,), dict(sampling=SamplingParams(), with_mtp=with_mtp, fresh=True),
+                           args, dict(sampling=SamplingParams(), with_mtp=with_mtp, fresh=True),
                            batch * prompt, plan("generate", batch=batch, max_len=max_len, mtp=with_mtp)))
     if "generate-decode" in families:
         B, W = batch, 16
         z = lambda *s, dt=np.int32: np.zeros(s, dt)  # noqa: E731
         small = rep((z(B), z(B, cfg.hidden_size, dt=model.dtype), z(B, dt=bool), z(B, W), z(B), z(B), z(B)))
-        key_arg = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec()))
-        state = DecodeState(cache, small[0], small[1], small[2], small[3], small[4], key_arg, small[5], small[6])
+        state = DecodeState(cache, small[0], small[1], small[2], small[3], small[4], small[5], small[6])
         out.append(Program(f"generate-decode[B={batch}]", "generate-decode", decode_loop,
                            (graphdef, params, state),
                            dict(sampling=SamplingParams(), stop_ids=tuple(cfg.eos_token_id),

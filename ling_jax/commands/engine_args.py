@@ -40,11 +40,11 @@ from ling_jax.kv_quant import KV_CACHE_DTYPES
 from ling_jax.rope import context_limit
 from ling_jax.serve import Engine
 from ling_jax.serve.pools import GIB, plan_pools
+from ling_jax.speculation import MAX_SPECULATIVE
 
 ACCEL_FREE_FRACTION = 0.5
 CPU_CACHE_CAP_GIB = 4.0
 CPU_HOST_FRACTION = 0.25
-MAX_SPECULATIVE = 3  # MTP drafts per step (generate's bound)
 WARMUP_MODES = ("full", "lazy", "off")
 
 

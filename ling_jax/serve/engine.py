@@ -51,7 +51,7 @@ from ling_jax.serve.request import RequestFieldError, RequestParams
 from ling_jax.serve.runner import ModelRunner, check_decode_rows, decode_widths, token_buckets
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
 from ling_jax.serve.snapshots import DEFAULT_BUDGET_FRACTION, plan_snapshots
-from ling_jax.serve.speculative import MAX_SPECULATIVE
+from ling_jax.speculation import MAX_SPECULATIVE
 
 
 class RequestHandle:

@@ -29,7 +29,8 @@ from ling_jax.serve.pools import GIB, describe, init_pools, is_abstract, make_pl
 from ling_jax.serve.slot_sampling import SlotSampling
 from ling_jax.serve.snapshots import SnapshotPool
 from ling_jax.serve.speculative import make_spec_fn
-from ling_jax.serve.step import RowSampling, StepInputs, make_step_fns
+from ling_jax.sampling import RowSampling
+from ling_jax.serve.step import StepInputs, make_step_fns
 
 
 def decode_widths(max_blocks: int, smallest: int) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """Each slot's sampling parameters in persistent host arrays (host-only: no jax).
 
-Why: a step's per-row sampling inputs (`step.RowSampling`) were rebuilt field by field from every
+Why: a step's per-row sampling inputs (`sampling.RowSampling`) were rebuilt field by field from every
 row's `RequestParams` at every step, in Python. A request's temperature, top-k, top-p, seed,
 penalties, prompt length and logprobs flag do not change while it holds its slot, so they are
 written once into row `slot` of these arrays when the request is admitted (or re-admitted after a
@@ -14,7 +14,7 @@ import numpy as np
 
 from ling_jax.serve.request import RequestParams
 
-#: (field, dtype, neutral value) of the static per-slot parameters, in `step.RowSampling` order
+#: (field, dtype, neutral value) of the static per-slot parameters, in `sampling.RowSampling` order
 FIELDS = (("temperature", np.float32, 0.0), ("top_k", np.int32, 0), ("top_p", np.float32, 1.0),
           ("seed", np.uint32, 0), ("presence", np.float32, 0.0), ("frequency", np.float32, 0.0),
           ("repetition", np.float32, 1.0), ("prompt_len", np.int32, 0), ("logprobs", np.bool_, False))

@@ -29,27 +29,9 @@ from flax import nnx
 from ling_jax.call_mode import CallMode
 from ling_jax.exec_config import ExecConfig
 from ling_jax.rows import put_rows, take_rows
-from ling_jax.sampling import MAX_LOGPROBS, request_keys, sample_rows, token_logprobs
+from ling_jax.sampling import MAX_LOGPROBS, RowSampling, token_logprobs
 from ling_jax.serve.token_stats import gather_stats, penalize_rows, scatter_stats, update_rows
 from ling_jax.serve.pools import Pools, as_cache, with_cache
-
-
-class RowSampling(NamedTuple):
-    """Per-row sampling parameters ([R] arrays): temperature f32 (0 = greedy), top_k int32 (0 =
-    off), top_p f32, seed uint32, n_gen int32 (index of the token being drawn: its random stream
-    is fold_in(key(seed), n_gen)); presence / frequency / repetition f32 penalties (0, 0, 1 = off),
-    prompt_len int32 (fed positions below it are prompt tokens, see `token_stats`), logprobs bool
-    (the row wants log-probabilities). The last five None = no penalties, no logprobs."""
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    seed: jax.Array
-    n_gen: jax.Array
-    presence: jax.Array | None = None
-    frequency: jax.Array | None = None
-    repetition: jax.Array | None = None
-    prompt_len: jax.Array | None = None
-    logprobs: jax.Array | None = None
 
 
 class StepInputs(NamedTuple):
@@ -131,7 +113,7 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
         rs = update_rows(rs, inp.ids, inp.n_valid, inp.lengths, s.prompt_len, fresh)
         x = penalize_rows(logits, rs, s.presence, s.frequency, s.repetition)
         stats = scatter_stats(stats, inp.rows, rs) if gather_rows else rs
-    tok = sample_rows(x, request_keys(s.seed, s.n_gen), s.temperature, s.top_k, s.top_p)
+    tok = s.draw(x)
     hid = jnp.where((inp.n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
     new_pools = with_cache(cfg, pools, new_cache, rows)
     hidden = put_rows(pools.hidden, inp.rows, hid) if gather_rows else hid.astype(pools.hidden.dtype)
