@@ -5,9 +5,9 @@ import tempfile
 
 # Tests run on CPU; 8 host devices let the sharding tests build meshes in-process. The suite's time
 # is XLA:CPU compile time (~80% of an engine test): LLVM at -O0 and the classic (non-MLIR) fusion
-# emitters cut it ~3x and run these tiny programs no slower (measured: the backend compiles of a
-# K=2 speculative engine's warm-up 59 -> 19 s, its steps 0.32 -> 0.66 s; an engine test 154 -> 105 s
-# with -O0 alone; a 16K-token forward 62 -> 55 s).
+# emitters cut it 2.5x (measured, the backend compiles of a K=2 speculative engine's warm-up: 46.8 s
+# default, 31.5 s at -O0, 18.6 s with both; its 20 decode steps 0.30 -> 0.66 s; an engine test
+# 154 -> 105 s with -O0 alone; a 16K-token forward 62 -> 55 s).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                                    "--xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
