@@ -31,9 +31,9 @@ from ling_jax.call_mode import DECODE, PREFILL
 from ling_jax.checks import check_int
 from ling_jax.exec_config import ExecConfig
 from ling_jax.model import HybridCache, init_cache
-from ling_jax.sampling import (MAX_LOGPROBS, RowSampling, SamplingParams, TokenLogprob, apply_penalties,
-                               check_logprobs, token_logprobs, token_stats)
+from ling_jax.sampling import MAX_LOGPROBS, RowSampling, SamplingParams, TokenLogprob, check_logprobs, token_logprobs
 from ling_jax.speculation import MAX_SPECULATIVE, speculative_round
+from ling_jax.token_stats import TokenStats, init_token_stats, penalize_rows, update_rows
 
 
 class LogprobBuffers(NamedTuple):
@@ -53,8 +53,7 @@ class DecodeState(NamedTuple):
     n_out: jax.Array      # [B] how many emitted (= the index of the token each row draws next)
     rounds: jax.Array     # [B] verify rounds (speculative) or steps
     accepted: jax.Array   # [B] tokens emitted by those rounds
-    gen_counts: Optional[jax.Array] = None   # [B,V] int32 emitted-token counts (penalties on), else None
-    prompt_seen: Optional[jax.Array] = None  # [B,V] bool prompt tokens (penalties on), else None
+    stats: Optional[TokenStats] = None  # penalties on: the tokens fed so far ([B,V] counts + prompt mask)
     logprobs: Optional[LogprobBuffers] = None  # when logprobs were asked for, else None
 
 
@@ -80,19 +79,20 @@ def _is_stop(tok, stop_ids):
 # ---------------------------------------------------------------------------------------------
 # prefill
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "with_mtp", "fresh", "exec"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "with_mtp", "exec"),
                    donate_argnames=("cache",))
 def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, *, sampling: SamplingParams,
-            with_mtp: bool, fresh: bool, exec: ExecConfig | None = None):
+            with_mtp: bool, exec: ExecConfig | None = None):
     """Feed [B,T] right-padded tokens (n_valid[b] real) into the cache.
 
     Returns (cache, logits at each row's last real token [B,V], next token [B] drawn as the rows'
-    token 0 (`RowSampling.broadcast(sampling, B)`), last hidden [B,D]). With MTP, the MTP cache gets the slots pairing each fed token with the previous hidden
-    (`prev_hidden`, the last hidden of an earlier call; ignored when `fresh`).
+    token 0 (`RowSampling.broadcast(sampling, B)`), last hidden [B,D]). With MTP, the MTP cache gets
+    the slots pairing each fed token with the hidden before it (`model.mtp_fill`, the engine's too:
+    `prev_hidden` is the last hidden of an earlier call, unused by a row starting at position 0).
     """
     model = nnx.merge(graphdef, params)
     ex = exec or model.exec
-    B, T = ids.shape
+    B = ids.shape[0]
     start = cache.lengths
     out = model(ids, cache, n_valid, exec=ex, mode=PREFILL)
     new = out["cache"]
@@ -100,13 +100,7 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, *, 
     hid = _take(out["hidden"], last)
     logits = model.logits(hid, ex)
     if with_mtp:
-        if fresh:  # slot t pairs token t+1 with hidden t; the last real slot waits for the next token
-            nxt = jnp.concatenate([ids[:, 1:], jnp.zeros((B, 1), ids.dtype)], axis=1)
-            _, _, mtp = model.mtp_forward(nxt, out["hidden"], cache.mtp, start, jnp.maximum(n_valid - 1, 0), ex)
-        else:      # slot t pairs token t with the hidden before it
-            h = jnp.concatenate([prev_hidden[:, None].astype(out["hidden"].dtype), out["hidden"][:, :-1]], axis=1)
-            _, _, mtp = model.mtp_forward(ids, h, cache.mtp, start - 1, n_valid, ex)
-        new = new._replace(mtp=mtp)
+        new = new._replace(mtp=model.mtp_fill(cache.mtp, ids, out["hidden"], prev_hidden, start, n_valid, ex))
     hid = jnp.where((n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
     tok = RowSampling.broadcast(sampling, B).draw(logits)
     return new, logits, tok, hid
@@ -134,8 +128,7 @@ def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, len
     for i in range(W // chunk):
         nv = np.clip(lens - i * chunk, 0, chunk).astype(np.int32)
         cache, lg, _, hid = prefill(graphdef, params, cache, jnp.asarray(ids[:, i * chunk:(i + 1) * chunk]),
-                                    jnp.asarray(nv), hid, sampling=SamplingParams(), with_mtp=with_mtp,
-                                    fresh=i == 0 or not with_mtp, exec=exec)  # (ignored without MTP: one program)
+                                    jnp.asarray(nv), hid, sampling=SamplingParams(), with_mtp=with_mtp, exec=exec)
         logits = lg if logits is None else jnp.where(jnp.asarray(nv > 0)[:, None], lg, logits)
     return cache, logits, hid
 
@@ -146,7 +139,7 @@ def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, len
 def _emit(state: DecodeState, toks, count, stop_ids, max_new, logprobs: LogprobBuffers | None = None):
     """Append toks[:, :count[b]] (truncated at the first stop id and at max_new) to the output.
     max_new may be traced (≤ the output buffer's width). logprobs: the same tokens' values
-    ([B,n], [B,n,N], [B,n,N]) for `state.logprobs`; emitted tokens are counted in `gen_counts`."""
+    ([B,n], [B,n,N], [B,n,N]) for `state.logprobs`."""
     B, n = toks.shape
     j = jnp.arange(n)[None, :]
     stop = _is_stop(toks, stop_ids) & (j < count[:, None])
@@ -167,10 +160,7 @@ def _emit(state: DecodeState, toks, count, stop_ids, max_new, logprobs: LogprobB
                                   for buf, v in zip(lp, logprobs)))
     n_out = state.n_out + take
     done = state.done | (first_stop < jnp.minimum(count, room)) | (n_out >= max_new)
-    counts = state.gen_counts
-    if counts is not None:
-        counts = counts.at[rows[:, None], toks].add((j < take[:, None]).astype(jnp.int32))
-    return state._replace(out=out, n_out=n_out, done=done, gen_counts=counts, logprobs=lp), take
+    return state._replace(out=out, n_out=n_out, done=done, logprobs=lp), take
 
 
 def _logprob_values(logits, toks, state: DecodeState):
@@ -183,11 +173,12 @@ def _logprob_values(logits, toks, state: DecodeState):
     return a.reshape(B, n), b.reshape(B, n, N), c.reshape(B, n, N)
 
 
-def _penalized(logits, state: DecodeState, sampling: SamplingParams):
-    """The logits the next token is drawn from: penalised by the history when penalties are on."""
-    if state.gen_counts is None:
+def _penalized(logits, stats: TokenStats | None, rows: RowSampling):
+    """The logits the next token is drawn from: penalised by the rows' history when penalties are on
+    (`token_stats.penalize_rows`, the engine's)."""
+    if stats is None:
         return logits
-    return apply_penalties(logits, state.gen_counts, state.prompt_seen, sampling)
+    return penalize_rows(logits, stats, rows.presence, rows.frequency, rows.repetition)
 
 
 def _stream(stream_fn, toks, take):
@@ -198,16 +189,21 @@ def _stream(stream_fn, toks, take):
 
 def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
     active = ~state.done
+    B = active.shape[0]
+    stats = state.stats
+    if stats is not None:  # the fed token (the last one emitted) is a generated one
+        stats = update_rows(stats, state.token[:, None], active.astype(jnp.int32), state.cache.lengths,
+                            jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool))
     out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex, mode=DECODE)
     logits = out["logits"][:, 0]
-    rows = RowSampling.broadcast(sampling, logits.shape[0], state.n_out)
-    nxt = rows.draw(_penalized(logits, state, sampling))
+    rows = RowSampling.broadcast(sampling, B, state.n_out)
+    nxt = rows.draw(_penalized(logits, stats, rows))
     cache = out["cache"]
     hidden = jnp.where(active[:, None], out["hidden"][:, 0], state.hidden)
     new, take = _emit(state, nxt[:, None], jnp.ones_like(state.n_out), stop_ids, max_new,
                       _logprob_values(logits[:, None], nxt[:, None], state))
     _stream(stream_fn, nxt[:, None], take)
-    return new._replace(cache=cache, hidden=hidden, token=jnp.where(active, nxt, state.token),
+    return new._replace(cache=cache, hidden=hidden, token=jnp.where(active, nxt, state.token), stats=stats,
                         rounds=state.rounds + active, accepted=state.accepted + take)
 
 
@@ -382,12 +378,16 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     if one_call:
         cache, logits, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0,
                                           sampling=SamplingParams() if penalized else sampling, with_mtp=with_mtp,
-                                          fresh=True, exec=exec)
+                                          exec=exec)
     else:
         cache, logits, hid = prefill_in_chunks(graphdef, params, cache, ids, lens, hidden0, chunk,
                                                with_mtp=with_mtp, exec=exec)
         tok = _sample_first(logits, sampling=SamplingParams() if penalized else sampling)
     zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the loop state is donated
+    stats = None  # penalties: the prompt's tokens fed (prompt_len = its length), nothing generated yet
+    if penalized:
+        stats = update_rows(init_token_stats(B, cfg.vocab_size), jnp.asarray(ids), jnp.asarray(lens),
+                            jnp.zeros((B,), jnp.int32), jnp.asarray(lens), jnp.zeros((B,), bool))
     out_width = length_bucket(max_new_tokens)  # the output buffer is bucketed; max_new is traced
     V = cfg.vocab_size
     n_top = 0 if logprobs is None else min(MAX_LOGPROBS, V)  # always the top 20: one program for any N
@@ -396,10 +396,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         jnp.zeros((B, out_width, n_top), jnp.float32))
     state = DecodeState(cache, tok, hid, jnp.zeros((B,), bool), jnp.zeros((B, out_width), jnp.int32),
                         zeros(), zeros(), zeros(),
-                        gen_counts=jnp.zeros((B, V), jnp.int32) if penalized else None,
-                        prompt_seen=token_stats(ids, lens, V) > 0 if penalized else None, logprobs=lp_bufs)
+                        stats=stats, logprobs=lp_bufs)
     if penalized:
-        tok = _sample_first(_penalized(logits, state, sampling), sampling=sampling)
+        tok = _sample_first(_penalized(logits, stats, RowSampling.broadcast(sampling, B)), sampling=sampling)
         state = state._replace(token=tok)
     state, take = _emit(state, tok[:, None], jnp.ones((B,), jnp.int32), stop, max_new_tokens,
                         _logprob_values(logits[:, None], tok[:, None], state))

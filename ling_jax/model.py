@@ -131,6 +131,26 @@ class LingForCausalLM(nnx.Module):
         zm, mtp_cache, _ = self.mtp(emb, hidden.astype(self.dtype), mtp_cache, lengths, n_valid, ex)
         return self.logits(zm, ex), zm, mtp_cache
 
+    def mtp_fill(self, mtp_cache, ids, hidden, prev_hidden, start, n_valid, exec: ExecConfig | None = None):
+        """The MTP cache after feeding ids [B,T] (n_valid [B] real, from position start [B]) whose
+        main hiddens are hidden [B,T,D]: MTP slot t pairs token t+1 with the main hidden at t
+        (spec §11), so these tokens complete slots start-1 … start+n-2, the first with
+        prev_hidden [B,D] (the last hidden of the previous call); a row starting at 0 completes
+        0 … n-2 (its last slot waits for the next token). The one MTP fill of every prefill:
+        `generate.prefill` and the engine's prefill chunks (rows fresh or carried, per row)."""
+        ex = exec or self.exec
+        B, T = ids.shape
+        fresh = start == 0
+        shifted = jnp.concatenate([ids[:, 1:], jnp.zeros((B, 1), ids.dtype)], axis=1)
+        mtp_ids = jnp.where(fresh[:, None], shifted, ids)
+        carried = jnp.concatenate([prev_hidden[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
+        h = jnp.where(fresh[:, None, None], hidden, carried)
+        m_start = jnp.where(fresh, 0, start - 1)
+        m_n = jnp.where(fresh, jnp.maximum(n_valid - 1, 0), n_valid)
+        emb = self.model.word_embeddings(mtp_ids).astype(self.dtype)
+        _, mtp_cache, _ = self.mtp(emb, h.astype(self.dtype), mtp_cache, m_start, m_n, ex)
+        return mtp_cache
+
     def set_layer_loop(self, loop: str, *, free: bool = False) -> "LingForCausalLM":
         """Store the layers for `loop` ("scan" | "unroll", `LayerStack.set_loop`) and run that way.
         Outside any program; the parameter tree changes, so split the model again afterwards."""

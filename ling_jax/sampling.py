@@ -220,7 +220,7 @@ class RowSampling(NamedTuple):
     off), top_p f32, seed uint32, n_gen int32 (index of the token being drawn: its random stream
     is fold_in(key(seed), n_gen), `request_keys`); presence / frequency / repetition f32 penalties
     (0, 0, 1 = off), prompt_len int32 (fed positions below it are prompt tokens, see
-    `serve.token_stats`), logprobs bool (the row wants log-probabilities). The last five None = no
+    `token_stats`), logprobs bool (the row wants log-probabilities). The last five None = no
     penalties, no logprobs."""
     temperature: jax.Array
     top_k: jax.Array

@@ -211,7 +211,7 @@ def test_engine_pages_equal_contiguous_prefill(engine, tiny_model, tiny_cfg):
     cache = init_cache(cfg, 1, 64, jnp.float32, with_mtp=True)
     cache, _, _, _ = prefill(graphdef, params, cache, jnp.asarray([fed], jnp.int32),
                              jnp.asarray([len(fed)], jnp.int32), jnp.zeros((1, cfg.hidden_size)),
-                             sampling=SamplingParams(), with_mtp=True, fresh=True)
+                             sampling=SamplingParams(), with_mtp=True)
     n = len(fed)
     checked = 0
     for layer, c_pages, kpe_pages in mla_layer_pages(engine.runner.pools, cfg):

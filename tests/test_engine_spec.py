@@ -216,7 +216,7 @@ def test_kda_state_after_rollback_equals_plain(engine_for, model, tiny_cfg):
     cache = init_cache(cfg, 1, 80, jnp.float32, with_mtp=True)
     cache, _, _, hid = prefill(graphdef, params, cache, jnp.asarray([fed], jnp.int32), jnp.asarray([n], jnp.int32),
                                jnp.zeros((1, cfg.hidden_size)), sampling=SamplingParams(),
-                               with_mtp=True, fresh=True)
+                               with_mtp=True)
     states = _kda_layer_states(eng.runner.pools, cfg, req.slot)
     assert len(states) == sum(t == KDA for t in cfg.layer_types)
     for layer, st in states.items():

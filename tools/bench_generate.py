@@ -175,7 +175,7 @@ def main():
         def go():
             cache = init_cache(cfg, B, L + a.decode_steps + 8, jnp.float32, with_mtp=False)
             out = prefill(graphdef, params, cache, ids, lens, h0, sampling=g,
-                          with_mtp=False, fresh=True)
+                          with_mtp=False)
             jax.block_until_ready(out)
             return out
         t = time.perf_counter()

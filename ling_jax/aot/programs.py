@@ -153,7 +153,7 @@ def generate_programs(model, mesh, families, *, batch: int, prompt: int, max_len
         args = (graphdef, params, cache) + rep((np.zeros((batch, prompt), np.int32), np.zeros((batch,), np.int32),
                                                 np.zeros((batch, cfg.hidden_size), model.dtype)))
         out.append(Program(f"generate-prefill[B={batch},T={prompt}]", "generate-prefill", prefill,
-                           args, dict(sampling=SamplingParams(), with_mtp=with_mtp, fresh=True),
+                           args, dict(sampling=SamplingParams(), with_mtp=with_mtp),
                            batch * prompt, plan("generate", batch=batch, max_len=max_len, mtp=with_mtp)))
     if "generate-decode" in families:
         B, W = batch, 16

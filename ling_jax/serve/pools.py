@@ -37,7 +37,7 @@ from ling_jax.mla import PagedMLACache
 from ling_jax.model import HybridCache
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.serve.allocator import PoolSizes
-from ling_jax.serve.token_stats import TokenStats, init_token_stats, stats_bytes_per_slot
+from ling_jax.token_stats import TokenStats, init_token_stats, stats_bytes_per_slot
 from sharding.rules import path_str, spec
 
 GIB = 1024 ** 3

@@ -30,7 +30,7 @@ from ling_jax.call_mode import CallMode
 from ling_jax.exec_config import ExecConfig
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.sampling import MAX_LOGPROBS, RowSampling, token_logprobs
-from ling_jax.serve.token_stats import gather_stats, penalize_rows, scatter_stats, update_rows
+from ling_jax.token_stats import gather_stats, penalize_rows, scatter_stats, update_rows
 from ling_jax.serve.pools import Pools, as_cache, with_cache
 
 
@@ -53,24 +53,6 @@ def _take_last(x, n_valid):
     """x[b, max(n_valid[b]-1, 0)] for x [R,T,...]."""
     idx = jnp.maximum(n_valid - 1, 0)
     return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
-
-
-def _mtp_update(model, mtp_cache, ids, hidden, prev_hidden, start, n_valid, ex: ExecConfig):
-    """Fill the MTP layer's pages for the tokens just fed: MTP slot t pairs token t+1 with the main
-    hidden at t (spec §11), so feeding tokens start..start+n-1 completes slots start-1..start+n-2
-    (the first uses the previous call's last hidden); a row starting at 0 completes 0..n-2. This
-    is `generate.prefill`'s fresh / carried forms, chosen per row."""
-    R, T = ids.shape
-    fresh = start == 0
-    shifted = jnp.concatenate([ids[:, 1:], jnp.zeros((R, 1), ids.dtype)], axis=1)
-    mtp_ids = jnp.where(fresh[:, None], shifted, ids)
-    carried = jnp.concatenate([prev_hidden[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
-    h = jnp.where(fresh[:, None, None], hidden, carried)
-    m_start = jnp.where(fresh, 0, start - 1)
-    m_n = jnp.where(fresh, jnp.maximum(n_valid - 1, 0), n_valid)
-    emb = model.model.word_embeddings(mtp_ids).astype(model.dtype)
-    _, mtp_cache, _ = model.mtp(emb, h.astype(model.dtype), mtp_cache, m_start, m_n, ex)
-    return mtp_cache
 
 
 def _save_boundaries(snaps, bounds: dict, hidden, snap_rows, interval: int):
@@ -102,8 +84,8 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
     out = model(inp.ids, cache, inp.n_valid, exec=ex, mode=mode)
     new_cache = out["cache"]
     if pools.mtp is not None:
-        new_cache = new_cache._replace(mtp=_mtp_update(model, cache.mtp, inp.ids, out["hidden"], prev_hidden,
-                                                       inp.lengths, inp.n_valid, ex))
+        new_cache = new_cache._replace(mtp=model.mtp_fill(cache.mtp, inp.ids, out["hidden"], prev_hidden,
+                                                          inp.lengths, inp.n_valid, ex))
     hid = _take_last(out["hidden"], inp.n_valid)
     logits = model.logits(hid, ex)
     s = inp.sampling

@@ -1,10 +1,12 @@
-"""Per-slot token statistics on the device, for presence / frequency / repetition penalties.
+"""Per-row token statistics on the device, for presence / frequency / repetition penalties: the one
+form used by `generate`'s decode loop (rows = prompts) and the engine's steps (rows = slots).
 
 Why on the device, inside the compiled step: a penalty changes every logit of a token the
 sequence has seen, so the step needs, per slot, how often each token was generated and which
 tokens the prompt holds; sending that from the host each step would cost [slots, V] transfers.
 
-`TokenStats` (part of the `Pools` pytree, rows = slots):
+`TokenStats` (part of the engine's `Pools` pytree, rows = slots; of `generate.DecodeState`, rows =
+prompts):
 * gen_counts [max_slots, V] int32: how often each token was generated (frequency, presence);
 * prompt_seen [max_slots, V] bool: the tokens of the prompt (repetition, with gen_counts > 0).
 Memory: 5·V bytes per slot (`stats_bytes_per_slot`), e.g. 0.75 MiB at V = 157,184.
@@ -15,7 +17,9 @@ p < prompt_len, else a generated one (the engine feeds generated tokens back one
 decoding, and prompt + generated tokens when it recomputes a preempted request). A row starting
 a new sequence (lengths == 0, `fresh`) is cleared first, so nothing of a slot's previous owner
 survives and a recompute rebuilds the statistics exactly. So before the step samples token n,
-the row holds the counts of tokens 0..n-1 and its prompt's seen-mask, as `generate` does.
+the row holds the counts of tokens 0..n-1 and its prompt's seen-mask. `generate` keeps them the
+same way: its prompt fed once (prompt_len = its length), then each decode step's fed token (the
+previous one emitted) counted as generated.
 (A prefix-cache hit that starts a new sequence at lengths > 0 without feeding the cached
 prompt tokens would have to clear and seed the rows itself.)
 
