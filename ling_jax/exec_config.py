@@ -16,7 +16,7 @@ is not an execution choice: it is the model call's `mode` argument (`call_mode.C
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 
@@ -85,8 +85,6 @@ class ExecConfig:
         by the chunk, not the prompt.
     remat: None, or a `jax.checkpoint_policies` name: every decoder layer body is rematerialised
         under it in the backward pass (training).
-    mesh: None (one device) or the `jax.sharding.Mesh` the parameters live on; the routed experts
-        then run expert-parallel inside `shard_map` over its `expert`/`model` axes.
     platform: "tpu" | "gpu" | "cpu" | None: the backend every Pallas kernel call targets (its block
         sizes, compiler parameters, interpret or compile). None = the host's default backend. Why a
         field: a compile-only run on a CPU host (`ling-jax aot`) compiles for a TPU or GPU target,
@@ -103,7 +101,6 @@ class ExecConfig:
     attn_block: int = 512
     prefill_chunk: int = 2048
     remat: Optional[str] = None
-    mesh: Any = None
     platform: Optional[str] = None
 
     def __post_init__(self):
@@ -139,7 +136,7 @@ class ExecConfig:
                     native_experts=not accel,
                     layer_loop="unroll" if unroll else "scan",
                     platform=platform)
-        base.update({k: v for k, v in overrides.items() if v is not None or k in ("remat", "mesh")})
+        base.update({k: v for k, v in overrides.items() if v is not None or k == "remat"})
         if base.get("platform") is not None:
             base["platform"] = normalize_platform(base["platform"])
         return cls(**base)

@@ -3,7 +3,7 @@
     out = forward(model, ids)                        # ids [B,T] int (host or device)
     out = forward(model, ids, n_valid=lens, mtp=True)
 
-Works the same on one device and on a mesh: for a model loaded onto a mesh (`model.exec.mesh`),
+Works the same on one device and on a mesh: for a model loaded onto a mesh (`placement.model_mesh`),
 the inputs are placed batch-split over `data` with `sharding.global_batch` (every process passes
 the same host arrays; multi-process safe) and the outputs are gathered to every process.
 """
@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from ling_jax.exec_config import ExecConfig
+from ling_jax.placement import model_mesh
 from sharding.place import global_batch, to_host
 
 OUTPUTS = ("logits", "mtp_logits", "hidden", "routing")
@@ -35,13 +36,13 @@ def forward(model, ids, *, n_valid=None, mtp: bool = False, forced_routing=None,
     e.g. another forward's "routing") pins the experts. Values are jax.Arrays when this process can
     address them fully (one process), else NumPy arrays gathered to every process.
     `exec`: an ExecConfig overriding `model.exec` (e.g. `model.exec.replace(kernels="pallas")`);
-    its mesh (a model loaded onto a mesh) decides the input placement.
+    the mesh the parameters live on decides the input placement.
     """
     ids = np.asarray(ids, np.int32) if not isinstance(ids, jax.Array) else ids.astype(jnp.int32)
     B, T = ids.shape
     nv = np.full((B,), T, np.int32) if n_valid is None else n_valid
     exec = exec if exec is not None else model.exec
-    mesh = exec.mesh
+    mesh = model_mesh(model)
     if mesh is not None:
         ids, nv = global_batch(np.asarray(ids), mesh), global_batch(np.asarray(nv, np.int32), mesh)
         if forced_routing is not None:

@@ -21,6 +21,7 @@ from ling_jax.exec_config import ExecConfig
 from ling_jax.kernel_mesh import on_mesh
 from ling_jax.linear import Linear
 from ling_jax.norms import gated_rms_norm, l2_normalize
+from ling_jax.placement import param_mesh
 from pallas_kernels.kda.chunk_kernel import kda_chunk_scan_pallas
 from pallas_kernels.kda.reference import kda_chunk_scan, kda_recurrent_scan
 from pallas_kernels.kda.step_kernel import kda_recurrent_scan_pallas
@@ -94,12 +95,13 @@ class KimiDeltaAttention(nnx.Module):
     def _per_head(self, kernel, ex: ExecConfig | None, q, k, v, g, beta, s0, chunk_states: bool = False):
         """kernel(q, k, v, g, beta, s0) -> (o, state[, chunk states]), per device on its own heads when
         the model runs on a mesh (`kernel_mesh.on_mesh`: a Pallas kernel cannot be partitioned by XLA)."""
-        if ex is None or ex.mesh is None:
+        mesh = param_mesh(self.A_log)  # where this layer's parameters were placed (static under jit)
+        if ex is None or mesh is None:
             return kernel(q, k, v, g, beta, s0)
         t4 = ("batch", None, "heads", None)
         outs = ((("batch", None, "heads", None), ("batch", "heads", None, None))
                 + ((("batch", None, "heads", None, None),) if chunk_states else ()))
-        return on_mesh(kernel, ex.mesh, (t4, t4, t4, t4, ("batch", None, "heads"), ("batch", "heads", None, None)),
+        return on_mesh(kernel, mesh, (t4, t4, t4, t4, ("batch", None, "heads"), ("batch", "heads", None, None)),
                        outs, (q, k, v, g, beta, s0), heads=self.cfg.num_attention_heads)
 
     def __call__(self, x, state: KDAState, n_valid, ex: ExecConfig, mode: CallMode = FORWARD):

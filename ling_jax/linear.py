@@ -17,6 +17,7 @@ from flax import nnx
 from ling_jax.exec_config import ExecConfig
 from ling_jax.kernel_mesh import fp8_linear_on_mesh
 from ling_jax.ops import linear
+from ling_jax.placement import param_mesh
 from ling_jax.quantized import BlockFP8, dequantize
 from pallas_kernels.fp8.kernel import fp8_linear_pallas
 from pallas_kernels.fp8.reference import fp8_linear
@@ -43,7 +44,7 @@ class Linear(nnx.Module):
         if isinstance(w, BlockFP8):
             if ex is not None and ex.kernels == "pallas":
                 kernel = partial(fp8_linear_pallas, platform=ex.platform)
-                return fp8_linear_on_mesh(kernel, fp8_linear, ex.mesh, x, w.values, w.scales, w.block,
+                return fp8_linear_on_mesh(kernel, fp8_linear, param_mesh(self.weight), x, w.values, w.scales, w.block,
                                           self.weight.get_metadata()["axes"])
             return fp8_linear(x, w.values, w.scales, w.block)
         return linear(x, w, ex.weights_first_rows if ex is not None else 0)

@@ -24,6 +24,7 @@ from ling_jax.norms import RMSNorm
 from ling_jax.ops import einsum, linear
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
 from ling_jax.kernel_mesh import on_mesh
+from ling_jax.placement import param_mesh
 from pallas_kernels.mla.blockwise import blockwise_expanded_attention, blockwise_latent_attention
 from pallas_kernels.mla.kernel import latent_attention_pallas
 from pallas_kernels.mla.reference import attention_mask, latent_attention, masked_softmax
@@ -165,7 +166,7 @@ def uses_blockwise(n_queries: int, n_keys: int, block: int) -> bool:
     return n_keys > block and n_queries > DENSE_MAX_ROWS
 
 
-def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype, ex: ExecConfig):
+def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype, ex: ExecConfig, mesh=None):
     """MLA attention in `form` ("expanded" | "absorbed") the way `ex` says: the Pallas latent kernel
     (absorbed, kernels="pallas"), else the XLA blockwise form (over key blocks of `ex.attn_block`:
     memory of one block of scores, not [B,H,T,S]) or, for decode-sized T or a single block, the dense
@@ -185,7 +186,7 @@ def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dty
         def core(qh, qp, c_, kp, _mask, sc):  # per device on its own heads on a mesh (kernel_mesh.on_mesh)
             kern = partial(latent_attention_pallas, scale=sc, platform=ex.platform)
             bthr, bsr = ("batch", None, "heads", None), ("batch", None, None)
-            return on_mesh(kern, ex.mesh, (bthr, bthr, bsr, bsr, ("batch",), ("batch", None)), bthr,
+            return on_mesh(kern, mesh, (bthr, bthr, bsr, bsr, ("batch",), ("batch", None)), bthr,
                            (qh, qp, c_, kp, kv_len, q_pos), heads=qh.shape[2])
         mask = None
     elif blockwise:
@@ -291,7 +292,8 @@ class MultiheadLatentAttention(nnx.Module):
         # kv_b_proj is read as a matrix (split into W_UK / W_UV by the absorbed form): an FP8-kept one is
         # dequantised here, in-graph (a transient of one layer), like the XLA twin of the FP8 matmul.
         o = mla_attention(form, q[..., :dn], q_pe, c_all.astype(x.dtype), kpe_all.astype(x.dtype),
-                          self.kv_b_proj.matrix(x.dtype), pos, kv_len, self.scale, x.dtype, ex)
+                          self.kv_b_proj.matrix(x.dtype), pos, kv_len, self.scale, x.dtype, ex,
+                          param_mesh(self.kv_b_proj.weight))
         gate = jax.nn.sigmoid(self.g_proj(x, ex).astype(jnp.float32)).astype(x.dtype)
         o = o * gate[..., None]
         return self.dense(o.reshape(B, T, -1), ex), new_cache

@@ -28,7 +28,7 @@ from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision
 from ling_jax.quantized import dequantize, is_quantized
 from ling_jax.swiglu import SwiGLU, SwiGLULimit, swiglu_act
-from ling_jax.placement import value_specs
+from ling_jax.placement import param_mesh, value_specs
 
 
 def route(x: jax.Array, w: jax.Array, bias: jax.Array, cfg: LingConfig):
@@ -254,9 +254,10 @@ class MoE(nnx.Module):
         path = ex.experts if ex.experts != "auto" else auto_expert_path(
             B * T, idx.shape[1], self.cfg.num_experts, ex.grouped_matmul, any(is_quantized(w) for w in weights))
         limit = self.routed_limit[...]
-        if ex.mesh is not None:
-            specs = weight_specs(self.experts, names, ex.mesh, self.cfg.num_attention_heads)
-            y = experts_ep(xf, idx, wts, weights, specs, limit, ex.mesh, path, ex.grouped_matmul, ex.native_experts)
+        mesh = param_mesh(self.experts.gate_proj)  # where the experts were placed (static under jit)
+        if mesh is not None:
+            specs = weight_specs(self.experts, names, mesh, self.cfg.num_attention_heads)
+            y = experts_ep(xf, idx, wts, weights, specs, limit, mesh, path, ex.grouped_matmul, ex.native_experts)
         else:  # one device holds every expert: the local kernel with all of them
             y = experts_local(xf, idx, wts, 0, weights, limit, path, ex.grouped_matmul, ex.native_experts)
         y = y.astype(x.dtype)

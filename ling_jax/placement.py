@@ -110,9 +110,33 @@ def shard_model(model, mesh):
     return attach_mesh(model, mesh)
 
 
+#: The Variable metadata key that records the mesh a parameter was placed on.
+MESH_KEY = "mesh"
+
+
 def attach_mesh(model, mesh):
-    """Run `model` on `mesh`: its ExecConfig gets the mesh when it has more than one device (the
-    routed experts then run expert-parallel); mesh=None or one device: the single-device path."""
-    one = mesh is None or mesh.devices.size == 1
-    model.exec = model.exec.replace(mesh=None if one else mesh)
+    """Record on every Variable of `model` the mesh its value was placed on (None: one device).
+
+    Why metadata: the code that must know the mesh (expert parallelism in `moe`, Pallas kernels run
+    per device by `kernel_mesh.on_mesh`) runs under `jit`, where a parameter is a tracer without a
+    concrete sharding; Variable metadata is static and survives `nnx.split`/`merge`, so each module
+    reads the mesh from its own parameter (`param_mesh`) and no execution config carries it. A
+    one-device mesh is recorded as None (the single-device path)."""
+    m = None if mesh is None or mesh.devices.size == 1 else mesh
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+        var.set_metadata(MESH_KEY, m)
     return model
+
+
+def param_mesh(var):
+    """The mesh Variable `var` lives on (recorded by `attach_mesh` from its placement), or None."""
+    return var.get_metadata().get(MESH_KEY)
+
+
+def model_mesh(model):
+    """The mesh `model`'s parameters live on (None: one device); every parameter must agree."""
+    meshes = {id(m): m for _, v in nnx.to_flat_state(nnx.state(model)) if (m := param_mesh(v)) is not None}
+    if len(meshes) > 1:
+        raise ValueError(f"the model's parameters are placed on {len(meshes)} different meshes; "
+                         f"place the whole model with ling_jax.placement.shard_model(model, mesh)")
+    return next(iter(meshes.values()), None)

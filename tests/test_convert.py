@@ -15,6 +15,7 @@ from ling_jax.convert import convert
 from ling_jax.checkpoint.orbax import is_converted
 from ling_jax.cli import main as cli_main
 from ling_jax.loader import load_model
+from ling_jax.placement import model_mesh
 from ling_jax.quantized import BlockFP8
 from ling_jax.config import LingConfig
 from ling_jax.checkpoint.writer import write_checkpoint
@@ -71,7 +72,7 @@ def test_convert_then_restore_on_another_mesh(ckpt, tmp_path):
     direct = load_model(ckpt, "float32", mesh=mesh, progress=False)  # the HF directory itself
     assert_same_params(restored, direct, mesh)
     g = restored.model.layers[1].mlp.experts.gate_proj[...]
-    assert tuple(g.sharding.spec) == (None, "model", None) and restored.exec.mesh == mesh
+    assert tuple(g.sharding.spec) == (None, "model", None) and model_mesh(restored) == mesh
     # stored float32, restored as bfloat16: a plain cast
     bf = load_model(str(out), "bfloat16", mesh=S.parse_mesh("expert=8"), progress=False)
     x = bf.model.layers[2].mlp.experts.down_proj[...]
@@ -158,7 +159,7 @@ def test_converted_dir_loads_by_relative_path_on_one_device(ckpt, tmp_path, monk
     convert(ckpt, str(tmp_path / "rel"), S.parse_mesh("expert=8"), progress=False, with_mtp=False)
     monkeypatch.chdir(tmp_path)
     m = load_model("rel", "bfloat16", with_mtp=False, progress=False)
-    assert m.exec.mesh is None and len(m.lm_head.weight[...].sharding.device_set) == 1
+    assert model_mesh(m) is None and len(m.lm_head.weight[...].sharding.device_set) == 1
     assert_same_params(m, load_model(ckpt, "bfloat16", with_mtp=False, progress=False))
 
 

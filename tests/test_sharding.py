@@ -7,6 +7,7 @@ experts, vocab 300: divisible by every mesh below) is loaded straight into shard
 several meshes of the 8 simulated CPU devices; float32 logits must equal the single-device result
 within 1e-5 relative, and the arrays must be split as the rules say.
 """
+import dataclasses
 import re
 
 import jax
@@ -26,7 +27,7 @@ from ling_jax.forward import forward
 from ling_jax.linear import Linear
 from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.loader import abstract_model, load_model
-from ling_jax.placement import block_fp8_specs, param_specs, shard_model, variable_sharding
+from ling_jax.placement import block_fp8_specs, model_mesh, param_specs, shard_model, variable_sharding
 from ling_jax.quantized import BlockFP8
 
 TOL = 1e-5
@@ -389,7 +390,7 @@ def test_sharded_logits_match_single_device(ckpt, reference, spec):
     # each device really holds only its block
     g = L[1].mlp.experts.gate_proj[...]
     assert g.addressable_shards[0].data.shape == (8 // sizes["expert"], 24 // sizes["model"], 64)
-    assert model.exec.mesh == mesh  # the routed experts run expert-parallel (was: an EPPlan per MoE block)
+    assert model_mesh(model) == mesh  # the routed experts run expert-parallel (the parameters' mesh)
     ref, ref_mtp = reference
     if spec == "expert=4,model=2":  # the MTP layer too (once: each variant is a separate compile)
         out = forward(model, IDS, mtp=True)
@@ -487,11 +488,16 @@ def test_expert_parallel_kernel():
             assert rel_err(y, ref) < TOL, (fp8, path)
 
 
-def test_moe_expert_parallel_under_exec_mesh():
-    """A MoE block whose ExecConfig carries a mesh runs expert-parallel (weights placed by their
-    declared axes) and equals the single-device block."""
+def test_moe_expert_parallel_on_its_parameters_mesh(monkeypatch):
+    """A MoE block whose parameters are placed on a mesh runs expert-parallel (the mesh read from
+    its parameters under jit, not from the ExecConfig) and equals the single-device block."""
+    from ling_jax import moe as moe_mod
     from ling_jax.exec_config import ExecConfig
     from ling_jax.moe import MoE
+
+    calls = []
+    real_ep = moe_mod.experts_ep
+    monkeypatch.setattr(moe_mod, "experts_ep", lambda *a: calls.append(a[6]) or real_ep(*a))
 
     cfg = LingConfig.from_dict(small_cfg_dict())
     moe = MoE(cfg, 3, dtype=jnp.float32, rngs=nnx.Rngs(1))
@@ -500,9 +506,9 @@ def test_moe_expert_parallel_under_exec_mesh():
     ex = ExecConfig.for_backend(None, cfg, experts="grouped")
     ref = call(moe, x, ex)
     mesh = S.parse_mesh("expert=4,model=2")
-    heads = cfg.num_attention_heads
-    for p, v in nnx.to_flat_state(nnx.state(moe)):
-        v.set_value(jax.device_put(v.get_value(), variable_sharding(p, v, mesh, heads)))
-    assert spec_of(moe.experts.gate_proj[...]) == ("expert", "model", None)
-    got = call(moe, x, ex.replace(mesh=mesh))
+    assert not calls and "mesh" not in {f.name for f in dataclasses.fields(ExecConfig)}
+    shard_model(moe, mesh)
+    assert spec_of(moe.experts.gate_proj[...]) == ("expert", "model", None) and model_mesh(moe) == mesh
+    got = call(moe, x, ex)
+    assert calls == [mesh]  # traced once, expert-parallel over the parameters' mesh
     assert rel_err(got, ref) < TOL

@@ -26,6 +26,7 @@ from ling_jax.aot.abstract import abstract_like, replicated
 from ling_jax.forward import OUTPUTS
 from ling_jax.generate import DecodeState, decode_loop, prefill
 from ling_jax.model import init_cache
+from ling_jax.placement import model_mesh
 from ling_jax.sampling import SamplingParams
 from ling_jax.serve.engine import Engine
 from ling_jax.serve.pools import pool_shardings
@@ -97,7 +98,7 @@ def engine_programs(model, families, *, plan: Callable, shapes: str = "largest",
     if rows:
         engine_kw["decode_rows"] = tuple(sorted(set(rows) | {engine_kw["max_slots"]}))
     eng = Engine(model, speculative=speculative, **engine_kw)
-    mesh = model.exec.mesh or jax.tree.leaves(eng.runner.params)[0].sharding.mesh
+    mesh = model_mesh(model) or jax.tree.leaves(eng.runner.params)[0].sharding.mesh
     calls = eng.program_calls()
     calls = [c for c in calls if c[0].split("[")[0].split("-")[0] in families]
     if rows:
