@@ -143,12 +143,12 @@ class KimiDeltaAttention(nnx.Module):
             q, k = q.astype(jnp.bfloat16).astype(jnp.float32), k.astype(jnp.bfloat16).astype(jnp.float32)
         all_states = extra = None
         pallas = ex.kernels == "pallas"
-        chunk_scan = kda_chunk_scan
-        if pallas:
-            def chunk_scan(q, k, v, g, beta, s0, chunk, return_chunk_states=False):
-                kern = partial(kda_chunk_scan_pallas, chunk_size=chunk, platform=ex.platform,
-                               return_chunk_states=return_chunk_states)
-                return self._per_head(kern, ex, q, k, v, g, beta, s0, chunk_states=return_chunk_states)
+        def pallas_chunk_scan(q, k, v, g, beta, s0, chunk, return_chunk_states=False):
+            kern = partial(kda_chunk_scan_pallas, chunk_size=chunk, platform=ex.platform,
+                           return_chunk_states=return_chunk_states)
+            return self._per_head(kern, ex, q, k, v, g, beta, s0, chunk_states=return_chunk_states)
+
+        chunk_scan = pallas_chunk_scan if pallas else kda_chunk_scan
         if mode.kda_states:  # every per-token state is materialised anyway: the reference scan
             o, s, all_states = kda_recurrent_scan(q, k, v, g, beta, state.recurrent, return_all_states=True)
         elif mode.kda_recurrent:

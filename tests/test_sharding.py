@@ -27,7 +27,7 @@ from ling_jax.forward import forward
 from ling_jax.linear import Linear
 from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.loader import abstract_model, load_model
-from ling_jax.placement import block_fp8_specs, model_mesh, param_specs, shard_model, variable_sharding
+from ling_jax.placement import block_fp8_specs, model_mesh, param_specs, shard_model
 from ling_jax.quantized import BlockFP8
 
 TOL = 1e-5
