@@ -11,6 +11,7 @@ the pool is written in place; temp >= the pool means the compiler copied it.
 
     JAX_PLATFORMS=cpu python tools/probe_tpu_pool_alias.py --width 512 --pages 16384
     JAX_PLATFORMS=cpu python tools/probe_tpu_pool_alias.py --width 64 --pages 16384
+    JAX_PLATFORMS=cpu python tools/probe_tpu_pool_alias.py --width 64 --pack-lanes   # 2 tokens per lane row
 
 Needs the libtpu wheel (`pip install -e ".[aot]"`); nothing is allocated.
 """
@@ -41,25 +42,39 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=512, help="block-table width")
     ap.add_argument("--loop", choices=("one", "scan"), default="one", help="write one layer, or all in a loop")
+    ap.add_argument("--pack-lanes", action="store_true",
+                    help="width < 128: store 128/width tokens per 128-lane row ([pages, page_size·width/128, 128])")
     a = ap.parse_args(argv)
     target = resolve_target(a.target)
     mesh = Mesh(np.array(target.devices).reshape(-1), ("expert",))
     rep = NamedSharding(mesh, P())
     L, NP, PS, X, B, W = a.layers, a.pages, a.page_size, a.width, a.rows, a.blocks
 
+    pack = 128 // X if a.pack_lanes and X < 128 else 1
+
     def step(pool, new, block_table, pos, valid):
-        def write(i, pool):
-            return paged_write(pool, new, block_table, pos, valid, layer=(i, 0))
+        if pack == 1:
+            def write(i, pool):
+                return paged_write(pool, new, block_table, pos, valid, layer=(i, 0))
+        else:  # token t of a page: row t // pack, lanes (t % pack)·X .. +X
+            blk = jnp.take_along_axis(block_table, jnp.clip(pos // PS, 0, W - 1), axis=1)
+            page, off = jnp.where(valid, blk, NP).reshape(-1), (pos % PS).reshape(-1)
+            lanes = (off % pack)[:, None] * X + jnp.arange(X)[None, :]
+
+            def write(i, pool):
+                return pool.at[i, 0, page[:, None], (off // pack)[:, None], lanes].set(
+                    new.reshape(-1, X).astype(pool.dtype), mode="drop")
         pool = jax.lax.fori_loop(0, L, write, pool) if a.loop == "scan" else write(0, pool)
-        return pool, paged_gather(pool, block_table, layer=(0, 0)).astype(jnp.float32).sum()
+        got = pool[0, 0, block_table] if pack > 1 else paged_gather(pool, block_table, layer=(0, 0))
+        return pool, got.astype(jnp.float32).sum()
 
     sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
-    args = (sd((L, 1, NP, PS, X), jnp.bfloat16), sd((B, 1, X), jnp.bfloat16), sd((B, W), jnp.int32),
+    args = (sd((L, 1, NP, PS // pack, X * pack), jnp.bfloat16), sd((B, 1, X), jnp.bfloat16), sd((B, W), jnp.int32),
             sd((B, 1), jnp.int32), sd((B, 1), jnp.bool_))
     m = jax.jit(step, donate_argnums=0).lower(*args).compile().memory_analysis()
     mib = lambda n: n / 2**20  # noqa: E731
     pool = L * NP * PS * X * 2
-    print(f"{a.target} pool [{L},1,{NP},{PS},{X}] bf16 {mib(pool):.1f} MiB: argument "
+    print(f"{a.target} pool [{L},1,{NP},{PS // pack},{X * pack}] bf16 {mib(pool):.1f} MiB: argument "
           f"{mib(m.argument_size_in_bytes):.1f}, alias {mib(m.alias_size_in_bytes):.1f}, temp "
           f"{mib(m.temp_size_in_bytes):.1f} MiB (gathered block {mib(B * W * PS * X * 2):.1f} MiB) -> "
           f"{'COPIED' if m.temp_size_in_bytes >= pool else 'in place'}")
