@@ -185,7 +185,7 @@ def main():
 
     print("\n| prefill BxL | tok/s | roofline tok/s (FLOPs / matmul rate) | % of roofline | first call s (compile) |")
     print("|---|---:|---:|---:|---:|")
-    for shp in a.prefill_shapes.split(","):
+    for shp in filter(None, a.prefill_shapes.split(",")):  # "" = no prefill rows (as bench_hf.py)
         B, L = map(int, shp.split("x"))
         go, comp = run_prefill(B, L)
         s = timed(go, a.reps, 0)
