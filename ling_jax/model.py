@@ -127,9 +127,14 @@ class LingForCausalLM(nnx.Module):
         Returns (mtp logits [B,T,V] f32, MTP final-normed hidden [B,T,D], new MTP cache).
         """
         ex = exec or self.exec
+        zm, mtp_cache = self._mtp_layer(next_ids, hidden, mtp_cache, lengths, n_valid, ex)
+        return self.logits(zm, ex), zm, mtp_cache
+
+    def _mtp_layer(self, next_ids, hidden, mtp_cache, lengths, n_valid, ex: ExecConfig):
+        """(MTP final-normed hidden [B,T,D], new MTP cache) of `mtp_forward`, without the logits."""
         emb = self.model.word_embeddings(next_ids).astype(self.dtype)
         zm, mtp_cache, _ = self.mtp(emb, hidden.astype(self.dtype), mtp_cache, lengths, n_valid, ex)
-        return self.logits(zm, ex), zm, mtp_cache
+        return zm, mtp_cache
 
     def mtp_fill(self, mtp_cache, ids, hidden, prev_hidden, start, n_valid, exec: ExecConfig | None = None):
         """The MTP cache after feeding ids [B,T] (n_valid [B] real, from position start [B]) whose
@@ -147,9 +152,7 @@ class LingForCausalLM(nnx.Module):
         h = jnp.where(fresh[:, None, None], hidden, carried)
         m_start = jnp.where(fresh, 0, start - 1)
         m_n = jnp.where(fresh, jnp.maximum(n_valid - 1, 0), n_valid)
-        emb = self.model.word_embeddings(mtp_ids).astype(self.dtype)
-        _, mtp_cache, _ = self.mtp(emb, h.astype(self.dtype), mtp_cache, m_start, m_n, ex)
-        return mtp_cache
+        return self._mtp_layer(mtp_ids, h, mtp_cache, m_start, m_n, ex)[1]
 
     def set_layer_loop(self, loop: str, *, free: bool = False) -> "LingForCausalLM":
         """Store the layers for `loop` ("scan" | "unroll", `LayerStack.set_loop`) and run that way.

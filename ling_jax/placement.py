@@ -134,9 +134,10 @@ def param_mesh(var):
 
 
 def model_mesh(model):
-    """The mesh `model`'s parameters live on (None: one device); every parameter must agree."""
-    meshes = {id(m): m for _, v in nnx.to_flat_state(nnx.state(model)) if (m := param_mesh(v)) is not None}
-    if len(meshes) > 1:
-        raise ValueError(f"the model's parameters are placed on {len(meshes)} different meshes; "
-                         f"place the whole model with ling_jax.placement.shard_model(model, mesh)")
-    return next(iter(meshes.values()), None)
+    """The mesh `model`'s parameters live on (None: one device). `attach_mesh` records one mesh on
+    every Variable, so the first Variable answers: no walk of the whole tree (`forward` asks on
+    every call)."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable):
+            return param_mesh(node)
+    return None
