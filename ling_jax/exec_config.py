@@ -75,7 +75,7 @@ class ExecConfig:
     weights_first_rows: float linear layers whose input has 2 … this many rows compute
         `(W·xᵀ)ᵀ`, the weight the streamed operand (`pallas_kernels.matmul.linear`: XLA:CPU's GEMM
         otherwise repacks the weight every call; 1.6–2.3× faster at 2–16 rows). 0 = off (TPU/GPU).
-    native_experts: routed experts of few tokens (N·k ≤ E, on the XLA:CPU "capacity" path) run the
+    native_experts: routed experts of few tokens (N·k ≤ 2·E, on the XLA:CPU "capacity" path) run the
         native CPU kernel (`pallas_kernels.experts.cpu_kernel`, each used expert read once in place,
         built on first use) instead of its XLA loop; float32 only, XLA loop when it cannot be built.
     attn_block: keys per block of the XLA blockwise MLA attention (`pallas_kernels.mla.blockwise`):

@@ -25,6 +25,7 @@ from ling_jax.ops import einsum, linear
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
 from ling_jax.kernel_mesh import on_mesh
 from ling_jax.placement import param_mesh
+from pallas_kernels._common import backend_platform
 from pallas_kernels.mla.blockwise import blockwise_expanded_attention, blockwise_latent_attention
 from pallas_kernels.mla.kernel import latent_attention_pallas
 from pallas_kernels.mla.reference import attention_mask, latent_attention, masked_softmax
@@ -141,17 +142,34 @@ def mla_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype):
     return einsum("bhts,bshd->bthd", p, v)
 
 
-def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, core=latent_attention):
+def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, core=latent_attention,
+                           row_multiple: int = 1):
     """Absorbed form (spec §10.6): same arguments and result as `mla_expanded_attention`.
 
     `core` computes the latent attention (the Pallas kernel or its XLA reference `latent_attention`).
+    row_multiple: the query-through-W_UK matmul runs on B·T rows padded with zeros to a multiple of
+    this (the padding rows are dropped). Why: XLA:GPU's Triton GEMM fusion of that matmul with an
+    FP8 W_UK's dequantisation finds no tiling for 24 rows (a speculative verify of 8 rows × 3
+    tokens: "Couldn't find output tile sizes", `ling-jax aot --target h200x8`); 16-row multiples
+    compile. `mla_attention` asks for 16 on GPU, 1 (no padding) elsewhere.
     """
     H, dn = q_nope.shape[2], q_nope.shape[3]
+    B, T = q_nope.shape[:2]
     w = w_kv_b.reshape(H, -1, w_kv_b.shape[-1])  # [H, dn+dv, r]
     w_uk, w_uv = w[:, :dn].astype(dtype), w[:, dn:].astype(dtype)
-    q_hat = einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B,T,H,r]
+    n = B * T
+    padded = -(-n // row_multiple) * row_multiple
+    q_rows = q_nope.reshape(n, H, dn)
+    if padded != n:
+        q_rows = jnp.pad(q_rows, ((0, padded - n), (0, 0), (0, 0)))
+    q_hat = einsum("nhd,hdr->nhr", q_rows, w_uk)[:n].reshape(B, T, H, -1)  # [B,T,H,r]
     c_hat = core(q_hat, q_pe, c, k_pe, mask, scale)
     return einsum("bthr,hdr->bthd", c_hat, w_uv)
+
+
+#: Rows of the absorbed query projection on GPU are padded to a multiple of this (see
+#: `mla_absorbed_attention`).
+GPU_QUERY_ROW_MULTIPLE = 16
 
 
 #: Queries per sequence up to which the XLA path keeps the dense score tensor (decode steps and
@@ -195,7 +213,8 @@ def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dty
         mask = None
     else:
         core, mask = latent_attention, attention_mask(q_pos, S, kv_len)
-    return mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, core=core)
+    rows = GPU_QUERY_ROW_MULTIPLE if backend_platform(ex.platform) == "gpu" else 1
+    return mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, core=core, row_multiple=rows)
 
 
 class MultiheadLatentAttention(nnx.Module):

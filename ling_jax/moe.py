@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import init_normal
-from ling_jax.moe_active import experts_for_few_tokens, uses_active_loop
+from ling_jax.moe_active import experts_for_few_tokens, native_applies, uses_active_loop
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision
 from ling_jax.quantized import dequantize, is_quantized
@@ -159,7 +159,7 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
     unpacked here, in x's dtype).
     path: "gather" | "grouped". Assignments to other experts contribute 0. Returns [N,D] float32 (a
     partial sum when the experts or their intermediate width are split over devices).
-    On XLA:CPU ("capacity") a grouped call with N·k ≤ E_l loops over the experts in use instead
+    On XLA:CPU ("capacity") a grouped call with N·k ≤ E_l (≤ 2·E_l for the native kernel) loops over the experts in use instead
     (`ling_jax.moe_active`: each used expert read once, all tokens at once; weighted in the loop;
     `native`: the native CPU kernel, `ExecConfig.native_experts`).
     """
@@ -177,7 +177,8 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
                                           else w[li].astype(dt) for w in weights), limit, gathered=True)
     else:
         ws = tuple(dequantize(w, dt) for w in weights)
-        if grouped_matmul == "capacity" and uses_active_loop(x.shape[0], idx.shape[1], E_l):
+        if grouped_matmul == "capacity" and uses_active_loop(x.shape[0], idx.shape[1], E_l,
+                                                             native_applies(native, x, *ws)):
             return experts_for_few_tokens(x, jnp.where(mine, loc, E_l), jnp.where(mine, wts, 0.0), *ws, limit, native)
         y = experts_grouped(x, jnp.where(mine, loc, E_l), *ws, limit, grouped_matmul)  # others: id E_l → 0
     y = jnp.where(mine[..., None], y, 0)

@@ -119,6 +119,30 @@ def test_mla_absorbed_equals_expanded_yarn(tiny_params):
         assert rel_err(out[0], ref) < 1e-4
 
 
+def test_mla_absorbed_gpu_query_rows_padded(tiny_cfg, tiny_params):
+    """A verify-shaped call (8 rows x 3 tokens over a latent cache) with the GPU platform's choice:
+    the query-through-W_UK matmul runs on 24 rows padded to 32 (XLA:GPU's Triton fusion with an FP8
+    W_UK finds no tiling for 24) and gives the float64 reference's outputs, as without padding."""
+    model = load_from_dict(tiny_cfg, tiny_params)
+    att = model.model.layers[3].attention
+    B, T0, T = 8, 5, 3
+    x = _x(21, (B, T0 + T, tiny_cfg.hidden_size))
+    outs = {}
+    for platform in (None, "gpu"):
+        ex = ExecConfig(mla_form="absorbed", platform=platform)
+        cache = mla_zero_cache(tiny_cfg, B, 16, jnp.float32)
+        _, cache = att(jnp.asarray(x[:, :T0], jnp.float32), cache, jnp.zeros((B,), jnp.int32),
+                       jnp.full((B,), T0), ExecConfig(mla_form="absorbed"))
+        call = lambda xs, c: att(xs, c, jnp.full((B,), T0), jnp.full((B,), T), ex)[0]
+        jaxpr = str(jax.make_jaxpr(call)(jnp.asarray(x[:, T0:], jnp.float32), cache))
+        assert ("pad[" in jaxpr) == (platform == "gpu"), platform
+        outs[platform] = np.asarray(call(jnp.asarray(x[:, T0:], jnp.float32), cache))
+    for b in range(B):
+        ref, _ = R.mla_layer(tiny_params, "model.layers.3.attention", x[b], np.arange(T0 + T), tiny_cfg)
+        for platform in outs:
+            assert rel_err(outs[platform][b], ref[T0:]) < 1e-4, (platform, b)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("impl", ["grouped", "gather"])
 @pytest.mark.parametrize("layer", [4, 9])  # 9 is clamped (routed and shared)

@@ -104,7 +104,8 @@ def test_active_loop_gradients_equal_capacity_path(impl):
 
 def test_dispatch_picks_the_loop_for_few_tokens(tiny_cfg, tiny_model):
     """On XLA:CPU (`grouped_matmul="capacity"`) with float weights, "auto" and "grouped" loop over
-    the used experts while N·k ≤ E (a `while` in the program) and use the capacity buffers beyond;
+    the used experts while N·k ≤ E (a `while` in the program; the native kernel while N·k ≤ 2·E)
+    and use the capacity buffers beyond;
     kept quantised, "auto" still gathers; TPU/GPU ("ragged") keep the 3·N·k ≤ E gather rule."""
     E, k = tiny_cfg.num_experts, tiny_cfg.num_experts_per_tok
     assert uses_active_loop(2, k, E) and not uses_active_loop(3, k, E)  # tiny: E = 8, k = 3
@@ -116,11 +117,12 @@ def test_dispatch_picks_the_loop_for_few_tokens(tiny_cfg, tiny_model):
     native = ExecConfig.for_backend("cpu", experts="auto")
     assert native.native_experts and not ExecConfig.for_backend("tpu").native_experts
     xla = native.replace(native_experts=False)
-    for n, few in ((2, True), (5, False)):
+    assert uses_active_loop(5, k, E, native=True) and not uses_active_loop(6, k, E, native=True)  # N·k ≤ 2·E
+    for n, few, few_native in ((2, True, True), (4, False, True), (6, False, False)):
         x = jnp.ones((1, n, tiny_cfg.hidden_size), jnp.float32)
         jaxpr = str(jax.make_jaxpr(lambda x: moe(x, xla)[0])(x))
         assert ("while" in jaxpr) == few, n  # the XLA loop
         jaxpr = str(jax.make_jaxpr(lambda x: moe(x, native)[0])(x))
-        assert (cpu_kernel.TARGET in jaxpr) == few, n  # the native kernel's custom call
+        assert (cpu_kernel.TARGET in jaxpr) == few_native, n  # the native kernel's custom call
         a, b = (np.asarray(moe(x * 0.3, e)[0]) for e in (native, xla))
         assert rel_err(a, b) < 1e-5

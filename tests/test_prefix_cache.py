@@ -406,11 +406,13 @@ def test_policy_under_a_fake_device(tiny_model, with_mtp, interval):
     small for them, a budget of 4 snapshots, random cancels and random evictions: every check of
     FakeDevice and `PrefixCache.check` holds after every step, the tokens are the sequence's own,
     hits and preemptions happen, and everything is free at the end. interval=2: snapshots inside
-    the chunks of 4 too (every page boundary), checked by FakeDevice.prefill and at each restore."""
+    the chunks (of up to 4 tokens per row) too (every page boundary), checked by FakeDevice.prefill and at each restore."""
     vocab = 3
     sizes = plan_pools(tiny_model.cfg, tiny_model.dtype, max_slots=3, page_size=2, num_pages=24, with_mtp=with_mtp)
-    unit = sizes.snapshot_bytes + 2 * sizes.page_bytes  # a snapshot and its chunk's pages
-    eng = Engine(tiny_model, max_slots=3, page_size=2, num_pages=24, prefill_chunk=4, prefill_rows=2,
+    unit = sizes.snapshot_bytes + 4 * sizes.page_bytes  # a snapshot and its chunk's pages (8 tokens)
+    # chunk 8 over 2 rows: each row gets up to 4 tokens when two prompts feed (scheduler policy 3),
+    # so interval=2 still takes snapshots inside chunks
+    eng = Engine(tiny_model, max_slots=3, page_size=2, num_pages=24, prefill_chunk=8, prefill_rows=2,
                  max_seq_len=40, with_mtp=with_mtp, prefix_cache_memory_gib=4 * unit / GIB,
                  snapshot_interval=interval)
     rows = 4 if interval is None else (4 * unit) // (sizes.snapshot_bytes + sizes.page_bytes)

@@ -119,25 +119,33 @@ def test_scheduler_preempts_youngest_and_chunks(tiny_cfg):
     s = _sizes(tiny_cfg, max_slots=3)  # 6 pages of 4 tokens
     sch = Scheduler(PageAllocator(s), 3, prefill_chunk=6, prefill_rows=2)
     reqs = [Request(i, list(range(n)), None, frozenset()) for i, n in enumerate((7, 3, 9))]
+    a, b, c = reqs
     sch.queue.extend(reqs)
     plan = sch.schedule()  # admission checks fit (a 2 pages, b 1, c 3 of 6) but allocates nothing
     assert [r.state for r in reqs] == [PREFILL] * 3
-    assert [(r.id, n) for r, n in plan.prefill] == [(0, 6)]  # the budget of 6 went to the oldest
-    reqs[0].n_fed = 6
-    plan = sch.schedule()
-    assert [(r.id, n) for r, n in plan.prefill] == [(0, 1), (1, 3)]
-    reqs[0].n_fed, reqs[1].n_fed = 7, 3
-    reqs[0].state = reqs[1].state = DECODE
-    reqs[0].generated, reqs[1].generated = [5], [6]
-    plan = sch.schedule()  # decode a (8 tokens: 2 pages), b (4: 1 page); c gets a chunk of 6 (2 pages)
-    assert plan.decode == [reqs[0], reqs[1]] and [(r.id, n) for r, n in plan.prefill] == [(2, 6)]
-    assert sch.alloc.used == 5
-    for r, n in plan.prefill:
-        r.n_fed += n
-    reqs[0].n_fed, reqs[1].n_fed = 8, 4
-    plan = sch.schedule()  # a takes the last page; b needs a 2nd: none free -> c (youngest) preempted
-    assert reqs[2].state == QUEUED and reqs[2].slot is None and sch.preemptions == 1
-    assert plan.decode == [reqs[0], reqs[1]] and sch.queue[0] is reqs[2]
+    # three prompts wait, two rows: the budget of 6 is split over the two oldest (3 each), so the
+    # [2, T] prefill program is full, not [2, 6] with one row idle
+    assert [(r.id, n) for r, n in plan.prefill] == [(0, 3), (1, 3)] and sch.alloc.used == 2
+    a.n_fed, b.n_fed = 3, 3
+    b.state, b.generated = DECODE, [6]
+    plan = sch.schedule()  # b decodes (4 tokens: its page); a and c share the budget, 3 each
+    assert plan.decode == [b] and [(r.id, n) for r, n in plan.prefill] == [(0, 3), (2, 3)]
+    assert sch.alloc.used == 4
+    a.n_fed, c.n_fed, b.n_fed = 6, 3, 4
+    b.generated = [6, 7]
+    plan = sch.schedule()  # b: 5 tokens, a 2nd page; a's last token; c capped at 3 (two rows wait)
+    assert plan.decode == [b] and [(r.id, n) for r, n in plan.prefill] == [(0, 1), (2, 3)]
+    assert sch.alloc.used == 6
+    a.n_fed, c.n_fed, b.n_fed = 7, 6, 5
+    a.state, a.generated = DECODE, [5]
+    b.generated = [6, 7, 8]
+    plan = sch.schedule()  # a: 8 tokens, b: 7 (their 2 pages each); c, alone, gets the 2 tokens its pages hold
+    assert plan.decode == [a, b] and [(r.id, n) for r, n in plan.prefill] == [(2, 2)]
+    assert sch.alloc.used == 6
+    a.n_fed, b.n_fed, c.n_fed = 8, 7, 8
+    plan = sch.schedule()  # a needs a 3rd page: none free -> c (youngest, still prefilling) preempted
+    assert c.state == QUEUED and c.slot is None and sch.preemptions == 1
+    assert plan.decode == [a, b] and sch.queue[0] is c and plan.prefill == []
     assert sch.alloc.used == 5
 
 

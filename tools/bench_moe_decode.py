@@ -10,7 +10,9 @@ process with interleaved repetitions (min and median: the machine may be shared)
   (`moe_capacity.experts_capacity`, capacity C = `expert_capacity(N, 8, 64)`), the capacity path with
   smaller buffers (C = 4, 2; overflow goes through the exact spill loop), and "dense": every expert
   on every token as one `[N, D] × [E·I, D]ᵀ` GEMM per projection, combined with routing weights that
-  are zero for unselected experts (tokens-last orientation);
+  are zero for unselected experts (tokens-last orientation); and the native CPU kernel
+  (`pallas_kernels/experts`, each used expert read once for all its tokens): where its row limit
+  (`moe_active.uses_active_loop`) should lie;
 * a dense projection of the LM head's shape (W [32768, 1024]) at M = 1, 8, 32 rows.
 
 Every alternative is checked against the capacity path (max relative difference printed).
@@ -34,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from ling_jax.moe_capacity import expert_capacity, experts_capacity  # noqa: E402
 from ling_jax.swiglu import swiglu_act  # noqa: E402
+from pallas_kernels.experts import cpu_kernel  # noqa: E402
 
 E, I, D, K = 64, 256, 1024, 8
 HI = jax.lax.Precision.HIGHEST
@@ -56,6 +59,11 @@ def dense(x, idx, wts, wg, wu, wd):
     u = jnp.einsum("rd,nd->rn", wu.reshape(E * I, D), x, precision=HI).reshape(E, I, N)
     h = swiglu_act(g, u, 0.0) * w.T[:, None, :]
     return jnp.einsum("edi,ein->nd", wd, h, precision=HI)
+
+
+def native(x, idx, wts, wg, wu, wd):
+    """The native CPU kernel (`ExecConfig.native_experts`) at any token count."""
+    return cpu_kernel.experts_decode_cpu(x, idx, wts, wg, wu, wd, 0.0)
 
 
 def interleaved(cases: dict, reps: int) -> dict:
@@ -88,6 +96,8 @@ def main():
         fns = {f"capacity C={c0} (model)": capacity(c0)}
         fns.update({f"capacity C={c}": capacity(c) for c in (4, 2) if c < c0})
         fns["dense (all experts)"] = dense
+        if cpu_kernel.available():
+            fns["native kernel (each used expert once)"] = native
         jf = {n: jax.jit(f) for n, f in fns.items()}
         args = (x, idx, wts, wg, wu, wd)
         ref = np.asarray(next(iter(jf.values()))(*args))

@@ -15,7 +15,11 @@ Policy (one `schedule()` call per engine step):
    survives preemption, so the oldest request always progresses and none starves.
 3. Prefill: prompts still being fed get chunks, oldest first, at most `prefill_rows` rows and
    `prefill_chunk` tokens in all, each chunk cut to the pages it can get (never preempting: a
-   waiting prefill resumes when pages come back).
+   waiting prefill resumes when pages come back). When m > 1 prompts wait, each row gets at most
+   ceil(prefill_chunk / m) tokens (m up to `prefill_rows`). Why: the prefill program runs
+   [prefill_rows, T] with T the bucket of its longest row, so the whole budget on the oldest
+   prompt (T = prefill_chunk, the other rows idle) computes prefill_rows x the tokens it feeds;
+   split, the same tokens fill [prefill_rows, prefill_chunk / m] (BENCHMARKS.md, thirteenth session).
 4. If nothing can run while requests hold slots (every page held by half-fed prompts), the
    youngest is preempted and the plan made again, so the engine never stalls.
 
@@ -170,6 +174,8 @@ class Scheduler:
                 else:
                     decode.append(req)
             prefill, budget = [], self.prefill_chunk
+            feeding = sum(1 for r in self.running() if r.state == PREFILL)
+            per_row = -(-budget // max(1, min(feeding, self.prefill_rows)))  # see the policy, item 3
             for req in self.running():
                 if req.state != PREFILL:
                     continue
@@ -177,7 +183,7 @@ class Scheduler:
                     break
                 held = len(self.alloc.pages.get(req.slot, []))
                 room = (held + self.alloc.num_free) * self.alloc.sizes.page_size - req.n_fed
-                n = min(budget, len(req.feed) - req.n_fed, room)
+                n = min(budget, per_row, len(req.feed) - req.n_fed, room)
                 if self.prefix is not None and n < len(req.feed) - req.n_fed:
                     n = _to_page_boundary(req.n_fed, n, self.alloc.sizes.page_size)
                 if n <= 0:
