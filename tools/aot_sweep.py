@@ -52,6 +52,10 @@ ROWS = {
                           *ENGINE_8K],
     "h200x8_fp8_verify": ["--weights", "fp8", "--target", "h200x8", "--mesh", "expert=8", "--programs", "verify",
                           "--speculative", "1", *ENGINE_8K],
+    # MTP speculation, 2 drafts, 8 rows: 24 query tokens per step (the row that once did not compile on
+    # XLA:GPU, BENCHMARKS.md "The speculative verify on H200")
+    "h200x8_mxfp4_verify": ["--weights", "mxfp4", "--target", "h200x8", "--mesh", "expert=8", "--programs",
+                            "verify,generate-decode", "--decode-rows", "8", "--speculative", "2", *ENGINE_8K],
     "h200x8_mxfp4_prefill": ["--weights", "mxfp4", "--target", "h200x8", "--mesh", "expert=8", "--programs",
                              "prefill", *ENGINE_8K],
 }
