@@ -77,6 +77,8 @@ def parse_args(argv=None):
     ap.add_argument("--http", default=None, metavar="URL", help="drive a running `ling-jax serve` instead")
     ap.add_argument("--api-key", default=os.environ.get("LING_JAX_API_KEY", "none"))
     ap.add_argument("--compilation-cache", default=None, metavar="DIR", help="JAX persistent compilation cache")
+    ap.add_argument("--layer-loop", choices=("scan", "unroll"), default=None,
+                    help="how the layers are stored and run (default: ExecConfig.for_backend's choice)")
     ap.add_argument("--json", default=None, help="results file (default tools/results/bench_serve_mid_cpu[_quick].json)")
     return ap.parse_args(argv)
 
@@ -368,7 +370,7 @@ def main(argv=None):
     if a.compilation_cache:
         enable_compilation_cache(a.compilation_cache)  # what `ling-jax --compilation-cache` does
     ckpt = bench_checkpoint(a.config, a.checkpoint)
-    model = load_model(ckpt, "float32", with_mtp=False, progress=False)
+    model = load_model(ckpt, "float32", with_mtp=False, progress=False, layer_loop=a.layer_loop)
     bw1, bwn = measure_bandwidth()
     mm = measure_matmul()
     rates = {"bw_Bps": bwn, "matmul_FLOPs": mm}
