@@ -159,7 +159,7 @@ def test_hits_at_snapshots_inside_a_prefill_chunk(engines, tiny_model, tiny_cfg)
     rng = np.random.default_rng(5)
     A = rng.integers(0, cfg.vocab_size, 40).tolist()
     tail = lambda n: rng.integers(0, cfg.vocab_size, n).tolist()
-    h = inner.submit(A, RequestParams(max_tokens=4, stop_ids=()))
+    inner.submit(A, RequestParams(max_tokens=4, stop_ids=()))
     inner.run_until_done()
     assert sorted(n.depth * 8 for n in inner.prefix.row_owner.values()) == [8, 16, 24, 32, 40]
     inner.prefix.check()

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     a = p.parse_args(argv)
     rows = []
-    print(f"| tokens | form | outputs rel err vs f64 | last 1,024 outputs | final state | vs f32 recurrence |")
+    print("| tokens | form | outputs rel err vs f64 | last 1,024 outputs | final state | vs f32 recurrence |")
     print("|---|---|---|---|---|---|")
     for T in (int(x) for x in a.lengths.split(",")):
         row = measure(T, a.heads, a.dk, [int(c) for c in a.chunk.split(",")])

@@ -92,7 +92,7 @@ def main():
         if n in names:
             by_op[re.sub(r"\d+", "#", names[n].split("/", 1)[-1])] += us
     total = sum(by_op.values())
-    print(f"\n| JAX op (fused XLA ops by origin) | ms / step | share |\n|---|---:|---:|")
+    print("\n| JAX op (fused XLA ops by origin) | ms / step | share |\n|---|---:|---:|")
     for k, us in by_op.most_common(a.top):
         print(f"| `{k[:90]}` | {us / 1e3 / a.steps:.2f} | {100 * us / total:.1f}% |")
     print(f"| all ops | {total / 1e3 / a.steps:.2f} | |")
