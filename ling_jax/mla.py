@@ -148,7 +148,8 @@ def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, co
 
     `core` computes the latent attention (the Pallas kernel or its XLA reference `latent_attention`).
     row_multiple: the query-through-W_UK matmul runs on B·T rows padded with zeros to a multiple of
-    this (the padding rows are dropped). Why: XLA:GPU's Triton GEMM fusion of that matmul with an
+    this when B·T is larger (the padding rows are dropped; decode steps of ≤ 16 rows are left as
+    they are, they compile). Why: XLA:GPU's Triton GEMM fusion of that matmul with an
     FP8 W_UK's dequantisation finds no tiling for 24 rows (a speculative verify of 8 rows × 3
     tokens: "Couldn't find output tile sizes", `ling-jax aot --target h200x8`); 16-row multiples
     compile. `mla_attention` asks for 16 on GPU, 1 (no padding) elsewhere.
@@ -158,7 +159,7 @@ def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, co
     w = w_kv_b.reshape(H, -1, w_kv_b.shape[-1])  # [H, dn+dv, r]
     w_uk, w_uv = w[:, :dn].astype(dtype), w[:, dn:].astype(dtype)
     n = B * T
-    padded = -(-n // row_multiple) * row_multiple
+    padded = -(-n // row_multiple) * row_multiple if n > row_multiple else n
     q_rows = q_nope.reshape(n, H, dn)
     if padded != n:
         q_rows = jnp.pad(q_rows, ((0, padded - n), (0, 0), (0, 0)))

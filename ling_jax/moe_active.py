@@ -44,10 +44,9 @@ def native_applies(native: bool, *arrays) -> bool:
 def experts_for_few_tokens(x, idx, wts, wg, wu, wd, limit, native: bool):
     """Σ_j wts[n,j] · expert_{idx[n,j]}(x[n]) → [N,D] float32 (contract of `experts_active_loop`);
     the native kernel when asked for, float32 and available (a warning once when it cannot be built)."""
-    if native and x.dtype == wg.dtype == wu.dtype == wd.dtype == "float32":
-        if cpu_kernel.available():
-            return cpu_kernel.experts_decode_cpu(x, idx, wts, wg, wu, wd, limit)
-        if not _warned:
-            _warned.append(True)
-            log.warning("native CPU experts kernel unavailable, using the XLA loop: %s", cpu_kernel.load_error())
+    if native_applies(native, x, wg, wu, wd):
+        return cpu_kernel.experts_decode_cpu(x, idx, wts, wg, wu, wd, limit)
+    if native and not cpu_kernel.available() and not _warned:
+        _warned.append(True)
+        log.warning("native CPU experts kernel unavailable, using the XLA loop: %s", cpu_kernel.load_error())
     return experts_active_loop(x, idx, wts, wg, wu, wd, limit)

@@ -174,11 +174,9 @@ class Scheduler:
                 else:
                     decode.append(req)
             prefill, budget = [], self.prefill_chunk
-            feeding = sum(1 for r in self.running() if r.state == PREFILL)
-            per_row = -(-budget // max(1, min(feeding, self.prefill_rows)))  # see the policy, item 3
-            for req in self.running():
-                if req.state != PREFILL:
-                    continue
+            feeding = [r for r in self.running() if r.state == PREFILL]
+            per_row = -(-budget // max(1, min(len(feeding), self.prefill_rows)))  # see the policy, item 3
+            for req in feeding:
                 if len(prefill) == self.prefill_rows or budget == 0:
                     break
                 held = len(self.alloc.pages.get(req.slot, []))
