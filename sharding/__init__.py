@@ -13,14 +13,15 @@ from sharding.mesh import (AXES, default_mesh_shape, make_mesh, mesh_sizes, mesh
 from sharding.rules import (CACHE_AXES, LOGICAL_AXES, RULES, LogicalRules, UnknownParameterError, cache_axes,
                             cache_shardings, cache_specs, spec)
 from sharding.distributed import (add_distributed_args, barrier, distributed_init_from_args_or_env,
-                                  init_from_args, is_primary, primary_print)
+                                  init_from_args, is_primary, primary_print,
+                                  process0_verdict)
 from sharding.place import batch_sharding, global_batch, shard_cache, to_host
 
 __all__ = [
     "AXES", "default_mesh_shape", "make_mesh", "mesh_sizes", "mesh_spec_string", "parse_mesh", "parse_mesh_shape",
     "CACHE_AXES", "LOGICAL_AXES", "RULES", "LogicalRules", "UnknownParameterError", "cache_axes",
     "cache_shardings", "cache_specs", "spec",
-    "add_distributed_args", "barrier", "distributed_init_from_args_or_env", "init_from_args", "is_primary",
+    "add_distributed_args", "barrier", "distributed_init_from_args_or_env", "init_from_args", "is_primary", "process0_verdict",
     "primary_print",
     "batch_sharding", "global_batch", "shard_cache", "to_host",
 ]

@@ -15,6 +15,7 @@ import os
 import sys
 
 import jax
+from jax._src import distributed as _jax_distributed  # the coordination client (no public accessor yet)
 from jax.experimental import multihost_utils
 
 ENV_COORD, ENV_NPROC, ENV_PID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
@@ -55,8 +56,33 @@ def distributed_init_from_args_or_env(coordinator: str | None = None, num_proces
 
 
 def is_primary() -> bool:
-    """True on process 0 (the only one that prints, shows progress and writes files)."""
+    """True on process 0 (the only one that prints, shows progress and writes files). Multi-host it is
+    read from the coordination client, so asking does not start the device backend."""
+    state = _jax_distributed.global_state
+    if state.client is not None:
+        return state.process_id == 0
     return jax.process_index() == 0
+
+
+VERDICT_TIMEOUT_S = 3600  # process 0 may tokenise a long request file before it decides
+
+
+def process0_verdict(failed_here: bool, name: str) -> bool:
+    """Process 0's verdict on a check only it can make (True: it failed), known to every process.
+
+    Multi-host it travels through the coordination service's key-value store, not a device
+    collective: a run refused before loading never starts the device backend, so it exits without
+    tearing down cross-process collectives whose peer has already left (the Gloo teardown at
+    interpreter exit could then hang process 0). Single-process: `failed_here`. `name` must be unique
+    per check within a run."""
+    state = _jax_distributed.global_state
+    if state.client is None:
+        return failed_here
+    key = f"ling_jax/verdict/{name}"
+    if state.process_id == 0:
+        state.client.key_value_set(key, "1" if failed_here else "0")
+        return failed_here
+    return state.client.blocking_key_value_get(key, VERDICT_TIMEOUT_S * 1000) == "1"
 
 
 def primary_print(*args, **kw) -> None:

@@ -20,8 +20,6 @@ import sys
 import time
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 import sharding as S
 from ling_jax.checks import is_int
@@ -149,7 +147,7 @@ def run(args) -> int:
             requests = parse_requests(_read_lines(args.requests), cfg, tok, args.max_new_tokens)
         except (ValueError, OSError) as e:
             refused = e
-    if _agreed_failure(refused is not None):  # the other processes stop too instead of waiting for process 0
+    if S.process0_verdict(refused is not None, "batch_requests"):  # the others stop too instead of waiting
         if refused is not None:
             raise refused
         raise ArgumentValueError("--requests: process 0 refused the request file (its error says why)")
@@ -195,9 +193,3 @@ def run(args) -> int:
           f"compiles while serving: {serving.built}", file=sys.stderr, flush=True)
     return 0
 
-
-def _agreed_failure(failed_here: bool) -> bool:
-    """Process 0's verdict, known to every process (multi-host; single-process: its own)."""
-    if jax.process_count() == 1:
-        return failed_here
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(failed_here)))
