@@ -40,7 +40,7 @@ class DecoderLayer(nnx.Module):
         m_in = self.post_attention_layernorm(u)
         idx = None
         if self.is_moe:
-            m, idx = self.mlp(m_in, ex, forced_idx)
+            m, idx = self.mlp(m_in, ex, forced_idx, n_valid)
         else:
             m = self.mlp(m_in, ex)
         return u + m, cache, idx, extra

@@ -75,9 +75,11 @@ class ExecConfig:
     weights_first_rows: float linear layers whose input has 2 … this many rows compute
         `(W·xᵀ)ᵀ`, the weight the streamed operand (`pallas_kernels.matmul.linear`: XLA:CPU's GEMM
         otherwise repacks the weight every call; 1.6–2.3× faster at 2–16 rows). 0 = off (TPU/GPU).
-    native_experts: routed experts of few tokens (N·k ≤ 2·E, on the XLA:CPU "capacity" path) run the
-        native CPU kernel (`pallas_kernels.experts.cpu_kernel`, each used expert read once in place,
-        built on first use) instead of its XLA loop; float32 only, XLA loop when it cannot be built.
+    native_experts: routed experts on the XLA:CPU "capacity" path run the native CPU kernel
+        (`pallas_kernels.experts.cpu_kernel`, each used expert read once in place, built on first
+        use) at any token count (it beats the capacity buffers from 8 to 2,048 tokens, measured);
+        float32 only, the XLA loop / capacity path when it cannot be built. Training turns it off
+        (forward-only kernel).
     attn_block: keys per block of the XLA blockwise MLA attention (`pallas_kernels.mla.blockwise`):
         its temporaries are [B,H,T,attn_block] scores, whatever the key count.
     prefill_chunk: tokens per model call when `generate` prefills or `forward` runs a longer

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import init_normal
-from ling_jax.moe_active import experts_for_few_tokens, native_applies, uses_active_loop
+from ling_jax.moe_active import experts_for_tokens, native_applies, uses_active_loop
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision
 from ling_jax.quantized import dequantize, is_quantized
@@ -159,7 +159,8 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
     unpacked here, in x's dtype).
     path: "gather" | "grouped". Assignments to other experts contribute 0. Returns [N,D] float32 (a
     partial sum when the experts or their intermediate width are split over devices).
-    On XLA:CPU ("capacity") a grouped call with N·k ≤ E_l (≤ 2·E_l for the native kernel) loops over the experts in use instead
+    On XLA:CPU ("capacity") a grouped call runs the native kernel at any N (float32, `native`) or, with
+    N·k ≤ E_l, the XLA loop over the experts in use instead
     (`ling_jax.moe_active`: each used expert read once, all tokens at once; weighted in the loop;
     `native`: the native CPU kernel, `ExecConfig.native_experts`).
     """
@@ -179,7 +180,7 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
         ws = tuple(dequantize(w, dt) for w in weights)
         if grouped_matmul == "capacity" and uses_active_loop(x.shape[0], idx.shape[1], E_l,
                                                              native_applies(native, x, *ws)):
-            return experts_for_few_tokens(x, jnp.where(mine, loc, E_l), jnp.where(mine, wts, 0.0), *ws, limit, native)
+            return experts_for_tokens(x, jnp.where(mine, loc, E_l), jnp.where(mine, wts, 0.0), *ws, limit, native)
         y = experts_grouped(x, jnp.where(mine, loc, E_l), *ws, limit, grouped_matmul)  # others: id E_l → 0
     y = jnp.where(mine[..., None], y, 0)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), jnp.where(mine, wts, 0.0),
@@ -232,9 +233,14 @@ class MoE(nnx.Module):
                                       dtype=dtype, rngs=rngs, limit=shared_limit)
                                if cfg.num_shared_experts else None)
 
-    def __call__(self, x, ex: ExecConfig, forced_idx=None):
+    def __call__(self, x, ex: ExecConfig, forced_idx=None, n_valid=None):
         """x: [B,T,D] → (y [B,T,D], expert ids [B,T,k]). `forced_idx` pins the routing decisions
-        (k distinct experts per token, as the router picks them).
+        (k distinct experts per token, as the router picks them). n_valid: [B] real tokens per row
+        (right padding after) or None (all real): padding tokens are sent to no routed expert (id E,
+        which every path drops), so an idle row of a batched step or a prefill row's padding costs
+        no expert work where the path does work per assignment (the native CPU kernel, the XLA loop,
+        the gather path); their outputs are never read (attention is causal, KDA ignores padding).
+        The ids returned are the router's, padding included.
 
         ex: `experts` path (auto | gather | grouped), `grouped_matmul`, `mesh` (expert-parallel when
         set), `kernels` (the shared expert's quantised projections). Quantised routed experts
@@ -255,12 +261,16 @@ class MoE(nnx.Module):
         path = ex.experts if ex.experts != "auto" else auto_expert_path(
             B * T, idx.shape[1], self.cfg.num_experts, ex.grouped_matmul, any(is_quantized(w) for w in weights))
         limit = self.routed_limit[...]
+        ids = idx
+        if n_valid is not None:
+            real = (jnp.arange(T)[None, :] < n_valid[:, None]).reshape(B * T, 1)
+            ids = jnp.where(real, idx, self.cfg.num_experts)
         mesh = param_mesh(self.experts.gate_proj)  # where the experts were placed (static under jit)
         if mesh is not None:
             specs = weight_specs(self.experts, names, mesh, self.cfg.num_attention_heads)
-            y = experts_ep(xf, idx, wts, weights, specs, limit, mesh, path, ex.grouped_matmul, ex.native_experts)
+            y = experts_ep(xf, ids, wts, weights, specs, limit, mesh, path, ex.grouped_matmul, ex.native_experts)
         else:  # one device holds every expert: the local kernel with all of them
-            y = experts_local(xf, idx, wts, 0, weights, limit, path, ex.grouped_matmul, ex.native_experts)
+            y = experts_local(xf, ids, wts, 0, weights, limit, path, ex.grouped_matmul, ex.native_experts)
         y = y.astype(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf, ex)

@@ -372,7 +372,7 @@ def test_penalties_exact_under_preemption(engine, tiny_model, penalty_workload):
     h = engine.submit(prompts[0], sampled)
     engine.run_until_done()
     eng = Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=10, prefill_chunk=16, prefill_rows=2,
-                 max_seq_len=80, buckets=(16,), widths=(4, 10))
+                 max_seq_len=80, buckets=(16,), widths=(4, 10), decode_rows=(4,))  # one row bucket: fewer compiles
     handles = _run_checking_stats(eng, prompts + [prompts[0]], params + [sampled], arrivals + [2])
     assert eng.stats()["preemptions"] >= 2
     assert any(h._req.preemptions for h in handles) and any(not h._req.preemptions for h in handles)

@@ -163,6 +163,27 @@ def test_moe_layer(tiny_cfg, tiny_params, dtype, impl, layer):
         assert rel_err(unclamped, ref) > 1e-3
 
 
+@pytest.mark.parametrize("impl", ["auto", "grouped", "gather"])
+def test_moe_padding_tokens_reach_no_routed_expert(tiny_cfg, tiny_params, impl):
+    """n_valid: right padding goes to no routed expert (an idle engine row or a prefill row's
+    padding costs no expert work): real tokens equal float64, padding gets the shared expert only,
+    and the router's ids come back for every token. "auto" on CPU: the native kernel (few tokens)."""
+    model = tiny_model_for(tiny_cfg, tiny_params, "float32")
+    moe = model.model.layers[9].mlp
+    x = _x(17, (2, 7, tiny_cfg.hidden_size))
+    n_valid = np.array([7, 3])
+    ex = ExecConfig.for_backend(experts=impl)
+    out, idx = moe(jnp.asarray(x, jnp.float32), ex, None, jnp.asarray(n_valid))
+    unmasked, all_idx = moe(jnp.asarray(x, jnp.float32), ex)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(all_idx))
+    shared = np.asarray(moe.shared_experts(jnp.asarray(x[1, 3:], jnp.float32), ex))
+    for b in range(2):
+        ref, _ = R.moe_layer(tiny_params, "model.layers.9.mlp", x[b, :n_valid[b]], tiny_cfg, 9)
+        assert rel_err(out[b, :n_valid[b]], ref) < 1e-5, b
+    assert rel_err(out[1, 3:], shared) < 1e-6
+    assert rel_err(unmasked[1, 3:], shared) > 1e-3  # without n_valid the padding is routed
+
+
 _MODELS = {}
 
 

@@ -64,6 +64,20 @@ def test_active_loop_equals_float64(N, E, k, impl):
     assert rel_err(run(f32(x), jnp.asarray(idx), f32(wts), f32(wg), f32(wu), f32(wd), 0.0), ref) > 1e-3
 
 
+def test_native_kernel_register_tiles_and_tails():
+    """The native kernel computes two weight rows against four tokens at a time, over 8-lane vectors:
+    experts picked by 12, 6 and 7 tokens (full tiles, remainders 2 and 3), D and I not multiples of 8 and D
+    odd (the last down row alone) equal float64."""
+    rng = np.random.default_rng(11)
+    x, idx, wts, (wg, wu, wd) = _case(rng, 13, 3, 2, D=27, I=13)
+    idx[:7, 0], idx[7:, 0] = 0, 1  # expert 0 picked by 7 tokens, expert 1 by 6 + whoever drew it second
+    idx[:, 1] = np.where(idx[:, 0] == 0, 2, 0)
+    idx[12, 1] = 3  # outside [0, E): adds nothing
+    ref = _reference(x, idx, wts, wg, wu, wd, 0.9, 3)
+    got = jax.jit(IMPLS["native"])(f32(x), jnp.asarray(idx), f32(wts), f32(wg), f32(wu), f32(wd), 0.9)
+    assert rel_err(got, ref) < 1e-5
+
+
 @pytest.mark.parametrize("impl", ["xla", "native"])
 def test_a_token_gets_the_same_output_alone_and_in_a_batch(impl):
     """Token n sums only its own experts (in id order): its neighbours change only the GEMMs'
@@ -75,6 +89,8 @@ def test_a_token_gets_the_same_output_alone_and_in_a_batch(impl):
     for n in (0, 5):
         alone = np.asarray(run(f32(x[n:n + 1]), jnp.asarray(idx[n:n + 1]), f32(wts[n:n + 1]), *map(f32, w), 0.0))
         assert rel_err(alone[0], batch[n]) < 1e-5
+        if impl == "native":  # each token's sums run in the same order whatever shares its tile
+            np.testing.assert_array_equal(alone[0], batch[n])
 
 
 @pytest.mark.parametrize("impl", ["xla", "native"])
@@ -103,12 +119,13 @@ def test_active_loop_gradients_equal_capacity_path(impl):
 
 
 def test_dispatch_picks_the_loop_for_few_tokens(tiny_cfg, tiny_model):
-    """On XLA:CPU (`grouped_matmul="capacity"`) with float weights, "auto" and "grouped" loop over
-    the used experts while N·k ≤ E (a `while` in the program; the native kernel while N·k ≤ 2·E)
-    and use the capacity buffers beyond;
-    kept quantised, "auto" still gathers; TPU/GPU ("ragged") keep the 3·N·k ≤ E gather rule."""
+    """On XLA:CPU (`grouped_matmul="capacity"`) with float weights, "auto" and "grouped" run the
+    native kernel at every token count (float32, `native_experts`), else loop over the used experts
+    while N·k ≤ E (a `while` in the program) and use the capacity buffers beyond; kept quantised,
+    "auto" still gathers; TPU/GPU ("ragged") keep the 3·N·k ≤ E gather rule."""
     E, k = tiny_cfg.num_experts, tiny_cfg.num_experts_per_tok
     assert uses_active_loop(2, k, E) and not uses_active_loop(3, k, E)  # tiny: E = 8, k = 3
+    assert all(uses_active_loop(n, k, E, native=True) for n in (1, 6, 4096))
     assert auto_expert_path(2, k, E, "capacity", quantized=False) == "grouped"
     assert auto_expert_path(1, 8, 64, "capacity", quantized=True) == "gather"
     assert auto_expert_path(1, 8, 512, "ragged", quantized=False) == "gather"
@@ -117,12 +134,23 @@ def test_dispatch_picks_the_loop_for_few_tokens(tiny_cfg, tiny_model):
     native = ExecConfig.for_backend("cpu", experts="auto")
     assert native.native_experts and not ExecConfig.for_backend("tpu").native_experts
     xla = native.replace(native_experts=False)
-    assert uses_active_loop(5, k, E, native=True) and not uses_active_loop(6, k, E, native=True)  # N·k ≤ 2·E
-    for n, few, few_native in ((2, True, True), (4, False, True), (6, False, False)):
+    for n, few in ((2, True), (4, False), (40, None)):
         x = jnp.ones((1, n, tiny_cfg.hidden_size), jnp.float32)
         jaxpr = str(jax.make_jaxpr(lambda x: moe(x, xla)[0])(x))
-        assert ("while" in jaxpr) == few, n  # the XLA loop
+        if few is not None:  # (40 tokens: the capacity path's spill loop is a `while` too)
+            assert ("while" in jaxpr) == few, n  # the XLA loop
         jaxpr = str(jax.make_jaxpr(lambda x: moe(x, native)[0])(x))
-        assert (cpu_kernel.TARGET in jaxpr) == few_native, n  # the native kernel's custom call
+        assert cpu_kernel.TARGET in jaxpr and "while" not in jaxpr, n  # the native kernel's custom call
+        bf16 = str(jax.make_jaxpr(lambda x: moe(x, native)[0])(x.astype(jnp.bfloat16)))
+        assert cpu_kernel.TARGET not in bf16, n  # float32 only
         a, b = (np.asarray(moe(x * 0.3, e)[0]) for e in (native, xla))
         assert rel_err(a, b) < 1e-5
+
+
+def test_training_forward_does_not_run_the_native_kernel(tiny_model):
+    """The native kernel is forward-only (its VJP recomputes through the XLA reference, every used
+    expert on every token): the training forward takes the XLA paths; inference on CPU runs it."""
+    from ling_jax.train.step import forward as train_forward
+    ids = jnp.ones((2, 6), jnp.int32)
+    assert cpu_kernel.TARGET not in str(jax.make_jaxpr(lambda i: train_forward(tiny_model, i, mtp=False)[0])(ids))
+    assert cpu_kernel.TARGET in str(jax.make_jaxpr(lambda i: tiny_model(i)["logits"])(ids))

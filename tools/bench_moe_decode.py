@@ -17,7 +17,12 @@ process with interleaved repetitions (min and median: the machine may be shared)
 
 Every alternative is checked against the capacity path (max relative difference printed).
 
-  python tools/bench_moe_decode.py [--tokens 8,32] [--reps 9]
+  python tools/bench_moe_decode.py [--tokens 8,32] [--reps 9] [--only capacity,native]
+                                  [--native-variant OTHER.cc ...]
+
+`--native-variant` builds another version of `experts_decode.cc` (e.g. `git show REV:pallas_kernels/
+experts/experts_decode.cc > old.cc`) and times it interleaved with the current one: a kernel change
+measured side by side in one process.
 """
 from __future__ import annotations
 
@@ -82,7 +87,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8,32")
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--only", default=None, help="comma list of variant prefixes (capacity, dense, native)")
+    ap.add_argument("--native-variant", action="append", default=[], metavar="SOURCE.cc")
     a = ap.parse_args()
+    variants = {f"native kernel ({os.path.basename(src)})": cpu_kernel.register_variant(src, f"ling_bench_variant_{i}")
+                for i, src in enumerate(a.native_variant)}
     rng = np.random.default_rng(0)
     wg, wu = (jnp.asarray(rng.standard_normal((E, I, D), np.float32) * 0.03) for _ in range(2))
     wd = jnp.asarray(rng.standard_normal((E, D, I), np.float32) * 0.06)
@@ -98,6 +107,11 @@ def main():
         fns["dense (all experts)"] = dense
         if cpu_kernel.available():
             fns["native kernel (each used expert once)"] = native
+        for n, f in variants.items():
+            fns[n] = lambda x, idx, wts, wg, wu, wd, f=f: f(x, idx, wts, wg, wu, wd, 0.0)
+        if a.only:
+            keep = tuple(v.strip() for v in a.only.split(","))
+            fns = {n: f for i, (n, f) in enumerate(fns.items()) if i == 0 or n.startswith(keep)}
         jf = {n: jax.jit(f) for n, f in fns.items()}
         args = (x, idx, wts, wg, wu, wd)
         ref = np.asarray(next(iter(jf.values()))(*args))

@@ -60,9 +60,11 @@ def forward(model: LingForCausalLM, ids, *, mtp: bool, remat: bool = False, poli
 
     The model's own layer runner (`layer_stack.run_block`) with KDA in chunk mode; with remat every
     decoder layer body and the MTP block run under `jax.checkpoint(policy)` (`ExecConfig.remat`), so
-    the backward pass keeps only each layer's input.
+    the backward pass keeps only each layer's input. The native CPU experts kernel is off: it is
+    forward-only (its VJP recomputes through the XLA reference, every used expert on every token),
+    so training takes the XLA paths, whose backward is sized by the assignments.
     """
-    ex = model.exec.replace(kda_chunk=chunk_size, remat=policy if remat else None)
+    ex = model.exec.replace(kda_chunk=chunk_size, remat=policy if remat else None, native_experts=False)
     out = model(ids, mtp=mtp, exec=ex, mode=TRAIN)
     return out["logits"], out.get("mtp_logits"), out["routing"]
 

@@ -33,7 +33,7 @@ from pallas_kernels.experts.reference import experts_active_loop
 
 TARGET = "ling_experts_decode"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experts_decode.cc")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -52,12 +52,12 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> str:
+def _build(source: str = SOURCE) -> str:
     """Path of the compiled library (built now if not cached). Raises RuntimeError on failure."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (set CXX, or install g++)")
-    src = open(SOURCE, "rb").read()
+    src = open(source, "rb").read()
     key = hashlib.sha256(src + " ".join((cxx,) + FLAGS).encode() + jax.__version__.encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     lib = os.path.join(out_dir, f"experts_decode-{key}.so")
@@ -66,11 +66,11 @@ def _build() -> str:
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", "-o", tmp, SOURCE, "-lpthread"]
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", "-o", tmp, source, "-lpthread"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling {SOURCE} failed ({' '.join(cmd)}):\n{r.stderr[-2000:]}")
+        raise RuntimeError(f"compiling {source} failed ({' '.join(cmd)}):\n{r.stderr[-2000:]}")
     os.replace(tmp, lib)  # atomic: a concurrent builder's identical file is replaced, never half-read
     return lib
 
@@ -87,6 +87,21 @@ def available() -> bool:
             except Exception as e:  # no compiler, a failed build, an old jaxlib without FFI
                 _state.update(ok=False, error=f"{type(e).__name__}: {e}")
         return _state["ok"]
+
+
+def register_variant(source: str, target: str):
+    """Build another version of the kernel's source (same FFI signature) and register it as `target`;
+    returns `fn(x, idx, wts, wg, wu, wd, limit, threads=None)` calling it (no VJP). For side-by-side
+    benchmarks of a kernel change in one process (`tools/bench_moe_decode.py --native-variant`)."""
+    lib = ctypes.cdll.LoadLibrary(_build(source))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.LingExpertsDecode), platform="cpu")
+    _state.setdefault("variants", []).append(lib)  # keep it loaded
+
+    def fn(x, idx, wts, wg, wu, wd, limit, threads=None):
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+        return call(x, idx.astype(jnp.int32), wts.astype(jnp.float32), wg, wu, wd,
+                    jnp.asarray(limit, jnp.float32).reshape(()), threads=np.int64(threads or default_threads()))
+    return fn
 
 
 def load_error() -> str | None:
