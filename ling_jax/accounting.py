@@ -438,7 +438,7 @@ def per_device_weight_bytes(cfg: LingConfig, tensors: Iterable[Stored], mesh: di
     layout = param_layout(cfg)
     heads = cfg.num_attention_heads
     specs: dict = {}
-    routed = other = Fraction(0)
+    nbytes: dict = {}  # (key, routed?) -> stored bytes: summed as integers, divided once per key
     for t in tensors:
         name = _weight_name(t)
         if name not in layout:
@@ -455,11 +455,10 @@ def per_device_weight_bytes(cfg: LingConfig, tensors: Iterable[Stored], mesh: di
                 if t.scale:
                     vs = block_fp8_specs(vs, fp8_block(path, cfg), len(shape))
             specs[key] = _split(vs, mesh)
-        share = Fraction(t.nbytes, specs[key])
-        if ".mlp.experts." in t.name:
-            routed += share
-        else:
-            other += share
+        group = (key, ".mlp.experts." in t.name)
+        nbytes[group] = nbytes.get(group, 0) + t.nbytes
+    routed = sum((Fraction(n, specs[key]) for (key, is_routed), n in nbytes.items() if is_routed), Fraction(0))
+    other = sum((Fraction(n, specs[key]) for (key, is_routed), n in nbytes.items() if not is_routed), Fraction(0))
     r, o = math.ceil(routed), math.ceil(other)
     return {"routed": r, "other": o, "total": r + o}
 
