@@ -1,11 +1,12 @@
-"""`experts_decode_cpu`: the routed experts of a few tokens as a native CPU kernel (XLA FFI custom call).
+"""`experts_decode_cpu`: the routed experts of N tokens as a native CPU kernel (XLA FFI custom call).
 
 Same contract and values as `reference.experts_active_loop` (float32): each used expert's weights are
-read once, in place, by `experts_decode.cc`, split over threads by expert. Why native code: XLA:CPU
-copies an expert's weights (a dynamic slice is a copy) before every GEMM that reads them, so the XLA
-loop streams each used expert twice. One mid-config MoE layer, 8 tokens (43 of 64 experts used):
-2.1 ms against the XLA loop's 5.3–6.6 ms; the engine's batch-8 step 132 → ~110 ms (BENCHMARKS.md
-"Batched decode step on CPU").
+read once, in place, by `experts_decode.cc`, split over threads by expert, in register tiles of two
+weight rows by four tokens (8-lane vectors, FMA). Why native code: XLA:CPU copies an expert's weights
+(a dynamic slice is a copy) before every GEMM that reads them, and its capacity path computes every
+expert over padded buffers. One mid-config MoE layer (64 experts 256 x 1024, top-8), against the
+capacity path: 8 tokens 9.2 / 21.7 ms, 256 tokens 76.7 / 103.1, 2,048 654 / 879
+(`tools/bench_moe_decode.py`; BENCHMARKS.md "Native experts kernel, fourteenth session").
 
 The shared library is compiled on first use with the system C++ compiler (`$CXX`, else g++ / c++;
 `-O3 -march=native`, against `jax.ffi.include_dir()`), cached under
