@@ -457,9 +457,10 @@ def per_device_weight_bytes(cfg: LingConfig, tensors: Iterable[Stored], mesh: di
             specs[key] = _split(vs, mesh)
         group = (key, ".mlp.experts." in t.name)
         nbytes[group] = nbytes.get(group, 0) + t.nbytes
-    routed = sum((Fraction(n, specs[key]) for (key, is_routed), n in nbytes.items() if is_routed), Fraction(0))
-    other = sum((Fraction(n, specs[key]) for (key, is_routed), n in nbytes.items() if not is_routed), Fraction(0))
-    r, o = math.ceil(routed), math.ceil(other)
+    per_device = {True: Fraction(0), False: Fraction(0)}  # routed?, exact
+    for (key, is_routed), n in nbytes.items():
+        per_device[is_routed] += Fraction(n, specs[key])
+    r, o = math.ceil(per_device[True]), math.ceil(per_device[False])
     return {"routed": r, "other": o, "total": r + o}
 
 

@@ -21,6 +21,7 @@ from ling_jax.exec_config import ExecConfig
 from ling_jax.kernel_mesh import on_mesh
 from ling_jax.linear import Linear
 from ling_jax.norms import gated_rms_norm, l2_normalize
+from ling_jax.ops import real_tokens
 from ling_jax.placement import param_mesh
 from pallas_kernels.kda.chunk_kernel import kda_chunk_scan_pallas
 from pallas_kernels.kda.reference import kda_chunk_scan, kda_recurrent_scan
@@ -126,7 +127,7 @@ class KimiDeltaAttention(nnx.Module):
         H, d = cfg.num_attention_heads, cfg.head_dim
         stride = mode.snapshot_every
         n_bounds = T // stride if stride else 0
-        valid = jnp.arange(T)[None, :] < n_valid[:, None]  # [B,T]
+        valid = real_tokens(n_valid, T)  # [B,T]
         convs = [short_conv(getattr(self, f"{n}_proj")(x, ex), getattr(self, f"{n}_conv1d")[...],
                             getattr(state, f"conv_{n}"), n_valid, return_cat=mode.kda_states or n_bounds > 0)
                  for n in "qkv"]

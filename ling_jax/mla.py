@@ -21,7 +21,7 @@ from ling_jax.exec_config import ExecConfig
 from ling_jax.kv_quant import FP8, dequantize_per_token, quantize_per_token
 from ling_jax.linear import Linear
 from ling_jax.norms import RMSNorm
-from ling_jax.ops import einsum, linear
+from ling_jax.ops import einsum, linear, real_tokens
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
 from ling_jax.kernel_mesh import on_mesh
 from ling_jax.placement import param_mesh
@@ -272,7 +272,7 @@ class MultiheadLatentAttention(nnx.Module):
             if form == "auto":
                 form = "expanded"
         elif isinstance(cache, PagedMLACache):
-            valid = jnp.arange(T)[None, :] < n_valid[:, None]
+            valid = real_tokens(n_valid, T)
             L, bt = cache.layer, cache.block_table
             if cache.c_scale_pages is not None:  # FP8 pages: per-token e4m3 + scale, dequantised on read
                 (cq, cs), (kq, ks) = quantize_per_token(c_new), quantize_per_token(kpe_new)

@@ -25,7 +25,7 @@ from ling_jax.exec_config import ExecConfig
 from ling_jax.linear import init_normal
 from ling_jax.moe_active import experts_for_tokens, native_applies, uses_active_loop
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
-from ling_jax.ops import einsum, precision
+from ling_jax.ops import einsum, precision, real_tokens
 from ling_jax.quantized import dequantize, is_quantized
 from ling_jax.swiglu import SwiGLU, SwiGLULimit, swiglu_act
 from ling_jax.placement import param_mesh, value_specs
@@ -263,8 +263,7 @@ class MoE(nnx.Module):
         limit = self.routed_limit[...]
         ids = idx
         if n_valid is not None:
-            real = (jnp.arange(T)[None, :] < n_valid[:, None]).reshape(B * T, 1)
-            ids = jnp.where(real, idx, self.cfg.num_experts)
+            ids = jnp.where(real_tokens(n_valid, T).reshape(B * T, 1), idx, self.cfg.num_experts)
         mesh = param_mesh(self.experts.gate_proj)  # where the experts were placed (static under jit)
         if mesh is not None:
             specs = weight_specs(self.experts, names, mesh, self.cfg.num_attention_heads)

@@ -1,4 +1,4 @@
-"""Dtype names and the one matmul every projection goes through.
+"""Dtype names, the one matmul every projection goes through, and the right-padding mask.
 
 `linear`, `einsum` and `precision` are defined in `pallas_kernels.matmul` (the kernels' XLA
 references use the same policy and may not import the model) and re-exported here for the model.
@@ -24,3 +24,8 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name_or_dtype!r}")
         return jnp.dtype(DTYPES[name_or_dtype])
     return jnp.dtype(name_or_dtype)
+
+
+def real_tokens(n_valid: jax.Array, T: int) -> jax.Array:
+    """[B,T] bool: position t of row b is a real token (t < n_valid[b]; right padding after)."""
+    return jnp.arange(T)[None, :] < n_valid[:, None]

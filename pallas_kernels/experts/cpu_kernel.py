@@ -98,11 +98,8 @@ def register_variant(source: str, target: str):
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.LingExpertsDecode), platform="cpu")
     _state.setdefault("variants", []).append(lib)  # keep it loaded
 
-    def fn(x, idx, wts, wg, wu, wd, limit, threads=None):
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, jnp.float32))
-        return call(x, idx.astype(jnp.int32), wts.astype(jnp.float32), wg, wu, wd,
-                    jnp.asarray(limit, jnp.float32).reshape(()), threads=np.int64(threads or default_threads()))
-    return fn
+    return lambda x, idx, wts, wg, wu, wd, limit, threads=None: _ffi(target, x, idx, wts, wg, wu, wd, limit,
+                                                                     int(threads or default_threads()))
 
 
 def load_error() -> str | None:
@@ -127,8 +124,12 @@ def _call(x, idx, wts, wg, wu, wd, limit, threads):
     for name, a in (("x", x), ("wg", wg), ("wu", wu), ("wd", wd)):
         if a.dtype != jnp.float32:
             raise TypeError(f"experts_decode_cpu: {name} must be float32, got {a.dtype}")
-    N, D = x.shape
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((N, D), jnp.float32))
+    return _ffi(TARGET, x, idx, wts, wg, wu, wd, limit, threads)
+
+
+def _ffi(target, x, idx, wts, wg, wu, wd, limit, threads: int):
+    """The custom call registered as `target` (the kernel, or a benchmark's variant of it)."""
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, jnp.float32))
     return call(x, idx.astype(jnp.int32), wts.astype(jnp.float32), wg, wu, wd,
                 jnp.asarray(limit, jnp.float32).reshape(()), threads=np.int64(threads))
 
