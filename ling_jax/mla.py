@@ -28,7 +28,8 @@ from ling_jax.placement import param_mesh
 from pallas_kernels._common import backend_platform
 from pallas_kernels.mla.blockwise import blockwise_expanded_attention, blockwise_latent_attention
 from pallas_kernels.mla.kernel import latent_attention_pallas
-from pallas_kernels.mla.reference import attention_mask, latent_attention, masked_softmax
+from pallas_kernels.mla.paged import paged_latent_attention_pallas
+from pallas_kernels.mla.reference import attention_mask, gather_pages, latent_attention, masked_softmax
 
 
 class MLACache(NamedTuple):
@@ -92,13 +93,9 @@ def paged_write(pages: jax.Array, new: jax.Array, block_table: jax.Array, pos: j
                            new.reshape((-1,) + new.shape[2:]), n_pages)
 
 
-def paged_gather(pages: jax.Array, block_table: jax.Array, layer=None) -> jax.Array:
-    """The pages of each sequence in order: [B, max_blocks·P, X] (a contiguous-cache view; [B,
-    max_blocks·P] for per-token scale pages), read from layer (g, j) of stacked pages when `layer`
-    is given (one gather, no slice of the pool)."""
-    B, nb = block_table.shape
-    got = pages[block_table] if layer is None else pages[layer[0], layer[1], block_table]
-    return got.reshape((B, nb * got.shape[2]) + got.shape[3:])
+#: The pages of each sequence in order, [B, max_blocks·P, X] (a contiguous-cache view; [B, max_blocks·P]
+#: for per-token scale pages), read from layer (g, j) of stacked pages when `layer` is given.
+paged_gather = gather_pages
 
 
 def _contiguous_write(buf: jax.Array, new: jax.Array, lengths: jax.Array, layer=None) -> jax.Array:
@@ -288,6 +285,10 @@ class MultiheadLatentAttention(nnx.Module):
                 cp = paged_write(cache.c_pages, c_new, bt, pos, valid, L)
                 kp = paged_write(cache.kpe_pages, kpe_new, bt, pos, valid, L)
                 new_cache = cache._replace(c_pages=cp, kpe_pages=kp)
+                if form != "expanded" and ex.kernels == "pallas":  # the kernel reads the pages in place
+                    o = self._paged_kernel_attention(q[..., :dn], q_pe, cp, kp, bt, L, pos, lengths + n_valid, x.dtype,
+                                                     ex)
+                    return self._output(x, o, ex), new_cache
                 c_all, kpe_all = paged_gather(cp, bt, L), paged_gather(kp, bt, L)
             if form == "auto":
                 form = "absorbed"
@@ -314,6 +315,32 @@ class MultiheadLatentAttention(nnx.Module):
         o = mla_attention(form, q[..., :dn], q_pe, c_all.astype(x.dtype), kpe_all.astype(x.dtype),
                           self.kv_b_proj.matrix(x.dtype), pos, kv_len, self.scale, x.dtype, ex,
                           param_mesh(self.kv_b_proj.weight))
+        return self._output(x, o, ex), new_cache
+
+    def _output(self, x, o, ex: ExecConfig):
+        """The head-wise sigmoid gate and the output projection: o [B,T,H,dv] -> [B,T,D]."""
         gate = jax.nn.sigmoid(self.g_proj(x, ex).astype(jnp.float32)).astype(x.dtype)
         o = o * gate[..., None]
-        return self.dense(o.reshape(B, T, -1), ex), new_cache
+        return self.dense(o.reshape(x.shape[0], x.shape[1], -1), ex)
+
+    def _paged_kernel_attention(self, q_nope, q_pe, c_pages, kpe_pages, block_table, layer, q_pos, kv_len, dtype,
+                                ex: ExecConfig):
+        """The absorbed form with its core the paged kernel (`paged_latent_attention_pallas`): the keys are
+        read from the pool (a scanned run's stacked pages, layer (g, j)) by the block table, never gathered
+        into a [B, width·P, r] copy. Per device on its own heads on a mesh (the pages are replicated).
+        Returns o [B,T,H,dv]."""
+        mesh = param_mesh(self.kv_b_proj.weight)
+        g, j = (jnp.zeros((), jnp.int32),) * 2 if layer is None else (jnp.asarray(i, jnp.int32) for i in layer)
+
+        def core(qh, qp, _c, _kp, _mask, sc):
+            def kern(qh, qp, cp, kp, bt, kv, qpos, g, j):
+                return paged_latent_attention_pallas(qh, qp, cp, kp, bt, kv, qpos, sc,
+                                                     layer=None if layer is None else (g, j), platform=ex.platform)
+            bthr = ("batch", None, "heads", None)
+            return on_mesh(kern, mesh, (bthr, bthr, None, None, ("batch", None), ("batch",), ("batch", None), None,
+                                        None), bthr, (qh, qp, c_pages, kpe_pages, block_table, kv_len, q_pos, g, j),
+                           heads=qh.shape[2])
+
+        rows = GPU_QUERY_ROW_MULTIPLE if backend_platform(ex.platform) == "gpu" else 1
+        return mla_absorbed_attention(q_nope, q_pe.astype(dtype), None, None, self.kv_b_proj.matrix(dtype), None,
+                                      self.scale, dtype, core=core, row_multiple=rows)

@@ -19,6 +19,7 @@ from pallas_kernels.fp8.kernel import fp8_linear_pallas
 from pallas_kernels.kda.chunk_kernel import kda_chunk_scan_pallas
 from pallas_kernels.kda.step_kernel import kda_recurrent_scan_pallas, kda_recurrent_step_pallas
 from pallas_kernels.mla.kernel import latent_attention_pallas
+from pallas_kernels.mla.paged import paged_latent_attention_pallas
 
 S_ = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -41,6 +42,15 @@ CASES = {
     "mla_prefill": (lambda *a, **kw: latent_attention_pallas(*a, 192 ** -0.5, interpret=False, **kw),
                     [S_((2, 64, H, 512), BF16), S_((2, 64, H, 64), BF16), S_((2, 8192, 512), BF16),
                      S_((2, 8192, 64), BF16), S_((2,), I32), S_((2, 64), I32)]),
+    # the engine's paged reads: 8 rows over a 512-page table of a scanned run's stacked pool at layer (g, j)
+    "mla_paged_decode": (lambda q, qp, c, k, bt, n, pos, g, j, **kw: paged_latent_attention_pallas(
+        q, qp, c, k, bt, n, pos, 192 ** -0.5, layer=(g, j), interpret=False, **kw),
+        [S_((8, 1, H, 512), BF16), S_((8, 1, H, 64), BF16), S_((2, 1, 4096, 16, 512), BF16),
+         S_((2, 1, 4096, 16, 64), BF16), S_((8, 512), I32), S_((8,), I32), S_((8, 1), I32), S_((), I32), S_((), I32)]),
+    "mla_paged_prefill": (lambda q, qp, c, k, bt, n, pos, g, j, **kw: paged_latent_attention_pallas(
+        q, qp, c, k, bt, n, pos, 192 ** -0.5, layer=(g, j), interpret=False, **kw),
+        [S_((2, 64, H, 512), BF16), S_((2, 64, H, 64), BF16), S_((2, 1, 4096, 16, 512), BF16),
+         S_((2, 1, 4096, 16, 64), BF16), S_((2, 512), I32), S_((2,), I32), S_((2, 64), I32), S_((), I32), S_((), I32)]),
     "fp8_linear": (lambda *a, **kw: fp8_linear_pallas(*a, interpret=False, **kw),
                    [S_((8, 4096), BF16), S_((576, 4096), jnp.float8_e4m3fn), S_((5, 32), F32)]),
 }
@@ -64,6 +74,10 @@ def _compile(plat, target, name):
     assert kernel_calls(compiled.as_text()) >= 1, f"{name} on {target}: no kernel in the compiled program"
     mem = compiled.memory_analysis()
     assert mem.argument_size_in_bytes > 0
+    if name.startswith("mla_paged"):  # the pages read in place: less temp than a copy of the 128 MiB latent
+        # pool (what remains: the float32 partials, 16 MiB for the prefill chunk, and on TPU a relayout of the
+        # 16 MiB k_pe pool, 64 values per token in 128 lanes: 32 MiB)
+        assert mem.temp_size_in_bytes < args[2].size * 2, (target, mem.temp_size_in_bytes)
     if name == "mla_prefill":  # float32 partials of at most a few key splits (was 1.07 GiB on GPU: 66 splits)
         assert mem.temp_size_in_bytes < 64 * 2 ** 20, (target, mem.temp_size_in_bytes)
 

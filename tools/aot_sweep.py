@@ -26,6 +26,7 @@ REAL = os.path.join(ROOT, "..", "shared", "spec", "config.ling-3.1-flash.json")
 GIB = 1 << 30
 
 ENGINE_8K = ["--max-slots", "8", "--max-seq-len", "8192", "--cache-memory", "8"]
+ENGINE_262K = ["--max-slots", "8", "--max-seq-len", "262144", "--cache-memory", "24"]
 ENGINE_64 = ["--max-slots", "64", "--max-seq-len", "8192", "--cache-memory", "24"]  # the planner counts whole slots
 #: name -> aot arguments (config and --json added)
 ROWS = {
@@ -58,6 +59,12 @@ ROWS = {
                             "verify,generate-decode", "--decode-rows", "8", "--speculative", "2", *ENGINE_8K],
     "h200x8_mxfp4_prefill": ["--weights", "mxfp4", "--target", "h200x8", "--mesh", "expert=8", "--programs",
                              "prefill", *ENGINE_8K],
+    # long context (issue 22): the release's whole 262,144-token window per slot
+    "h200x8_mxfp4_262k": ["--weights", "mxfp4", "--target", "h200x8", "--mesh", "expert=8", "--programs",
+                          "decode,prefill", "--decode-rows", "1,8", *ENGINE_262K],
+    "tpu7x_mxfp4_262k": ["--weights", "mxfp4", "--target", "tpu7x:2x2x1", "--mesh", "expert=8", "--programs",
+                         "decode,prefill", "--decode-rows", "4", "--max-slots", "4", "--max-seq-len", "262144",
+                         "--cache-memory", "12"],
 }
 
 

@@ -139,14 +139,7 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
     P = max(1, min(num_splits, nb))
     nbp = -(-nb // P)
 
-    lim_t = jnp.minimum(q_pos.astype(jnp.int32) + 1, kv_len.astype(jnp.int32)[:, None])  # [B,T]
-    lim_rows = jnp.repeat(jnp.maximum(lim_t, 0), H, axis=1)  # row = t*H + h
-    q2, qpe2 = q_hat.reshape(B, R, r), q_pe.reshape(B, R, dr)
-    if Rp != R:
-        q2 = jnp.pad(q2, ((0, 0), (0, Rp - R), (0, 0)))
-        qpe2 = jnp.pad(qpe2, ((0, 0), (0, Rp - R), (0, 0)))
-        lim_rows = jnp.pad(lim_rows, ((0, 0), (0, Rp - R)))
-    lim_rows = lim_rows[..., None]  # [B,Rp,1]
+    q2, qpe2, lim_rows = query_rows(q_hat, q_pe, kv_len, q_pos, Rp)
 
     out_shape = [jax.ShapeDtypeStruct((B, P, Rp, w), F32) for w in (r, 1, 1)]  # acc, m, l
     # Query rows and the outputs: the same blocks in both modes (grid indices b, qi, p first; the grid
@@ -188,13 +181,34 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
     else:
         raise ValueError(f"mode must be 'grid' or 'loop', got {mode!r}")
 
-    # Log-sum-exp merge of the split partials.
+    return merge_splits(acc, m, l, q_hat)
+
+
+def query_rows(q_hat, q_pe, kv_len, q_pos, rows_padded: int):
+    """The kernels' query matrix: (q [B,Rp,r], q_pe [B,Rp,dr], lim [B,Rp,1] int32), row t·H + h, zero rows
+    up to Rp. lim: keys τ < lim are visible to the row (τ ≤ q_pos and τ < kv_len: `attention_mask`)."""
+    B, T, H, r = q_hat.shape
+    R, dr = T * H, q_pe.shape[-1]
+    lim_t = jnp.minimum(q_pos.astype(jnp.int32) + 1, kv_len.astype(jnp.int32)[:, None])  # [B,T]
+    lim_rows = jnp.repeat(jnp.maximum(lim_t, 0), H, axis=1)  # row = t*H + h
+    q2, qpe2 = q_hat.reshape(B, R, r), q_pe.reshape(B, R, dr)
+    if rows_padded != R:
+        q2 = jnp.pad(q2, ((0, 0), (0, rows_padded - R), (0, 0)))
+        qpe2 = jnp.pad(qpe2, ((0, 0), (0, rows_padded - R), (0, 0)))
+        lim_rows = jnp.pad(lim_rows, ((0, 0), (0, rows_padded - R)))
+    return q2, qpe2, lim_rows[..., None]
+
+
+def merge_splits(acc, m, l, q_hat):
+    """Log-sum-exp merge of the key splits' partials acc [B,splits,Rp,r], m, l [B,splits,Rp,1] into
+    c_hat [B,T,H,r] (q_hat's shape and dtype); a row that saw no key gives 0, as the reference."""
+    B, T, H, r = q_hat.shape
     mx = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - mx)
     num = jnp.sum(w * acc, axis=1)
     den = jnp.sum(w * l, axis=1)
-    out = num / jnp.where(den > 0, den, 1.0)  # rows that see no key: 0, as the reference
-    return out[:, :R].reshape(B, T, H, r).astype(q_hat.dtype)
+    out = num / jnp.where(den > 0, den, 1.0)
+    return out[:, :T * H].reshape(B, T, H, r).astype(q_hat.dtype)
 
 
 def latent_attention_pallas(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s: int | None = None, interpret=None,

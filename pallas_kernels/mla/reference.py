@@ -2,7 +2,9 @@
 
 `latent_attention` is multi-query attention over the latent cache (keys `[c ; k_pe]`, values `c`)
 under `attention_mask`; the model (`ling_jax.mla`) calls it, or the Pallas kernel, from its absorbed
-form, and uses `attention_mask` / `masked_softmax` in its expanded form too.
+form, and uses `attention_mask` / `masked_softmax` in its expanded form too. `paged_latent_attention` is the same core
+over a paged cache (`gather_pages` + `latent_attention`): the reference of `mla.paged.paged_latent_attention_pallas`,
+which reads the pages where they lie.
 """
 from __future__ import annotations
 
@@ -38,3 +40,24 @@ def latent_attention(q_hat, q_pe, c, k_pe, mask, scale):
          + einsum("bthd,bsd->bhts", q_pe, k_pe, dtype=jnp.float32)) * scale
     p = masked_softmax(s, mask[:, None]).astype(q_hat.dtype)
     return einsum("bhts,bsr->bthr", p, c)
+
+
+def gather_pages(pages: jax.Array, block_table: jax.Array, layer=None) -> jax.Array:
+    """The pages of each sequence in order, a contiguous view: pages [n_pages, P, ...] (or, with `layer`
+    (g, j), layer [g, j] of stacked pages [repeats, n, n_pages, P, ...], read by one gather, no slice of
+    the pool); block_table [B, nb] int32. Returns [B, nb·P, ...]."""
+    B, nb = block_table.shape
+    got = pages[block_table] if layer is None else pages[layer[0], layer[1], block_table]
+    return got.reshape((B, nb * got.shape[2]) + got.shape[3:])
+
+
+def paged_latent_attention(q_hat, q_pe, c_pages, kpe_pages, block_table, kv_len, q_pos, scale, layer=None):
+    """`latent_attention` over a paged latent cache (reference of `paged_latent_attention_pallas`).
+
+    q_hat [B,T,H,r]; q_pe [B,T,H,dr]; c_pages [n_pages, P, r] and kpe_pages [n_pages, P, dr] (or stacked
+    [repeats, n, n_pages, P, ...] with `layer` (g, j)); block_table [B, nb] int32 (key position p of row b
+    at page block_table[b, p // P], offset p % P); kv_len [B]; q_pos [B,T]. Returns c_hat [B,T,H,r]. The
+    gathered [B, nb·P, r] copy is what the kernel avoids."""
+    c = gather_pages(c_pages, block_table, layer)
+    k_pe = gather_pages(kpe_pages, block_table, layer)
+    return latent_attention(q_hat, q_pe, c, k_pe, attention_mask(q_pos, c.shape[1], kv_len), scale)
