@@ -247,8 +247,9 @@ class MultiheadLatentAttention(nnx.Module):
         only, i.e. a cache-free forward; absorbed otherwise); `ex.kernels`: the absorbed core and
         the FP8 matmul of quantised projections. Returns (out [B,T,D], new cache).
         cache=None means a cache-free forward over the T tokens (positions 0..T-1). A PagedMLACache
-        gets the real new tokens scattered into their pages and attends over the gathered pages
-        (the same keys as a contiguous cache; padding is never written).
+        gets the real new tokens scattered into their pages and attends over them: with
+        kernels="pallas" (bf16/f32 pages) the paged kernel reads them in place by the block table;
+        otherwise over the gathered pages (the same keys as a contiguous cache; padding is never written).
         """
         cfg = self.cfg
         B, T, _ = x.shape

@@ -6,8 +6,10 @@ and never the reverse (tests/test_import_graph.py checks this). One folder per o
     kda/reference.py     kda_recurrent_step, kda_recurrent_scan, kda_chunk_scan   (XLA)
     kda/chunk_kernel.py  kda_chunk_scan_pallas                                   (Pallas, prefill)
     kda/step_kernel.py   kda_recurrent_step_pallas, kda_recurrent_scan_pallas    (Pallas, decode)
-    mla/reference.py     attention_mask, masked_softmax, latent_attention        (XLA)
+    mla/reference.py     attention_mask, masked_softmax, latent_attention,       (XLA)
+                         gather_pages, paged_latent_attention
     mla/kernel.py        latent_attention_pallas                                 (Pallas)
+    mla/paged.py         paged_latent_attention_pallas                           (Pallas, pages read in place)
     mla/blockwise.py     blockwise_latent_attention, blockwise_expanded_attention (XLA, online
                          softmax over key blocks: the references' twins for long key sets)
     fp8/blocks.py        DEFAULT_BLOCK, scale_grid_shape, check_block, check_scale_grid

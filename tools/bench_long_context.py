@@ -1,13 +1,22 @@
-"""Long prompts through `generate` (issue 22): peak resident memory, prefill tokens/s and decode
-tokens/s after the prompt, each beside what the arithmetic predicts from the shortest length.
+"""Long prompts through `generate`, the engine and `ling-jax serve` (issue 22): peak resident memory,
+prefill tokens/s and decode tokens/s after the prompt, each beside what the arithmetic predicts from the
+shortest length.
 
-    python tools/bench_long_context.py [--lengths 4096,16384,65536] [--new 16] [--out FILE.json]
+    python tools/bench_long_context.py [--lengths 4096,16384,65536] [--paths generate,engine,serve]
+                                       [--new 16] [--out FILE.json]
 
 Model: the real layer pattern at small width (`checkpoint.synthetic_config` with hidden 256, 4 heads,
 8 layers = 7 KDA + 1 MLA, 8 experts; random weights, float32, max_position_embeddings 2^20), one
-sequence. Each length runs in a fresh process (its own peak RSS, `ru_maxrss`), which calls
-`generate` twice with the same compiled shapes (first on a two-chunk prefix of the prompt with the
-same cache length: it compiles) and times the second through its stream callback: prefill = call start → first token; decode = first → last token over `--new` tokens.
+sequence. Each length and path runs in a fresh process (its own peak RSS: `ru_maxrss`, or the server
+process's VmHWM), and times a second request after a first one that compiled the same programs:
+  generate  `generate` twice with the same compiled shapes (first on a two-chunk prefix of the prompt
+            with the same cache length), timed through its stream callback;
+  engine    an `Engine` (1 slot, pages of 16, prefill chunks of 2,048 tokens like `generate`, no prefix
+            cache: the second request recomputes everything), the same prompt twice, timed by step;
+  serve     `ling-jax serve` on the same model written as a checkpoint (bf16 on disk, float32 compute,
+            the same engine flags, `--warmup off`), the prompt as token ids through streamed
+            /v1/completions, twice.
+prefill = request start to the first token; decode = first to last token over `--new` tokens.
 
 Predicted (the "pred" columns): counted FLOPs at the rate measured at the shortest length.
 Prefill FLOPs = L · 2 · active params + the blockwise MLA attention as it runs (absorbed form:
@@ -24,6 +33,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,14 +68,96 @@ CHILD = textwrap.dedent("""
                       "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 """)
 
+ENGINE_CHILD = textwrap.dedent("""
+    import json, resource, sys, time
+    import numpy as np, jax.numpy as jnp
+    from flax import nnx
+    from ling_jax.checkpoint.synthetic_config import synthetic_config
+    from ling_jax.model import LingForCausalLM
+    from ling_jax.serve import Engine, RequestParams
+    L, new = int(sys.argv[1]), int(sys.argv[2])
+    cfg = synthetic_config(**json.loads(sys.argv[3]))
+    model = LingForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), with_mtp=False)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size - 2, size=L).tolist()
+    chunk = model.exec.prefill_chunk
+    eng = Engine(model, max_slots=1, page_size=16, num_pages=-(-(L + new) // 16) + 1, prefill_chunk=chunk,
+                 prefill_rows=1, max_seq_len=L + new, decode_rows=(1,), buckets=(chunk,), prefix_cache=False)
+
+    def timed():
+        h = eng.submit(prompt, RequestParams(max_tokens=new, stop_ids=()))
+        t0 = time.perf_counter()
+        first = None
+        while eng.has_work():
+            eng.step()
+            if first is None and h.generated:
+                first = time.perf_counter()
+        return t0, first, time.perf_counter(), len(h.generated)
+
+    timed()  # compiles every program the prompt needs (each block-table width its chunks reach)
+    t0, first, end, n = timed()
+    print(json.dumps({"tokens": L, "prefill_s": first - t0, "decode_tokens": n - 1, "decode_s": end - first,
+                      "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+""")
+
+SERVE_CHILD = textwrap.dedent("""
+    import json, os, socket, subprocess, sys, tempfile, time, urllib.request
+    import numpy as np
+    from ling_jax.checkpoint.synthetic_config import synthetic_config
+    from ling_jax.checkpoint.writer import write_checkpoint
+    L, new = int(sys.argv[1]), int(sys.argv[2])
+    cfg = synthetic_config(**json.loads(sys.argv[3]))
+    ckpt = os.path.join(tempfile.mkdtemp(prefix="long-ctx-"), "ckpt")
+    write_checkpoint(cfg, ckpt, dtype="bf16", include_mtp=False, progress=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "ling_jax.cli", "serve", "--checkpoint", ckpt, "--port", str(port), "--dtype",
+           "float32", "--max-slots", "1", "--page-size", "16", "--max-seq-len", str(L + new), "--prefill-chunk", "2048",
+           "--cache-memory", "1", "--no-prefix-cache", "--warmup", "off", "--body-timeout", "600"]
+    srv = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):  # bounded: up to 10 minutes for the server to come up
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                break
+        except OSError:
+            time.sleep(1)
+    else:
+        srv.kill()
+        raise SystemExit("the server did not come up: " + srv.stderr.read()[-2000:])
+    from openai import OpenAI
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    name = client.models.list().data[0].id
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size - 2, size=L).tolist()
+
+    def timed():  # each streamed token id stamped when its chunk arrives
+        t0, times = time.perf_counter(), []
+        for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=new, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True}):
+            for c in chunk.choices:
+                times += [time.perf_counter()] * len(getattr(c, "token_ids", None) or [])
+        return t0, times
+
+    timed()  # compiles what the prompt needs
+    t0, times = timed()
+    with open(f"/proc/{srv.pid}/status") as f:
+        hwm = next(int(l.split()[1]) for l in f if l.startswith("VmHWM"))
+    srv.terminate()
+    srv.wait(timeout=120)
+    print(json.dumps({"tokens": L, "prefill_s": times[0] - t0, "decode_tokens": len(times) - 1,
+                      "decode_s": times[-1] - times[0], "peak_rss_gib": hwm / 2**20}))
+""")
+
+CHILDREN = {"generate": CHILD, "engine": ENGINE_CHILD, "serve": SERVE_CHILD}
+
 MODEL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=8, vocab_size=4096,
              pad_token_id=4094, eos_token_id=4095, max_position_embeddings=1 << 20)
 
 
-def run_length(L: int, new: int) -> dict:
+def run_length(L: int, new: int, path: str = "generate") -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, "-c", CHILD, str(L), str(new), json.dumps(MODEL)], env=env,
+    r = subprocess.run([sys.executable, "-c", CHILDREN[path], str(L), str(new), json.dumps(MODEL)], env=env,
                        capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
@@ -90,12 +182,37 @@ def decode_attn_flops(cfg, L: int) -> float:
     return 2 * H * (2 * r + dr) * sum(t == "mla" for t in cfg.layer_types) * L
 
 
+def predicted(cfg, rows: list) -> None:
+    """Adds the "pred" columns to one path's rows (see the module docstring) and prints its table."""
+    base = rows[0]
+    rate = base["prefill_gflop"] / base["prefill_s"]  # GFLOP/s measured at the shortest length
+    step0 = base["decode_s"] / base["decode_tokens"]
+    slope = ((rows[1]["peak_rss_gib"] - base["peak_rss_gib"]) / (rows[1]["tokens"] - base["tokens"])
+             if len(rows) > 1 else 0.0)
+    print(f"\n{base['path']}: prefill rate at {base['tokens']} tokens: {rate:.2f} GFLOP/s (counted)")
+    print("| path | prompt | peak RSS GiB (linear pred) | prefill tok/s (pred) | ratio | decode tok/s (pred) | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        pre_pred = row["tokens"] / (row["prefill_gflop"] / rate)
+        step_pred = step0 + (decode_attn_flops(cfg, row["tokens"]) - decode_attn_flops(cfg, base["tokens"])) / (rate * 1e9)
+        mem_pred = base["peak_rss_gib"] + slope * (row["tokens"] - base["tokens"])
+        row.update(prefill_tok_s_pred=pre_pred, decode_tok_s_pred=1 / step_pred, peak_rss_gib_pred=mem_pred,
+                   gflop_per_s=rate)
+        print(f"| {row['path']} | {row['tokens']:,} | {row['peak_rss_gib']:.2f} ({mem_pred:.2f}) | "
+              f"{row['prefill_tok_s']:.0f} ({pre_pred:.0f}) | {row['prefill_tok_s'] / pre_pred:.2f} | "
+              f"{row['decode_tok_s']:.1f} ({1 / step_pred:.1f}) | {row['decode_tok_s'] * step_pred:.2f} |", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="4096,16384,65536")
+    p.add_argument("--paths", default="generate,engine,serve", help="comma list of generate, engine, serve")
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    paths = [x for x in a.paths.split(",") if x]
+    if not paths or set(paths) - set(CHILDREN):
+        p.error(f"--paths: a comma list of {', '.join(CHILDREN)} (got {a.paths!r})")
     sys.path.insert(0, ROOT)
     from ling_jax.accounting import param_counts
     from ling_jax.checkpoint.synthetic_config import synthetic_config
@@ -104,33 +221,21 @@ def main(argv=None) -> int:
     cfg = synthetic_config(**MODEL)
     ex = ExecConfig()
     active = param_counts(cfg, include_mtp=False)["active"]
-    rows = []
-    for L in (int(x) for x in a.lengths.split(",")):
-        row = run_length(L, a.new)
-        row["prefill_tok_s"] = L / row["prefill_s"]
-        row["decode_tok_s"] = row["decode_tokens"] / row["decode_s"]
-        row["prefill_gflop"] = prefill_flops(cfg, L, ex.prefill_chunk, ex.attn_block, active) / 1e9
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    base = rows[0]
-    rate = base["prefill_gflop"] / base["prefill_s"]  # GFLOP/s measured at the shortest length
-    step0 = base["decode_s"] / base["decode_tokens"]
-    slope = ((rows[1]["peak_rss_gib"] - base["peak_rss_gib"]) / (rows[1]["tokens"] - base["tokens"])
-             if len(rows) > 1 else 0.0)
-    print(f"\nprefill rate at {base['tokens']} tokens: {rate:.2f} GFLOP/s (counted)")
-    print("| prompt | peak RSS GiB (linear pred) | prefill tok/s (pred) | ratio | decode tok/s (pred) | ratio |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        pre_pred = row["tokens"] / (row["prefill_gflop"] / rate)
-        step_pred = step0 + (decode_attn_flops(cfg, row["tokens"]) - decode_attn_flops(cfg, base["tokens"])) / (rate * 1e9)
-        mem_pred = base["peak_rss_gib"] + slope * (row["tokens"] - base["tokens"])
-        row.update(prefill_tok_s_pred=pre_pred, decode_tok_s_pred=1 / step_pred, peak_rss_gib_pred=mem_pred)
-        print(f"| {row['tokens']:,} | {row['peak_rss_gib']:.2f} ({mem_pred:.2f}) | {row['prefill_tok_s']:.0f} "
-              f"({pre_pred:.0f}) | {row['prefill_tok_s'] / pre_pred:.2f} | {row['decode_tok_s']:.1f} "
-              f"({1 / step_pred:.1f}) | {row['decode_tok_s'] * step_pred:.2f} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"model": MODEL, "rows": rows, "gflop_per_s": rate}, f, indent=1)
+    out = {"model": MODEL, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "paths": {}}
+    for path in paths:
+        rows = []
+        for L in (int(x) for x in a.lengths.split(",")):
+            row = dict(path=path, **run_length(L, a.new, path), loadavg=os.getloadavg()[0])
+            row["prefill_tok_s"] = L / row["prefill_s"]
+            row["decode_tok_s"] = row["decode_tokens"] / row["decode_s"]
+            row["prefill_gflop"] = prefill_flops(cfg, L, ex.prefill_chunk, ex.attn_block, active) / 1e9
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        predicted(cfg, rows)
+        out["paths"][path] = rows
+        if a.out:  # partial results survive a later failure
+            with open(a.out, "w") as f:
+                json.dump(out, f, indent=1)
     return 0
 
 

@@ -12,6 +12,7 @@ the pool is written in place; temp >= the pool means the compiler copied it.
     JAX_PLATFORMS=cpu python tools/probe_tpu_pool_alias.py --width 512 --pages 16384
     JAX_PLATFORMS=cpu python tools/probe_tpu_pool_alias.py --width 64 --pages 16384
     JAX_PLATFORMS=cpu python tools/probe_tpu_pool_alias.py --width 64 --pack-lanes   # 2 tokens per lane row
+    JAX_PLATFORMS=cpu python tools/probe_tpu_pool_alias.py --width 512 --rows 2 --tokens 64   # a prefill chunk
 
 Needs the libtpu wheel (`pip install -e ".[aot]"`); nothing is allocated.
 """
@@ -41,6 +42,7 @@ def main(argv=None) -> None:
     ap.add_argument("--width", type=int, default=512, help="values per token: 512 (latent c), 64 (k_pe)")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=512, help="block-table width")
+    ap.add_argument("--tokens", type=int, default=1, help="new tokens per row (a prefill chunk: 64)")
     ap.add_argument("--loop", choices=("one", "scan"), default="one", help="write one layer, or all in a loop")
     ap.add_argument("--pack-lanes", action="store_true",
                     help="width < 128: store 128/width tokens per 128-lane row ([pages, page_size·width/128, 128])")
@@ -48,7 +50,7 @@ def main(argv=None) -> None:
     target = resolve_target(a.target)
     mesh = Mesh(np.array(target.devices).reshape(-1), ("expert",))
     rep = NamedSharding(mesh, P())
-    L, NP, PS, X, B, W = a.layers, a.pages, a.page_size, a.width, a.rows, a.blocks
+    L, NP, PS, X, B, W, T = a.layers, a.pages, a.page_size, a.width, a.rows, a.blocks, a.tokens
 
     pack = 128 // X if a.pack_lanes and X < 128 else 1
 
@@ -69,8 +71,8 @@ def main(argv=None) -> None:
         return pool, got.astype(jnp.float32).sum()
 
     sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
-    args = (sd((L, 1, NP, PS // pack, X * pack), jnp.bfloat16), sd((B, 1, X), jnp.bfloat16), sd((B, W), jnp.int32),
-            sd((B, 1), jnp.int32), sd((B, 1), jnp.bool_))
+    args = (sd((L, 1, NP, PS // pack, X * pack), jnp.bfloat16), sd((B, T, X), jnp.bfloat16), sd((B, W), jnp.int32),
+            sd((B, T), jnp.int32), sd((B, T), jnp.bool_))
     m = jax.jit(step, donate_argnums=0).lower(*args).compile().memory_analysis()
     mib = lambda n: n / 2**20  # noqa: E731
     pool = L * NP * PS * X * 2
