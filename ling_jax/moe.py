@@ -118,6 +118,35 @@ def experts_gathered(x, idx, wg, wu, wd, limit, gathered: bool = False):
     return jax.lax.map(one, xs)
 
 
+#: Experts dequantised at a time by `experts_ragged_in_chunks` (at most; a divisor of the local experts).
+EXPERT_CHUNK = 8
+
+
+def experts_ragged_in_chunks(x, idx, weights, limit, chunk: int = EXPERT_CHUNK):
+    """`experts_grouped(..., "ragged")` over kept-quantised weights (FP8 / MXFP4), `chunk` experts at a time:
+    a `scan` over the expert chunks dequantises one chunk's weights and runs the ragged matmuls on the
+    assignments that fall on it (the rest of the chunk's groups are empty), so no program holds a
+    dequantised copy of the whole expert stack. Why: dequantised at once, the MXFP4 stack of one layer
+    is 2.5 GiB of bf16 per device on `tpu7x:2x2x1` plus its int32 unpacking, and the TPU compiler
+    refused the real config's 262,144-token prefill (110 GB of temporaries, BENCHMARKS.md fifteenth session).
+
+    x [N,D]; idx [N,k] local expert ids (≥ E_l: none); weights (wg, wu, wd) quantised or float
+    [E_l, ...]. Returns [N,k,D] like `experts_grouped`."""
+    E_l = weights[0].shape[0]
+    c = max(d for d in range(1, min(chunk, E_l) + 1) if E_l % d == 0)
+
+    def one(acc, start):
+        ws = tuple(dequantize(w.experts(start, c), x.dtype) if is_quantized(w)
+                   else jax.lax.dynamic_slice_in_dim(w, start, c).astype(x.dtype) for w in weights)
+        rel = idx - start
+        inside = (rel >= 0) & (rel < c)
+        y = experts_grouped(x, jnp.where(inside, rel, c), *ws, limit, "ragged")
+        return acc + jnp.where(inside[..., None], y, 0).astype(acc.dtype), None
+
+    init = jnp.zeros(idx.shape + (x.shape[-1],), x.dtype)
+    return jax.lax.scan(one, init, jnp.arange(0, E_l, c, dtype=jnp.int32))[0]
+
+
 def auto_expert_path(n_tokens: int, k: int, n_experts: int, grouped_matmul: str, quantized: bool) -> str:
     """`ExecConfig.experts="auto"`: gather copies each assignment's expert weights before reading
     them (3 passes per assignment), the grouped path reads each expert once, so gather wins while
@@ -176,6 +205,8 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
         else:  # quantised: gather values + scales of the selected experts, dequantise, same loop
             y = experts_gathered(x, li, *(dequantize(w.take(li), dt) if is_quantized(w)
                                           else w[li].astype(dt) for w in weights), limit, gathered=True)
+    elif grouped_matmul == "ragged" and any(is_quantized(w) for w in weights):
+        y = experts_ragged_in_chunks(x, jnp.where(mine, loc, E_l), weights, limit)
     else:
         ws = tuple(dequantize(w, dt) for w in weights)
         if grouped_matmul == "capacity" and uses_active_loop(x.shape[0], idx.shape[1], E_l,

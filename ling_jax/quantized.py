@@ -59,6 +59,11 @@ class BlockFP8:
         """The array whose leading axes are the weight's (values; for specs: the values' spec)."""
         return self.values
 
+    def experts(self, start, n: int) -> "BlockFP8":
+        """Experts start .. start+n-1 of the leading axis (start may be traced): a slice, not a copy of the rest."""
+        return BlockFP8(jax.lax.dynamic_slice_in_dim(self.values, start, n), jax.lax.dynamic_slice_in_dim(
+            self.scales, start, n), self.block)
+
     def take(self, idx) -> "BlockFP8":
         """Rows of the leading (expert) axis: `values[idx]`, `scales[idx]` (the gathered decode path)."""
         return BlockFP8(self.values[idx], self.scales[idx], self.block)
@@ -93,6 +98,11 @@ class MXFP4Blocks:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """E2M1 code × 2^(scale − 127), exact in float32 (`dequantize_mxfp4_jax`), then `dtype`."""
         return dequantize_mxfp4_jax(self.packed, self.scales, dtype)
+
+    def experts(self, start, n: int) -> "MXFP4Blocks":
+        """Experts start .. start+n-1 of the leading axis (start may be traced)."""
+        return MXFP4Blocks(jax.lax.dynamic_slice_in_dim(self.packed, start, n),
+                           jax.lax.dynamic_slice_in_dim(self.scales, start, n))
 
     def take(self, idx) -> "MXFP4Blocks":
         """Rows of the leading (expert) axis (the gathered decode path)."""

@@ -273,6 +273,19 @@ def test_unrolled_layer_loop_gives_the_same_tokens(tiny_model, reference):
     assert [h.generated for h in handles] == [expected[i] for i in picks]
 
 
+def test_prefill_rows_never_exceed_the_slots(tiny_model, reference):
+    """A 1-slot engine prefills [1, T], not [2, T] with an idle row (which doubled a long prompt's
+    prefill through `ling-jax serve --max-slots 1`), and gives the same tokens."""
+    prompts, params, _, expected, _ = reference
+    eng = Engine(tiny_model, max_slots=1, page_size=PAGE, num_pages=12, prefill_chunk=16, prefill_rows=2,
+                 max_seq_len=80, buckets=(16,))
+    assert eng.runner.prefill_rows == eng.sched.prefill_rows == 1
+    assert all(args[2].ids.shape[0] == 1 for name, _, args in eng.runner.program_calls() if name.startswith("prefill"))
+    h = eng.submit(prompts[2], params[2])
+    eng.run_until_done()
+    assert h.generated == expected[2]
+
+
 # --------------------------------------------------------------------------- penalties and logprobs
 
 PEN_A = dict(presence_penalty=0.4, frequency_penalty=0.6, repetition_penalty=1.4)

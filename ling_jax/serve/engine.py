@@ -99,7 +99,8 @@ class Engine:
     max_slots: sequences in flight; page_size: tokens per latent page; num_pages or
     cache_memory_gib: the page pool (pages cost `describe()`'s bytes); prefill_chunk: prompt
     tokens fed per step at most (a running decode waits at most one chunk); prefill_rows:
-    prompts fed side by side in one chunk; max_seq_len: prompt + new tokens of one request;
+    prompts fed side by side in one chunk (at most max_slots: a prefill row no slot can fill would only
+    double the chunk's work, e.g. one long prompt on a 1-slot server); max_seq_len: prompt + new tokens of one request;
     with_mtp: keep the MTP layer's pages filled too (for speculative decoding; default: the
     model has an MTP layer); exec: how to run (default `model.exec`); buckets: prefill widths
     (default `token_buckets(prefill_chunk)`); widths: decode block-table widths in pages (default
@@ -151,6 +152,7 @@ class Engine:
         if widths[-1] != mb or widths[0] < 1:
             raise ValueError(f"decode widths {widths} must be positive and end at max_blocks={mb}")
         decode_rows = check_decode_rows(decode_rows, max_slots)
+        prefill_rows = min(prefill_rows, max_slots)
         self.prefill_chunk = prefill_chunk
         self.exec = exec or model.exec
         if self.exec.layer_loop != model.model.layers.loop:
