@@ -11,7 +11,9 @@ Expert parallelism: when `ExecConfig.mesh` is set, the routed experts run inside
 (`experts_ep`): every device computes its own experts (and its slice of their intermediate width)
 for all tokens of its data shard and one `psum` over the `expert`/`model` axes combines them; no
 expert weight leaves its device (design note: sharding/README.md). Expert weights that are
-`BlockFP8` or `MXFP4Blocks` (kept quantised) are dequantised inside the expert matmuls, per device.
+`BlockFP8` or `MXFP4Blocks` (kept quantised) are dequantised inside the expert matmuls, per device:
+the gather path dequantises the picked experts only, the grouped "ragged" path a chunk of
+`EXPERT_CHUNK` experts at a time (`experts_ragged_in_chunks`), never the whole stack.
 """
 from __future__ import annotations
 

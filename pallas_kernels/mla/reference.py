@@ -35,11 +35,17 @@ def latent_attention(q_hat, q_pe, c, k_pe, mask, scale):
 
     q_hat [B,T,H,r] (query through W_UK); q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; mask [B,T,S].
     Returns c_hat [B,T,H,r] = softmax((q_hat·c + q_pe·k_pe)·scale) @ c, in q_hat's dtype.
+    The T·H query rows are one matrix per sequence (row t·H + h; free reshapes): the products are then
+    [T·H, r] x [r, S] and [T·H, S] x [S, r] GEMMs; XLA:CPU ran the 4-D `bhts,bsr->bthr` form of the
+    second ~1.7x slower on a 64K-key decode (BENCHMARKS.md, long context, fifteenth session).
     """
-    s = (einsum("bthr,bsr->bhts", q_hat, c, dtype=jnp.float32)
-         + einsum("bthd,bsd->bhts", q_pe, k_pe, dtype=jnp.float32)) * scale
-    p = masked_softmax(s, mask[:, None]).astype(q_hat.dtype)
-    return einsum("bhts,bsr->bthr", p, c)
+    B, T, H, r = q_hat.shape
+    S = c.shape[1]
+    rows = lambda a: a.reshape(B, T * H, a.shape[-1])  # noqa: E731
+    s = (einsum("bqr,bsr->bqs", rows(q_hat), c, dtype=jnp.float32)
+         + einsum("bqd,bsd->bqs", rows(q_pe), k_pe, dtype=jnp.float32)) * scale
+    p = masked_softmax(s.reshape(B, T, H, S), mask[:, :, None]).astype(q_hat.dtype)
+    return einsum("bqs,bsr->bqr", p.reshape(B, T * H, S), c).reshape(B, T, H, r)
 
 
 def gather_pages(pages: jax.Array, block_table: jax.Array, layer=None) -> jax.Array:
