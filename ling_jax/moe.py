@@ -102,22 +102,27 @@ def _gathered_token(xn, wg, wu, wd, limit):
     return einsum("kdi,ki->kd", wd.astype(xn.dtype), swiglu_act(g, u, limit))
 
 
-def experts_gathered(x, idx, wg, wu, wd, limit, gathered: bool = False):
+def _picked(w, ids, dtype):
+    """Rows `ids` of an expert stack, dequantised when it is kept quantised (BlockFP8 / MXFP4Blocks)."""
+    return dequantize(w.take(ids), dtype) if is_quantized(w) else w[ids]
+
+
+def experts_gathered(x, idx, wg, wu, wd, limit):
     """Same result as `experts_grouped`, reading only the selected experts' weights (few tokens).
 
     Tokens run one at a time (`lax.map`): per token the selected experts are gathered and read once;
-    a batched product over several tokens' gathered weights ran 2-4× slower on XLA:CPU.
-    `gathered=True`: wg/wu/wd are already `[N,k,...]` (the FP8 path dequantises after its gather).
+    a batched product over several tokens' gathered weights ran 2-4× slower on XLA:CPU. Kept-quantised
+    weights (FP8 / MXFP4) are gathered and dequantised inside the loop, one token's k experts at a time:
+    dequantised for all N tokens at once they were the TPU decode's largest temporaries (int32 unpacking
+    of [N, k, I, D/2] codes, BENCHMARKS.md fifteenth session).
     """
-    if gathered:
-        one = lambda a: _gathered_token(*a, limit)
-        xs = (x, wg, wu, wd)
-    else:
-        one = lambda a: _gathered_token(a[0], wg[a[1]], wu[a[1]], wd[a[1]], limit)
-        xs = (x, idx)
+    def one(a):
+        xn, ids = a
+        return _gathered_token(xn, *(_picked(w, ids, xn.dtype) for w in (wg, wu, wd)), limit)
+
     if x.shape[0] == 1:  # batch-1 decode: no loop at all
-        return one(tuple(a[0] for a in xs))[None]
-    return jax.lax.map(one, xs)
+        return one((x[0], idx[0]))[None]
+    return jax.lax.map(one, (x, idx))
 
 
 #: Experts dequantised at a time by `experts_ragged_in_chunks` (at most; a divisor of the local experts).
@@ -202,11 +207,7 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
     dt = x.dtype
     if path == "gather":
         li = jnp.where(mine, loc, 0)
-        if not any(is_quantized(w) for w in weights):  # each token gathers inside the per-token loop
-            y = experts_gathered(x, li, *weights, limit)
-        else:  # quantised: gather values + scales of the selected experts, dequantise, same loop
-            y = experts_gathered(x, li, *(dequantize(w.take(li), dt) if is_quantized(w)
-                                          else w[li].astype(dt) for w in weights), limit, gathered=True)
+        y = experts_gathered(x, li, *weights, limit)  # each token gathers (and dequantises) in the loop
     elif grouped_matmul == "ragged" and any(is_quantized(w) for w in weights):
         y = experts_ragged_in_chunks(x, jnp.where(mine, loc, E_l), weights, limit)
     else:
