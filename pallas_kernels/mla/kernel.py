@@ -66,9 +66,7 @@ def _grid_kernel(lim_b_ref, q_ref, qpe_ref, lim_ref, c_ref, kpe_ref, acc_ref, m_
 
     @pl.when(i == 0)
     def _():
-        m_ref[...] = jnp.full(m_ref.shape, NEG, F32)
-        l_ref[...] = jnp.zeros(l_ref.shape, F32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
+        init_state(m_ref, l_ref, acc_ref)
 
     start = (p * blocks_per_split + i) * block_s
 
@@ -89,17 +87,31 @@ def _loop_kernel(q_ref, qpe_ref, lim_ref, c_ref, kpe_ref, acc_ref, m_ref, l_ref,
     q, qpe = q_ref[...], qpe_ref[...]
     bq, r = q.shape
 
-    def body(i, carry):
+    def upd(i, carry):
         start = (p * blocks_per_split + i) * block_s
+        keys = pl.ds(pl.multiple_of(start, block_s), block_s)
+        return _update(q, qpe, c_ref[keys, :], kpe_ref[keys, :], lim, start, None, carry, scale)
 
-        def upd(carry):
-            keys = pl.ds(pl.multiple_of(start, block_s), block_s)
-            return _update(q, qpe, c_ref[keys, :], kpe_ref[keys, :], lim, start, None, carry, scale)
+    key_loop(blocks_per_split, lambda i: (p * blocks_per_split + i) * block_s < max_lim, upd, bq, r,
+             (acc_ref, m_ref, l_ref))
 
-        return jax.lax.cond(start < max_lim, upd, lambda cr: cr, carry)
+
+def init_state(m_ref, l_ref, acc_ref):
+    """The online-softmax state at its start: m = NEG, l = 0, acc = 0 (the grid drivers' first key step)."""
+    m_ref[...] = jnp.full(m_ref.shape, NEG, F32)
+    l_ref[...] = jnp.zeros(l_ref.shape, F32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
+
+
+def key_loop(n: int, visible, update, bq: int, r: int, out_refs):
+    """The loop drivers' body: `fori_loop` over n key blocks, block i folded in by update(i, carry) when
+    visible(i) (else skipped: neither loaded nor computed), then (acc, m, l) written to out_refs."""
+    def body(i, carry):
+        return jax.lax.cond(visible(i), lambda cr: update(i, cr), lambda cr: cr, carry)
 
     init = (jnp.full((bq, 1), NEG, F32), jnp.zeros((bq, 1), F32), jnp.zeros((bq, r), F32))
-    m, l, acc = jax.lax.fori_loop(0, blocks_per_split, body, init)
+    m, l, acc = jax.lax.fori_loop(0, n, body, init)
+    acc_ref, m_ref, l_ref = out_refs
     m_ref[...] = m
     l_ref[...] = l
     acc_ref[...] = acc

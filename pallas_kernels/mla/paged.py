@@ -33,16 +33,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import NEG, compiler_params, next_pow2, target
-from pallas_kernels.mla.kernel import GPU_SMS, _update, merge_splits, query_rows
+from pallas_kernels._common import compiler_params, next_pow2, target
+from pallas_kernels.mla.kernel import GPU_SMS, _update, init_state, key_loop, merge_splits, query_rows
 
 F32 = jnp.float32
-
-
-def _init(m_ref, l_ref, acc_ref):
-    m_ref[...] = jnp.full(m_ref.shape, NEG, F32)
-    l_ref[...] = jnp.zeros(l_ref.shape, F32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
 
 
 def _grid_kernel(bt_ref, lim_b_ref, layer_ref, q_ref, qpe_ref, lim_ref, *refs, scale, page, pages_per_step,
@@ -54,7 +48,7 @@ def _grid_kernel(bt_ref, lim_b_ref, layer_ref, q_ref, qpe_ref, lim_ref, *refs, s
 
     @pl.when(i == 0)
     def _():
-        _init(m_ref, l_ref, acc_ref)
+        init_state(m_ref, l_ref, acc_ref)
 
     start = (p * steps_per_split + i) * (k * page)
 
@@ -78,22 +72,13 @@ def _loop_kernel(bt_ref, layer_ref, q_ref, qpe_ref, lim_ref, c_ref, kpe_ref, acc
     bq, r = q.shape
     lead = (layer_ref[0], layer_ref[1]) if stacked else ()
 
-    def body(i, carry):
+    def upd(i, carry):
         blk = p * pages_per_split + i
-        start = blk * page
+        idx = lead + (bt_ref[b, blk], slice(None), slice(None))
+        return _update(q, qpe, c_ref[idx], kpe_ref[idx], lim, blk * page, None, carry, scale)
 
-        def upd(carry):
-            pg = bt_ref[b, blk]
-            idx = lead + (pg, slice(None), slice(None))
-            return _update(q, qpe, c_ref[idx], kpe_ref[idx], lim, start, None, carry, scale)
-
-        return jax.lax.cond(start < max_lim, upd, lambda cr: cr, carry)
-
-    init = (jnp.full((bq, 1), NEG, F32), jnp.zeros((bq, 1), F32), jnp.zeros((bq, r), F32))
-    m, l, acc = jax.lax.fori_loop(0, pages_per_split, body, init)
-    m_ref[...] = m
-    l_ref[...] = l
-    acc_ref[...] = acc
+    key_loop(pages_per_split, lambda i: (p * pages_per_split + i) * page < max_lim, upd, bq, r,
+             (acc_ref, m_ref, l_ref))
 
 
 def _defaults(mode, pages_per_step, num_splits, block_q, B, rows, plat):
