@@ -142,10 +142,7 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
     B, T, H, r = q_hat.shape
     dr = q_pe.shape[-1]
     S = c.shape[1]
-    R = T * H
-    bq = block_q or min(256, next_pow2(max(R, 16)))
-    Rp = -(-R // bq) * bq
-    nq = Rp // bq
+    bq, Rp, nq = row_blocks(T * H, block_q)
     bs = block_s
     nb = -(-S // bs)
     P = max(1, min(num_splits, nb))
@@ -194,6 +191,14 @@ def _run(q_hat, q_pe, c, k_pe, kv_len, q_pos, scale, block_s, interpret, num_spl
         raise ValueError(f"mode must be 'grid' or 'loop', got {mode!r}")
 
     return merge_splits(acc, m, l, q_hat)
+
+
+def row_blocks(rows: int, block_q: int | None):
+    """(rows per block, rows padded to whole blocks, blocks) of a T·H query matrix: block_q, or the rows
+    rounded up to a power of two ≥ 16 and at most 256."""
+    bq = block_q or min(256, next_pow2(max(rows, 16)))
+    padded = -(-rows // bq) * bq
+    return bq, padded, padded // bq
 
 
 def query_rows(q_hat, q_pe, kv_len, q_pos, rows_padded: int):

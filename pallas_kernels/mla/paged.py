@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import compiler_params, next_pow2, target
-from pallas_kernels.mla.kernel import GPU_SMS, _update, init_state, key_loop, merge_splits, query_rows
+from pallas_kernels.mla.kernel import GPU_SMS, _update, init_state, key_loop, merge_splits, query_rows, row_blocks
 
 F32 = jnp.float32
 
@@ -103,10 +103,7 @@ def _run(q_hat, q_pe, c_pages, kpe_pages, block_table, kv_len, q_pos, layer, sca
     stacked = c_pages.ndim == 5
     P = c_pages.shape[-2]
     nb = block_table.shape[1]
-    R = T * H
-    bq = block_q or min(256, next_pow2(max(R, 16)))
-    Rp = -(-R // bq) * bq
-    nq = Rp // bq
+    bq, Rp, nq = row_blocks(T * H, block_q)
     q2, qpe2, lim_rows = query_rows(q_hat, q_pe, kv_len, q_pos, Rp)
     layer = jnp.zeros((2,), jnp.int32) if layer is None else jnp.stack([jnp.asarray(x, jnp.int32) for x in layer])
     block_table = block_table.astype(jnp.int32)
