@@ -80,6 +80,11 @@ class ExecConfig:
         use) at any token count (it beats the capacity buffers from 8 to 2,048 tokens, measured);
         float32 only, the XLA loop / capacity path when it cannot be built. Training turns it off
         (forward-only kernel).
+    native_attention: the absorbed MLA core on XLA:CPU runs the native CPU kernel
+        (`pallas_kernels.mla.cpu_kernel`: keys read in place from the cache or the engine's pages,
+        blockwise online softmax, built on first use): 5x the XLA blockwise prefill's rate
+        (BENCHMARKS.md "A native CPU attention kernel"); float32 only, the XLA forms when it cannot
+        be built. Training turns it off (forward-only kernel).
     attn_block: keys per block of the XLA blockwise MLA attention (`pallas_kernels.mla.blockwise`):
         its temporaries are [B,H,T,attn_block] scores, whatever the key count.
     prefill_chunk: tokens per model call when `generate` prefills or `forward` runs a longer
@@ -100,6 +105,7 @@ class ExecConfig:
     layer_loop: str = "scan"
     weights_first_rows: int = 0
     native_experts: bool = False
+    native_attention: bool = False
     attn_block: int = 512
     prefill_chunk: int = 2048
     remat: Optional[str] = None
@@ -113,8 +119,9 @@ class ExecConfig:
         _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
         for name, low in (("kda_chunk", 1), ("attn_block", 1), ("prefill_chunk", 1), ("weights_first_rows", 0)):
             check_int(getattr(self, name), f"ExecConfig.{name}", field=name, low=low)
-        if not isinstance(self.native_experts, bool):
-            raise ValueError(f"ExecConfig.native_experts must be a bool, got {self.native_experts!r}")
+        for name in ("native_experts", "native_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ExecConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.platform is not None:
             _choice("platform", self.platform, PLATFORMS)
         if self.remat is not None:
@@ -136,6 +143,7 @@ class ExecConfig:
                     kda_chunk={"tpu": 64, "gpu": GPU_KDA_CHUNK}.get(platform, 16),
                     weights_first_rows=0 if accel else CPU_WEIGHTS_FIRST_ROWS,
                     native_experts=not accel,
+                    native_attention=not accel,
                     layer_loop="unroll" if unroll else "scan",
                     platform=platform)
         base.update({k: v for k, v in overrides.items() if v is not None or k == "remat"})

@@ -9,6 +9,7 @@ Both are causal and mask keys beyond each sequence's length.
 """
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import NamedTuple, Optional
 
@@ -26,10 +27,13 @@ from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
 from ling_jax.kernel_mesh import on_mesh
 from ling_jax.placement import param_mesh
 from pallas_kernels._common import backend_platform
+from pallas_kernels.mla import cpu_kernel
 from pallas_kernels.mla.blockwise import blockwise_expanded_attention, blockwise_latent_attention
 from pallas_kernels.mla.kernel import latent_attention_pallas
 from pallas_kernels.mla.paged import paged_latent_attention_pallas
 from pallas_kernels.mla.reference import attention_mask, gather_pages, latent_attention, masked_softmax
+
+log = logging.getLogger(__name__)
 
 
 class MLACache(NamedTuple):
@@ -182,6 +186,22 @@ def uses_blockwise(n_queries: int, n_keys: int, block: int) -> bool:
     return n_keys > block and n_queries > DENSE_MAX_ROWS
 
 
+def native_attention_applies(ex: ExecConfig, *arrays) -> bool:
+    """Whether the absorbed core runs the native CPU kernel (`pallas_kernels.mla.cpu_kernel`): asked
+    for (`ex.native_attention`, XLA kernels), float32, built (a warning once when it cannot be)."""
+    if not (ex.native_attention and ex.kernels == "xla" and all(a.dtype == jnp.float32 for a in arrays)):
+        return False
+    if not cpu_kernel.available():
+        if not _native_warned:
+            _native_warned.append(True)
+            log.warning("native CPU attention kernel unavailable, using the XLA forms: %s", cpu_kernel.load_error())
+        return False
+    return True
+
+
+_native_warned: list = []
+
+
 def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype, ex: ExecConfig, mesh=None):
     """MLA attention in `form` ("expanded" | "absorbed") the way `ex` says: the Pallas latent kernel
     (absorbed, kernels="pallas"), else the XLA blockwise form (over key blocks of `ex.attn_block`:
@@ -198,9 +218,12 @@ def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dty
             return blockwise_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype,
                                                 ex.attn_block)
         return mla_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, attention_mask(q_pos, S, kv_len), scale, dtype)
-    if ex.kernels == "pallas":
+    if ex.kernels == "pallas" or native_attention_applies(ex, q_nope, c, k_pe):
         def core(qh, qp, c_, kp, _mask, sc):  # per device on its own heads on a mesh (kernel_mesh.on_mesh)
-            kern = partial(latent_attention_pallas, scale=sc, platform=ex.platform)
+            if ex.kernels == "pallas":
+                kern = partial(latent_attention_pallas, scale=sc, platform=ex.platform)
+            else:  # the native CPU kernel (same arguments)
+                kern = lambda qh, qp, c_, kp, kv, pos: cpu_kernel.latent_attention_cpu(qh, qp, c_, kp, pos, kv, sc)  # noqa: E731
             bthr, bsr = ("batch", None, "heads", None), ("batch", None, None)
             return on_mesh(kern, mesh, (bthr, bthr, bsr, bsr, ("batch",), ("batch", None)), bthr,
                            (qh, qp, c_, kp, kv_len, q_pos), heads=qh.shape[2])
@@ -286,7 +309,8 @@ class MultiheadLatentAttention(nnx.Module):
                 cp = paged_write(cache.c_pages, c_new, bt, pos, valid, L)
                 kp = paged_write(cache.kpe_pages, kpe_new, bt, pos, valid, L)
                 new_cache = cache._replace(c_pages=cp, kpe_pages=kp)
-                if form != "expanded" and ex.kernels == "pallas":  # the kernel reads the pages in place
+                if form != "expanded" and (ex.kernels == "pallas" or native_attention_applies(ex, x, cp)):
+                    # the kernel (Pallas on TPU/GPU, native on CPU) reads the pages in place
                     o = self._paged_kernel_attention(q[..., :dn], q_pe, cp, kp, bt, L, pos, lengths + n_valid, x.dtype,
                                                      ex)
                     return self._output(x, o, ex), new_cache
@@ -326,17 +350,19 @@ class MultiheadLatentAttention(nnx.Module):
 
     def _paged_kernel_attention(self, q_nope, q_pe, c_pages, kpe_pages, block_table, layer, q_pos, kv_len, dtype,
                                 ex: ExecConfig):
-        """The absorbed form with its core the paged kernel (`paged_latent_attention_pallas`): the keys are
-        read from the pool (a scanned run's stacked pages, layer (g, j)) by the block table, never gathered
-        into a [B, width·P, r] copy. Per device on its own heads on a mesh (the pages are replicated).
-        Returns o [B,T,H,dv]."""
+        """The absorbed form with its core the paged kernel (`paged_latent_attention_pallas`, or with XLA
+        kernels on CPU the native `paged_latent_attention_cpu`): the keys are read from the pool (a scanned
+        run's stacked pages, layer (g, j)) by the block table, never gathered into a [B, width·P, r] copy.
+        Per device on its own heads on a mesh (the pages are replicated). Returns o [B,T,H,dv]."""
         mesh = param_mesh(self.kv_b_proj.weight)
         g, j = (jnp.zeros((), jnp.int32),) * 2 if layer is None else (jnp.asarray(i, jnp.int32) for i in layer)
 
         def core(qh, qp, _c, _kp, _mask, sc):
             def kern(qh, qp, cp, kp, bt, kv, qpos, g, j):
-                return paged_latent_attention_pallas(qh, qp, cp, kp, bt, kv, qpos, sc,
-                                                     layer=None if layer is None else (g, j), platform=ex.platform)
+                at = None if layer is None else (g, j)
+                if ex.kernels != "pallas":
+                    return cpu_kernel.paged_latent_attention_cpu(qh, qp, cp, kp, bt, kv, qpos, sc, layer=at)
+                return paged_latent_attention_pallas(qh, qp, cp, kp, bt, kv, qpos, sc, layer=at, platform=ex.platform)
             bthr = ("batch", None, "heads", None)
             return on_mesh(kern, mesh, (bthr, bthr, None, None, ("batch", None), ("batch",), ("batch", None), None,
                                         None), bthr, (qh, qp, c_pages, kpe_pages, block_table, kv_len, q_pos, g, j),

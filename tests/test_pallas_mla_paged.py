@@ -99,14 +99,15 @@ def test_engine_with_paged_kernel_gives_the_xla_engine_tokens(tiny_model):
 
 
 def test_engine_pallas_step_has_no_page_gather(tiny_model):
-    """With the paged kernel, the decode program's MLA reads no gathered [rows, width·P, r] copy of the pages:
-    no gather in the compiled program has a [rows, width, P, r or dr] result (the XLA engine's has them)."""
+    """With the paged kernel (Pallas, or the native CPU kernel), the decode program's MLA reads no gathered
+    [rows, width·P, r] copy of the pages: no gather in the compiled program has a [rows, width, P, r or dr]
+    result (the XLA forms' engine has them)."""
     from ling_jax.serve import Engine
     import re
     cfg = tiny_model.cfg
 
-    def gathered_copies(kernels):
-        ex = tiny_model.exec.replace(kernels=kernels, platform="cpu")
+    def gathered_copies(kernels, native=False):
+        ex = tiny_model.exec.replace(kernels=kernels, platform="cpu", native_attention=native)
         eng = Engine(tiny_model, max_slots=2, page_size=8, num_pages=16, prefill_chunk=16, max_seq_len=64,
                      buckets=(16,), decode_rows=(2,), exec=ex)
         name, program, args = next(c for c in eng.program_calls() if c[0].startswith("decode"))
@@ -117,3 +118,4 @@ def test_engine_pallas_step_has_no_page_gather(tiny_model):
 
     assert gathered_copies("xla") >= 1
     assert gathered_copies("pallas") == 0
+    assert gathered_copies("xla", native=True) == 0

@@ -65,6 +65,10 @@ ROWS = {
     "tpu7x_mxfp4_262k": ["--weights", "mxfp4", "--target", "tpu7x:2x2x1", "--mesh", "expert=8", "--programs",
                          "decode,prefill", "--decode-rows", "4", "--max-slots", "4", "--max-seq-len", "262144",
                          "--cache-memory", "12"],
+    # the same window on 8 TPU7x chips (16 devices): the 4-chip prefill chunk did not fit (BENCHMARKS.md)
+    "tpu7x16_mxfp4_262k": ["--weights", "mxfp4", "--target", "tpu7x:2x2x2", "--mesh", "expert=16", "--programs",
+                           "decode,prefill", "--decode-rows", "8", "--max-slots", "8", "--max-seq-len", "262144",
+                           "--cache-memory", "24"],
 }
 
 

@@ -64,7 +64,8 @@ def forward(model: LingForCausalLM, ids, *, mtp: bool, remat: bool = False, poli
     forward-only (its VJP recomputes through the XLA reference, every used expert on every token),
     so training takes the XLA paths, whose backward is sized by the assignments.
     """
-    ex = model.exec.replace(kda_chunk=chunk_size, remat=policy if remat else None, native_experts=False)
+    ex = model.exec.replace(kda_chunk=chunk_size, remat=policy if remat else None, native_experts=False,
+                            native_attention=False)
     out = model(ids, mtp=mtp, exec=ex, mode=TRAIN)
     return out["logits"], out.get("mtp_logits"), out["routing"]
 

@@ -1,0 +1,385 @@
+// Latent (absorbed-MLA) attention on CPU over a paged latent cache, as an XLA FFI custom call
+// (pallas_kernels/mla/cpu_kernel.py).
+//
+// out[b,t,h,:] = Σ_τ p_τ c_τ,  p = softmax over τ < limit[b,t] of scale·(q_hat[b,t,h]·c_τ + q_pe[b,t,h]·kpe_τ)
+// where key τ of sequence b lies at page block_table[b, τ / P], offset τ % P, of layer `layer` of the
+// pools c_pages [..., n_pages, P, r] and kpe_pages [..., n_pages, P, dr] (leading dims flattened). A
+// contiguous cache [B, S, r] is the case P = S, block_table[b] = {b}.
+//
+// Why native code: XLA:CPU runs a decode step's [H, S] x [S, r] product GEMV-shaped (~4 GB/s on a
+// 64K-token cache) and its blockwise prefill loop at a fraction of its GEMM rate; here the keys are
+// read once, in place (no gathered copy of the pages), in blocks of KB keys, with an online softmax
+// (one block of scores at a time), a vectorised exp, and register tiles of four query rows by
+// sixteen lanes for both products; keys past a row's limit are never visited.
+//
+// Work items: (sequence, block of QB query rows t·H + h, key split). Decode-sized calls (T ≤
+// SPLIT_MAX_T) split the keys into fixed spans of SPLIT keys so that one sequence's long cache keeps
+// every thread busy; the partial (max, sum, accumulator) of each split are merged in split order.
+// A row's arithmetic depends only on its own query and keys (the splits are fixed by key position,
+// not by the batch), so a sequence alone and in a batch get the same bits.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+constexpr int64_t L = 8;
+constexpr int64_t KB = 64;           // keys per block (one block of scores per row at a time)
+constexpr int64_t SPLIT = 4096;      // keys per split of a decode-sized call
+constexpr int64_t SPLIT_MAX_T = 8;   // calls with at most this many queries per sequence split keys
+constexpr float NEG = -1e30f;        // a finite minus infinity (masked scores)
+
+inline vf8 load8(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store8(float* p, vf8 v) { std::memcpy(p, &v, sizeof v); }
+
+inline vf8 splat(float x) { return vf8{x, x, x, x, x, x, x, x}; }
+
+// exp on eight lanes: x = n·ln2 + f, |f| ≤ ln2/2, e^f by the Cephes degree-5 minimax polynomial
+// (≈1 ulp), 2^n through the exponent bits. Inputs below -87 give ~1e-38 (masked lanes are zeroed by
+// the caller, not by underflow).
+inline vf8 vexp(vf8 x) {
+  const vf8 hi = splat(88.f), lo = splat(-87.f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf8 magic = splat(12582912.f);  // 1.5·2^23: adding it rounds to the nearest integer
+  const vf8 t = x * splat(1.44269504088896341f) + magic;
+  const vf8 n = t - magic;
+  vi8 ni;
+  std::memcpy(&ni, &t, sizeof ni);
+  vi8 mi;
+  std::memcpy(&mi, &magic, sizeof mi);
+  ni = ni - mi;
+  const vf8 f = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
+  vf8 p = splat(1.9875691500e-4f);
+  p = p * f + splat(1.3981999507e-3f);
+  p = p * f + splat(8.3334519073e-3f);
+  p = p * f + splat(4.1665795894e-2f);
+  p = p * f + splat(1.6666665459e-1f);
+  p = p * f + splat(5.0000001201e-1f);
+  p = p * (f * f) + f + splat(1.f);
+  const vi8 e = (ni + 127) << 23;
+  vf8 scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+
+struct Geometry {
+  int64_t B, T, H, r, dr, n_pages, P, nb, QB;
+  const float *q_hat, *q_pe, *c, *kpe;  // c, kpe: this layer's pages
+  const int32_t *bt, *limit;
+  float scale;
+};
+
+struct Item {
+  int64_t b, rb, k0, k1;  // sequence, row block, keys [k0, k1)
+  int64_t part;           // index of its partial result
+};
+
+struct Scratch {
+  std::vector<float> qs, kt, s;
+  std::vector<const float*> crow, krow;
+};
+
+// s[i][0:KB] = qs[i] · kT[:, 0:KB] for i < R (R a multiple of 4): four rows by two 8-key vectors.
+void scores(const float* qs, const float* kt, int64_t R, int64_t d, float* s) {
+  for (int64_t i = 0; i < R; i += 4)
+    for (int64_t j = 0; j < KB; j += 16) {
+      vf8 a[4][2];
+      for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = vf8{};
+      for (int64_t e = 0; e < d; ++e) {
+        const vf8 k0 = load8(kt + e * KB + j), k1 = load8(kt + e * KB + j + 8);
+        for (int u = 0; u < 4; ++u) {
+          const vf8 q = splat(qs[(i + u) * d + e]);
+          a[u][0] += q * k0;
+          a[u][1] += q * k1;
+        }
+      }
+      for (int u = 0; u < 4; ++u) {
+        store8(s + (i + u) * KB + j, a[u][0]);
+        store8(s + (i + u) * KB + j + 8, a[u][1]);
+      }
+    }
+}
+
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, vi8{__VA_ARGS__})
+#endif
+
+// {Σ v[0], ..., Σ v[7]}: eight horizontal sums as one vector (three rounds of shuffles and adds).
+inline vf8 hsum8(const vf8* v) {
+  vf8 t[4], u[2];
+  for (int a = 0; a < 4; ++a)
+    t[a] = SHUF(v[2 * a], v[2 * a + 1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(v[2 * a], v[2 * a + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int a = 0; a < 2; ++a)
+    u[a] = SHUF(t[2 * a], t[2 * a + 1], 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(t[2 * a], t[2 * a + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return SHUF(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// The few-row form of `scores` (decode / verify: R ≤ 8 rows), with no transposed copy of the keys:
+// s[i][j] = qs[i] · key_j for j < nk (key_j = [crow[j] ; krow[j]], d = r + dr a multiple of 8), eight
+// keys at a time, each key's products over d in its own vector, summed by `hsum8`; zeros past nk.
+void scores_few(const float* qs, const float* const* crow, const float* const* krow, int64_t nk, int64_t R,
+                int64_t r, int64_t dr, float* s) {
+  for (int64_t j0 = 0; j0 < KB; j0 += L) {
+    if (j0 >= nk) {
+      for (int64_t i = 0; i < R; ++i) store8(s + i * KB + j0, vf8{});
+      continue;
+    }
+    const int64_t n = std::min<int64_t>(L, nk - j0);
+    for (int64_t i = 0; i < R; ++i) {
+      const float* q = qs + i * (r + dr);
+      vf8 a[L];
+      for (int u = 0; u < L; ++u) a[u] = vf8{};
+      for (int u = 0; u < n; ++u) {
+        const float* cr = crow[j0 + u];
+        const float* kr = krow[j0 + u];
+        vf8 x = vf8{};
+        for (int64_t e = 0; e < r; e += L) x += load8(q + e) * load8(cr + e);
+        for (int64_t e = 0; e < dr; e += L) x += load8(q + r + e) * load8(kr + e);
+        a[u] = x;
+      }
+      store8(s + i * KB + j0, hsum8(a));
+    }
+  }
+}
+
+// acc[i][0:r] += Σ_{j<nk} p[i][j] · crow[j][0:r] for i < R (multiple of 4): four rows by NV vectors.
+template <int NV>
+inline void pv_tile(const float* p, const float* const* crow, int64_t nk, int64_t i, int64_t col, int64_t r,
+                    float* acc) {
+  vf8 a[4][NV];
+  for (int u = 0; u < 4; ++u)
+    for (int v = 0; v < NV; ++v) a[u][v] = load8(acc + (i + u) * r + col + v * L);
+  for (int64_t j = 0; j < nk; ++j) {
+    vf8 cv[NV];
+    for (int v = 0; v < NV; ++v) cv[v] = load8(crow[j] + col + v * L);
+    for (int u = 0; u < 4; ++u) {
+      const vf8 pu = splat(p[(i + u) * KB + j]);
+      for (int v = 0; v < NV; ++v) a[u][v] += pu * cv[v];
+    }
+  }
+  for (int u = 0; u < 4; ++u)
+    for (int v = 0; v < NV; ++v) store8(acc + (i + u) * r + col + v * L, a[u][v]);
+}
+
+void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t r, float* acc) {
+  for (int64_t i = 0; i < R; i += 4) {
+    int64_t col = 0;
+    for (; col + 2 * L <= r; col += 2 * L) pv_tile<2>(p, crow, nk, i, col, r, acc);
+    for (; col + L <= r; col += L) pv_tile<1>(p, crow, nk, i, col, r, acc);
+    for (; col < r; ++col)
+      for (int u = 0; u < 4; ++u) {
+        float a = acc[(i + u) * r + col];
+        for (int64_t j = 0; j < nk; ++j) a += p[(i + u) * KB + j] * crow[j][col];
+        acc[(i + u) * r + col] = a;
+      }
+  }
+}
+
+// One item: rows [rb·QB, rb·QB + QB) of sequence b against keys [k0, k1); writes m, l [QB] and
+// acc [QB, r] (unnormalised).
+void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc, Scratch& s) {
+  const int64_t d = g.r + g.dr, rows = g.T * g.H;
+  const int64_t row0 = it.rb * g.QB, R = g.QB;  // R is a multiple of 4
+  s.qs.assign(static_cast<size_t>(R * d), 0.f);
+  s.kt.resize(static_cast<size_t>(d * KB));
+  s.s.resize(static_cast<size_t>(R * KB));
+  s.crow.resize(KB);
+  s.krow.resize(KB);
+  // the few-row form needs r and dr in whole 8-lane vectors
+  const bool few = R <= 8 && g.r % L == 0 && g.dr % L == 0;
+  std::vector<int64_t> lim(static_cast<size_t>(R), 0);
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t row = row0 + i;
+    m[i] = NEG;
+    l[i] = 0.f;
+    std::fill(acc + i * g.r, acc + (i + 1) * g.r, 0.f);
+    if (row >= rows) continue;  // padding rows of the last block: no keys
+    const int64_t t = row / g.H, h = row % g.H;
+    lim[i] = g.limit[it.b * g.T + t];
+    const float* qh = g.q_hat + ((it.b * g.T + t) * g.H + h) * g.r;
+    const float* qp = g.q_pe + ((it.b * g.T + t) * g.H + h) * g.dr;
+    for (int64_t e = 0; e < g.r; ++e) s.qs[i * d + e] = qh[e] * g.scale;
+    for (int64_t e = 0; e < g.dr; ++e) s.qs[i * d + g.r + e] = qp[e] * g.scale;
+  }
+  float* sc = s.s.data();
+  for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += KB) {
+    const int64_t nk = std::min(KB, it.k1 - kb0);
+    if (few) {  // decode / verify: dot products straight from the pages
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t tau = kb0 + j;
+        const int64_t slot = static_cast<int64_t>(g.bt[it.b * g.nb + tau / g.P]) * g.P + tau % g.P;
+        s.crow[j] = g.c + slot * g.r;
+        s.krow[j] = g.kpe + slot * g.dr;
+      }
+      scores_few(s.qs.data(), s.crow.data(), s.krow.data(), nk, R, g.r, g.dr, sc);
+    } else {
+    for (int64_t j = 0; j < KB; ++j) {  // this block's keys, transposed to [d, KB] (zeros past nk)
+      if (j < nk) {
+        const int64_t tau = kb0 + j;
+        const int64_t slot = static_cast<int64_t>(g.bt[it.b * g.nb + tau / g.P]) * g.P + tau % g.P;
+        const float* cr = g.c + slot * g.r;
+        const float* kr = g.kpe + slot * g.dr;
+        s.crow[j] = cr;
+        for (int64_t e = 0; e < g.r; ++e) s.kt[e * KB + j] = cr[e];
+        for (int64_t e = 0; e < g.dr; ++e) s.kt[(g.r + e) * KB + j] = kr[e];
+      } else {
+        for (int64_t e = 0; e < d; ++e) s.kt[e * KB + j] = 0.f;
+      }
+    }
+    scores(s.qs.data(), s.kt.data(), R, d, sc);
+    }
+    for (int64_t i = 0; i < R; ++i) {  // online softmax: this block's probabilities, rescaled history
+      float* si = sc + i * KB;
+      const int64_t vis = std::max<int64_t>(0, std::min<int64_t>(nk, lim[i] - kb0));  // keys j < vis are visible
+      if (vis == 0) {
+        std::fill(si, si + KB, 0.f);
+        continue;
+      }
+      float mx = m[i];
+      for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, si[j]);
+      for (int64_t j = 0; j < KB; j += L) store8(si + j, vexp(load8(si + j) - splat(mx)));
+      float sum = 0.f;
+      for (int64_t j = 0; j < KB; ++j) {
+        if (j >= vis) si[j] = 0.f;
+        sum += si[j];
+      }
+      if (mx != m[i]) {
+        const float alpha = std::exp(m[i] - mx);
+        l[i] *= alpha;
+        for (int64_t e = 0; e < g.r; ++e) acc[i * g.r + e] *= alpha;
+        m[i] = mx;
+      }
+      l[i] += sum;
+    }
+    pv(sc, s.crow.data(), nk, R, g.r, acc);
+  }
+}
+
+ffi::Error LatentAttentionImpl(ffi::Buffer<ffi::F32> q_hat, ffi::Buffer<ffi::F32> q_pe, ffi::Buffer<ffi::F32> c_pages,
+                               ffi::Buffer<ffi::F32> kpe_pages, ffi::Buffer<ffi::S32> block_table,
+                               ffi::Buffer<ffi::S32> limit, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> scale,
+                               ffi::ResultBuffer<ffi::F32> out, int64_t threads) {
+  const auto qd = q_hat.dimensions(), pd = q_pe.dimensions(), cd = c_pages.dimensions();
+  const auto kd = kpe_pages.dimensions(), bd = block_table.dimensions(), ld = limit.dimensions();
+  if (qd.size() != 4 || pd.size() != 4 || cd.size() < 3 || kd.size() != cd.size() || bd.size() != 2 ||
+      ld.size() != 2 || pd[0] != qd[0] || pd[1] != qd[1] || pd[2] != qd[2] || bd[0] != qd[0] || ld[0] != qd[0] ||
+      ld[1] != qd[1] || cd[cd.size() - 1] != qd[3] || kd[kd.size() - 1] != pd[3] || layer.element_count() != 1 ||
+      scale.element_count() != 1)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ling_latent_attention: inconsistent shapes");
+  for (size_t a = 0; a + 1 < cd.size(); ++a)
+    if (cd[a] != kd[a]) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ling_latent_attention: pools differ");
+  Geometry g;
+  g.B = qd[0];
+  g.T = qd[1];
+  g.H = qd[2];
+  g.r = qd[3];
+  g.dr = pd[3];
+  g.P = cd[cd.size() - 2];
+  g.n_pages = cd[cd.size() - 3];
+  g.nb = bd[1];
+  int64_t n_layers = 1;
+  for (size_t a = 0; a + 3 < cd.size(); ++a) n_layers *= cd[a];
+  const int64_t lay = layer.typed_data()[0];
+  if (lay < 0 || lay >= n_layers)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ling_latent_attention: layer out of range");
+  g.c = c_pages.typed_data() + lay * g.n_pages * g.P * g.r;
+  g.kpe = kpe_pages.typed_data() + lay * g.n_pages * g.P * g.dr;
+  g.q_hat = q_hat.typed_data();
+  g.q_pe = q_pe.typed_data();
+  g.bt = block_table.typed_data();
+  g.limit = limit.typed_data();
+  g.scale = scale.typed_data()[0];
+  const int64_t rows = g.T * g.H;
+  g.QB = g.T <= SPLIT_MAX_T ? std::min<int64_t>(32, (rows + 3) / 4 * 4) : 64;
+  const int64_t n_rb = (rows + g.QB - 1) / g.QB, max_keys = g.nb * g.P;
+  std::vector<Item> items;
+  std::vector<int64_t> first(static_cast<size_t>(g.B * n_rb + 1), 0);  // items of (b, rb) start here
+  int64_t work = 0;
+  for (int64_t b = 0; b < g.B; ++b)
+    for (int64_t rb = 0; rb < n_rb; ++rb) {
+      first[b * n_rb + rb] = static_cast<int64_t>(items.size());
+      int64_t top = 0;  // the furthest key any row of the block sees (clamped to the table)
+      for (int64_t row = rb * g.QB; row < std::min(rows, (rb + 1) * g.QB); ++row)
+        top = std::max<int64_t>(top, g.limit[b * g.T + row / g.H]);
+      top = std::min(top, max_keys);
+      const int64_t span = g.T <= SPLIT_MAX_T ? SPLIT : std::max<int64_t>(top, 1);
+      for (int64_t k0 = 0; k0 < std::max<int64_t>(top, 1); k0 += span) {
+        items.push_back({b, rb, k0, std::min(top, k0 + span), static_cast<int64_t>(items.size())});
+        work += (std::min(top, k0 + span) - k0) * g.QB;
+      }
+    }
+  first[g.B * n_rb] = static_cast<int64_t>(items.size());
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  std::vector<float> pm(static_cast<size_t>(n_items * g.QB)), pl(pm.size()), pacc(static_cast<size_t>(n_items * g.QB * g.r));
+  // threads only when there is enough work to pay for starting them (~65K row-key pairs)
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>({threads, n_items, 1 + work / (1 << 16)}));
+  auto run = [&](int64_t t) {
+    Scratch s;
+    for (int64_t i = t; i < n_items; i += nt) {
+      const Item& it = items[static_cast<size_t>(i)];
+      run_item(g, it, pm.data() + it.part * g.QB, pl.data() + it.part * g.QB, pacc.data() + it.part * g.QB * g.r, s);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < nt; ++t) pool.emplace_back(run, t);
+  run(0);
+  for (auto& th : pool) th.join();
+  float* o = out->typed_data();
+  std::vector<float> accum(static_cast<size_t>(g.r));
+  for (int64_t b = 0; b < g.B; ++b)
+    for (int64_t rb = 0; rb < n_rb; ++rb) {
+      const int64_t i0 = first[b * n_rb + rb], i1 = first[b * n_rb + rb + 1];
+      for (int64_t i = 0; i < g.QB; ++i) {
+        const int64_t row = rb * g.QB + i;
+        if (row >= rows) break;
+        float mx = NEG;
+        for (int64_t it = i0; it < i1; ++it) mx = std::max(mx, pm[it * g.QB + i]);
+        std::fill(accum.begin(), accum.end(), 0.f);
+        float sum = 0.f;
+        for (int64_t it = i0; it < i1; ++it) {  // splits merged in key order
+          const float lv = pl[it * g.QB + i];
+          if (lv == 0.f) continue;
+          const float w = std::exp(pm[it * g.QB + i] - mx);
+          sum += w * lv;
+          const float* a = pacc.data() + (it * g.QB + i) * g.r;
+          for (int64_t e = 0; e < g.r; ++e) accum[e] += w * a[e];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row that sees no key gives zeros
+        float* dst = o + (b * g.T * g.H + row) * g.r;
+        for (int64_t e = 0; e < g.r; ++e) dst[e] = accum[e] * inv;
+      }
+    }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LingLatentAttention, LatentAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads"));
