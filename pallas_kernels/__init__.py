@@ -12,6 +12,10 @@ and never the reverse (tests/test_import_graph.py checks this). One folder per o
     mla/paged.py         paged_latent_attention_pallas                           (Pallas, pages read in place)
     mla/blockwise.py     blockwise_latent_attention, blockwise_expanded_attention (XLA, online
                          softmax over key blocks: the references' twins for long key sets)
+    mla/cpu_kernel.py    paged_latent_attention_cpu, latent_attention_cpu      (native C++ on CPU,
+                         latent_cpu.cc: the absorbed core over the cache or pages in place)
+    experts/cpu_kernel.py experts_decode_cpu                                     (native C++ on CPU)
+    native.py            NativeKernel: build a C++ FFI source on first use, cache, register
     fp8/blocks.py        DEFAULT_BLOCK, scale_grid_shape, check_block, check_scale_grid
     fp8/reference.py     block_dequant_fp8_jax, fp8_linear                       (XLA)
     fp8/kernel.py        fp8_linear_pallas                                       (Pallas)

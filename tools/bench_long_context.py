@@ -19,9 +19,9 @@ process's VmHWM), and times a second request after a first one that compiled the
 prefill = request start to the first token; decode = first to last token over `--new` tokens.
 
 Predicted (the "pred" columns): counted FLOPs at the rate measured at the shortest length.
-Prefill FLOPs = L · 2 · active params + the blockwise MLA attention as it runs (absorbed form:
-2·H·(2r + dr) per query per key *computed*, i.e. per visited key block: chunk i of C queries
-visits ceil((i+1)·C / block) blocks). Decode: the shortest length's step time plus the extra
+Prefill FLOPs = L · 2 · active params + the causal MLA attention's arithmetic (absorbed form:
+2·H·(2r + dr) per query per key it sees: L(L+1)/2 query-key pairs; the fifteenth session counted
+the XLA blockwise form's visited 512-key blocks instead, a larger count). Decode: the shortest length's step time plus the extra
 attention FLOPs of the longer cache at the prefill rate (the weights part of a step does not
 change with L). Memory: the predicted growth is linear, from the two shortest lengths.
 """
@@ -164,17 +164,12 @@ def run_length(L: int, new: int, path: str = "generate") -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def prefill_flops(cfg, L: int, chunk: int, block: int, active: int) -> float:
+def prefill_flops(cfg, L: int, active: int) -> float:
     """Counted FLOPs of prefilling L tokens (see the module docstring)."""
     H, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     n_mla = sum(t == "mla" for t in cfg.layer_types)
     per_pair = 2 * H * (2 * r + dr) * n_mla
-    if L <= chunk:  # one call: the cache-free expanded form over L keys (the bench's lengths exceed a chunk)
-        keys = L * (-(-L // block) * block if L > block else L)
-    else:
-        n = -(-L // chunk)
-        keys = sum(chunk * -(-((i + 1) * chunk) // block) * block for i in range(n))
-    return 2.0 * active * L + per_pair * keys
+    return 2.0 * active * L + per_pair * L * (L + 1) / 2  # query p sees keys 0..p
 
 
 def decode_attn_flops(cfg, L: int) -> float:
@@ -216,10 +211,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, ROOT)
     from ling_jax.accounting import param_counts
     from ling_jax.checkpoint.synthetic_config import synthetic_config
-    from ling_jax.exec_config import ExecConfig
 
     cfg = synthetic_config(**MODEL)
-    ex = ExecConfig()
     active = param_counts(cfg, include_mtp=False)["active"]
     out = {"model": MODEL, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "paths": {}}
     for path in paths:
@@ -228,7 +221,7 @@ def main(argv=None) -> int:
             row = dict(path=path, **run_length(L, a.new, path), loadavg=os.getloadavg()[0])
             row["prefill_tok_s"] = L / row["prefill_s"]
             row["decode_tok_s"] = row["decode_tokens"] / row["decode_s"]
-            row["prefill_gflop"] = prefill_flops(cfg, L, ex.prefill_chunk, ex.attn_block, active) / 1e9
+            row["prefill_gflop"] = prefill_flops(cfg, L, active) / 1e9
             rows.append(row)
             print(json.dumps(row), flush=True)
         predicted(cfg, rows)

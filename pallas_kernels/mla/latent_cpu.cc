@@ -142,17 +142,23 @@ void scores_few(const float* qs, const float* const* crow, const float* const* k
       continue;
     }
     const int64_t n = std::min<int64_t>(L, nk - j0);
-    for (int64_t i = 0; i < R; ++i) {
+    const float* cr[L];
+    const float* kr[L];
+    for (int u = 0; u < L; ++u) {  // past nk: any valid row (its score is never used)
+      cr[u] = crow[j0 + (u < n ? u : 0)];
+      kr[u] = krow[j0 + (u < n ? u : 0)];
+    }
+    for (int64_t i = 0; i < R; ++i) {  // each query vector loaded once per eight keys
       const float* q = qs + i * (r + dr);
       vf8 a[L];
       for (int u = 0; u < L; ++u) a[u] = vf8{};
-      for (int u = 0; u < n; ++u) {
-        const float* cr = crow[j0 + u];
-        const float* kr = krow[j0 + u];
-        vf8 x = vf8{};
-        for (int64_t e = 0; e < r; e += L) x += load8(q + e) * load8(cr + e);
-        for (int64_t e = 0; e < dr; e += L) x += load8(q + r + e) * load8(kr + e);
-        a[u] = x;
+      for (int64_t e = 0; e < r; e += L) {
+        const vf8 qv = load8(q + e);
+        for (int u = 0; u < L; ++u) a[u] += qv * load8(cr[u] + e);
+      }
+      for (int64_t e = 0; e < dr; e += L) {
+        const vf8 qv = load8(q + r + e);
+        for (int u = 0; u < L; ++u) a[u] += qv * load8(kr[u] + e);
       }
       store8(s + i * KB + j0, hsum8(a));
     }
@@ -221,29 +227,32 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
   float* sc = s.s.data();
   for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += KB) {
     const int64_t nk = std::min(KB, it.k1 - kb0);
-    if (few) {  // decode / verify: dot products straight from the pages
+    {  // where this block's keys lie: page by page through the block table (no division per key)
+      int64_t pg = kb0 / g.P, off = kb0 % g.P;
       for (int64_t j = 0; j < nk; ++j) {
-        const int64_t tau = kb0 + j;
-        const int64_t slot = static_cast<int64_t>(g.bt[it.b * g.nb + tau / g.P]) * g.P + tau % g.P;
+        const int64_t slot = static_cast<int64_t>(g.bt[it.b * g.nb + pg]) * g.P + off;
         s.crow[j] = g.c + slot * g.r;
         s.krow[j] = g.kpe + slot * g.dr;
-      }
-      scores_few(s.qs.data(), s.crow.data(), s.krow.data(), nk, R, g.r, g.dr, sc);
-    } else {
-    for (int64_t j = 0; j < KB; ++j) {  // this block's keys, transposed to [d, KB] (zeros past nk)
-      if (j < nk) {
-        const int64_t tau = kb0 + j;
-        const int64_t slot = static_cast<int64_t>(g.bt[it.b * g.nb + tau / g.P]) * g.P + tau % g.P;
-        const float* cr = g.c + slot * g.r;
-        const float* kr = g.kpe + slot * g.dr;
-        s.crow[j] = cr;
-        for (int64_t e = 0; e < g.r; ++e) s.kt[e * KB + j] = cr[e];
-        for (int64_t e = 0; e < g.dr; ++e) s.kt[(g.r + e) * KB + j] = kr[e];
-      } else {
-        for (int64_t e = 0; e < d; ++e) s.kt[e * KB + j] = 0.f;
+        if (++off == g.P) {
+          off = 0;
+          ++pg;
+        }
       }
     }
-    scores(s.qs.data(), s.kt.data(), R, d, sc);
+    if (few) {  // decode / verify: dot products straight from the pages
+      scores_few(s.qs.data(), s.crow.data(), s.krow.data(), nk, R, g.r, g.dr, sc);
+    } else {  // prefill: the block's keys transposed to [d, KB] once (zeros past nk), then tiles
+      for (int64_t j = 0; j < KB; ++j) {
+        if (j < nk) {
+          const float* cr = s.crow[j];
+          const float* kr = s.krow[j];
+          for (int64_t e = 0; e < g.r; ++e) s.kt[e * KB + j] = cr[e];
+          for (int64_t e = 0; e < g.dr; ++e) s.kt[(g.r + e) * KB + j] = kr[e];
+        } else {
+          for (int64_t e = 0; e < d; ++e) s.kt[e * KB + j] = 0.f;
+        }
+      }
+      scores(s.qs.data(), s.kt.data(), R, d, sc);
     }
     for (int64_t i = 0; i < R; ++i) {  // online softmax: this block's probabilities, rescaled history
       float* si = sc + i * KB;
