@@ -3,11 +3,11 @@ prefill tokens/s and decode tokens/s after the prompt, each beside what the arit
 shortest length.
 
     python tools/bench_long_context.py [--lengths 4096,16384,65536] [--paths generate,engine,serve]
-                                       [--new 16] [--out FILE.json]
+                                       [--new 16] [--out FILE.json] [--model-config config.json]
 
 Model: the real layer pattern at small width (`checkpoint.synthetic_config` with hidden 256, 4 heads,
-8 layers = 7 KDA + 1 MLA, 8 experts; random weights, float32, max_position_embeddings 2^20), one
-sequence. Each length and path runs in a fresh process (its own peak RSS: `ru_maxrss`, or the server
+8 layers = 7 KDA + 1 MLA, 8 experts; random weights, float32, max_position_embeddings 2^20), or the
+config.json given by `--model-config` (the mid config: 16 layers, 2 MLA), one sequence. Each length and path runs in a fresh process (its own peak RSS: `ru_maxrss`, or the server
 process's VmHWM), and times a second request after a first one that compiled the same programs:
   generate  `generate` twice with the same compiled shapes (first on a two-chunk prefix of the prompt
             with the same cache length), timed through its stream callback;
@@ -16,7 +16,9 @@ process's VmHWM), and times a second request after a first one that compiled the
   serve     `ling-jax serve` on the same model written as a checkpoint (bf16 on disk, float32 compute,
             the same engine flags, `--warmup off`), the prompt as token ids through streamed
             /v1/completions, twice.
-prefill = request start to the first token; decode = first to last token over `--new` tokens.
+prefill = request start to the first token; decode tokens/s = 1 / the median time between tokens over
+`--new` tokens (the mean, first to last token, is in the JSON as decode_s: a stray slow step, a
+collection or a late program, moved it ±40% between runs of 64 tokens).
 
 Predicted (the "pred" columns): counted FLOPs at the rate measured at the shortest length.
 Prefill FLOPs = L · 2 · active params + the causal MLA attention's arithmetic (absorbed form:
@@ -64,7 +66,9 @@ CHILD = textwrap.dedent("""
     t0, stamps = timed(prompt)
     first = stamps[0][0]
     n_dec = sum(n for _, n in stamps[1:])
+    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if b[1] > a[1]]
     print(json.dumps({"tokens": L, "prefill_s": first - t0, "decode_tokens": n_dec, "decode_s": stamps[-1][0] - first,
+                      "decode_step_median_s": float(np.median(gaps)),
                       "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 """)
 
@@ -86,16 +90,17 @@ ENGINE_CHILD = textwrap.dedent("""
     def timed():
         h = eng.submit(prompt, RequestParams(max_tokens=new, stop_ids=()))
         t0 = time.perf_counter()
-        first = None
+        times = []  # when each new token appeared
         while eng.has_work():
             eng.step()
-            if first is None and h.generated:
-                first = time.perf_counter()
-        return t0, first, time.perf_counter(), len(h.generated)
+            now = time.perf_counter()
+            times += [now] * (len(h.generated) - len(times))
+        return t0, times
 
     timed()  # compiles every program the prompt needs (each block-table width its chunks reach)
-    t0, first, end, n = timed()
-    print(json.dumps({"tokens": L, "prefill_s": first - t0, "decode_tokens": n - 1, "decode_s": end - first,
+    t0, times = timed()
+    print(json.dumps({"tokens": L, "prefill_s": times[0] - t0, "decode_tokens": len(times) - 1,
+                      "decode_s": times[-1] - times[0], "decode_step_median_s": float(np.median(np.diff(times))),
                       "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 """)
 
@@ -138,6 +143,10 @@ SERVE_CHILD = textwrap.dedent("""
                 times += [time.perf_counter()] * len(getattr(c, "token_ids", None) or [])
         return t0, times
 
+    def per_token_median(times):  # chunk gaps over their tokens (a chunk may carry several)
+        chunks = sorted(set(times))
+        return float(np.median([(b - a) / times.count(b) for a, b in zip(chunks, chunks[1:])]))
+
     timed()  # compiles what the prompt needs
     t0, times = timed()
     with open(f"/proc/{srv.pid}/status") as f:
@@ -145,7 +154,8 @@ SERVE_CHILD = textwrap.dedent("""
     srv.terminate()
     srv.wait(timeout=120)
     print(json.dumps({"tokens": L, "prefill_s": times[0] - t0, "decode_tokens": len(times) - 1,
-                      "decode_s": times[-1] - times[0], "peak_rss_gib": hwm / 2**20}))
+                      "decode_s": times[-1] - times[0], "decode_step_median_s": per_token_median(times),
+                      "peak_rss_gib": hwm / 2**20}))
 """)
 
 CHILDREN = {"generate": CHILD, "engine": ENGINE_CHILD, "serve": SERVE_CHILD}
@@ -154,10 +164,10 @@ MODEL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, num_
              pad_token_id=4094, eos_token_id=4095, max_position_embeddings=1 << 20)
 
 
-def run_length(L: int, new: int, path: str = "generate") -> dict:
+def run_length(L: int, new: int, path: str = "generate", model: dict = MODEL) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, "-c", CHILDREN[path], str(L), str(new), json.dumps(MODEL)], env=env,
+    r = subprocess.run([sys.executable, "-c", CHILDREN[path], str(L), str(new), json.dumps(model)], env=env,
                        capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
@@ -181,7 +191,7 @@ def predicted(cfg, rows: list) -> None:
     """Adds the "pred" columns to one path's rows (see the module docstring) and prints its table."""
     base = rows[0]
     rate = base["prefill_gflop"] / base["prefill_s"]  # GFLOP/s measured at the shortest length
-    step0 = base["decode_s"] / base["decode_tokens"]
+    step0 = base["decode_step_median_s"]
     slope = ((rows[1]["peak_rss_gib"] - base["peak_rss_gib"]) / (rows[1]["tokens"] - base["tokens"])
              if len(rows) > 1 else 0.0)
     print(f"\n{base['path']}: prefill rate at {base['tokens']} tokens: {rate:.2f} GFLOP/s (counted)")
@@ -204,6 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--paths", default="generate,engine,serve", help="comma list of generate, engine, serve")
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--out", default=None)
+    p.add_argument("--model-config", default=None,
+                   help="a config.json to run instead of the small model (e.g. ../shared/bench/config.mid.json)")
     a = p.parse_args(argv)
     paths = [x for x in a.paths.split(",") if x]
     if not paths or set(paths) - set(CHILDREN):
@@ -212,15 +224,19 @@ def main(argv=None) -> int:
     from ling_jax.accounting import param_counts
     from ling_jax.checkpoint.synthetic_config import synthetic_config
 
-    cfg = synthetic_config(**MODEL)
+    model = MODEL
+    if a.model_config:
+        with open(a.model_config) as f:
+            model = json.load(f)
+    cfg = synthetic_config(**model)
     active = param_counts(cfg, include_mtp=False)["active"]
-    out = {"model": MODEL, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "paths": {}}
+    out = {"model": model, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "paths": {}}
     for path in paths:
         rows = []
         for L in (int(x) for x in a.lengths.split(",")):
-            row = dict(path=path, **run_length(L, a.new, path), loadavg=os.getloadavg()[0])
+            row = dict(path=path, **run_length(L, a.new, path, model), loadavg=os.getloadavg()[0])
             row["prefill_tok_s"] = L / row["prefill_s"]
-            row["decode_tok_s"] = row["decode_tokens"] / row["decode_s"]
+            row["decode_tok_s"] = 1.0 / row["decode_step_median_s"]  # the median step: robust to a stray slow one
             row["prefill_gflop"] = prefill_flops(cfg, L, active) / 1e9
             rows.append(row)
             print(json.dumps(row), flush=True)
