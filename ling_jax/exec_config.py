@@ -82,7 +82,7 @@ class ExecConfig:
         (forward-only kernel).
     native_attention: the absorbed MLA core on XLA:CPU runs the native CPU kernel
         (`pallas_kernels.mla.cpu_kernel`: keys read in place from the cache or the engine's pages,
-        blockwise online softmax, built on first use): 5x the XLA blockwise prefill's rate
+        blockwise online softmax, built on first use): ~6x the XLA blockwise prefill's rate
         (BENCHMARKS.md "A native CPU attention kernel"); float32 only, the XLA forms when it cannot
         be built. Training turns it off (forward-only kernel).
     attn_block: keys per block of the XLA blockwise MLA attention (`pallas_kernels.mla.blockwise`):

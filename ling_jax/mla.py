@@ -204,7 +204,8 @@ _native_warned: list = []
 
 def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype, ex: ExecConfig, mesh=None):
     """MLA attention in `form` ("expanded" | "absorbed") the way `ex` says: the Pallas latent kernel
-    (absorbed, kernels="pallas"), else the XLA blockwise form (over key blocks of `ex.attn_block`:
+    (absorbed, kernels="pallas"), the native CPU kernel (absorbed, `ex.native_attention`, float32),
+    else the XLA blockwise form (over key blocks of `ex.attn_block`:
     memory of one block of scores, not [B,H,T,S]) or, for decode-sized T or a single block, the dense
     form. All equal (tests/test_mla_blockwise.py).
 
@@ -271,7 +272,8 @@ class MultiheadLatentAttention(nnx.Module):
         the FP8 matmul of quantised projections. Returns (out [B,T,D], new cache).
         cache=None means a cache-free forward over the T tokens (positions 0..T-1). A PagedMLACache
         gets the real new tokens scattered into their pages and attends over them: with
-        kernels="pallas" (bf16/f32 pages) the paged kernel reads them in place by the block table;
+        kernels="pallas" (bf16/f32 pages), or the native CPU kernel (float32 pages,
+        `ex.native_attention`), the paged kernel reads them in place by the block table;
         otherwise over the gathered pages (the same keys as a contiguous cache; padding is never written).
         """
         cfg = self.cfg

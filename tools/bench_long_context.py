@@ -66,7 +66,7 @@ CHILD = textwrap.dedent("""
     t0, stamps = timed(prompt)
     first = stamps[0][0]
     n_dec = sum(n for _, n in stamps[1:])
-    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if b[1] > a[1]]
+    gaps = [(b[0] - a[0]) / b[1] for a, b in zip(stamps, stamps[1:]) if b[1] > 0]  # a call streams n tokens
     print(json.dumps({"tokens": L, "prefill_s": first - t0, "decode_tokens": n_dec, "decode_s": stamps[-1][0] - first,
                       "decode_step_median_s": float(np.median(gaps)),
                       "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
