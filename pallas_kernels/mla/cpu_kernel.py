@@ -25,8 +25,7 @@ import numpy as np
 
 from pallas_kernels import native
 from pallas_kernels.mla.blockwise import visible_limit
-from pallas_kernels.mla.reference import gather_pages, masked_softmax
-from pallas_kernels.matmul import einsum
+from pallas_kernels.mla.reference import gather_pages, latent_attention
 
 TARGET = "ling_latent_attention"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "latent_cpu.cc")
@@ -72,11 +71,8 @@ def _reference(q_hat, q_pe, c_pages, kpe_pages, block_table, limit, flat, scale)
         c_pages = c_pages.reshape((-1,) + c_pages.shape[-3:])[flat]
         kpe_pages = kpe_pages.reshape((-1,) + kpe_pages.shape[-3:])[flat]
     c, kp = gather_pages(c_pages, block_table), gather_pages(kpe_pages, block_table)
-    B, T, H, r = q_hat.shape
-    s = (einsum("bthr,bsr->bths", q_hat, c, dtype=jnp.float32)
-         + einsum("bthd,bsd->bths", q_pe, kp, dtype=jnp.float32)) * scale
-    mask = (jnp.arange(c.shape[1])[None, None, :] < limit[:, :, None])[:, :, None, :]
-    return einsum("bths,bsr->bthr", masked_softmax(s, mask), c, dtype=jnp.float32)
+    mask = jnp.arange(c.shape[1])[None, None, :] < limit[:, :, None]  # [B,T,S]: key τ < limit[b,t]
+    return latent_attention(q_hat, q_pe, c, kp, mask, scale)
 
 
 def _call(q_hat, q_pe, c_pages, kpe_pages, block_table, limit, flat, scale, threads):
