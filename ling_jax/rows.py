@@ -3,14 +3,16 @@
 The engine's programs read a few slot rows of each pool (`take_rows`) and write them back
 (`put_rows`), with the pools donated so the write is in place. One case defeats that on XLA:CPU:
 a single index. XLA turns a one-index gather into a dynamic slice fused into every consumer (so
-the buffer is read by many fusions the write does not depend on) and a one-index "drop" scatter
-into `select(in_bounds, dynamic_update_slice(x), x)`; to keep the original readable it then copies
-the whole buffer, twice (measured: a 1-row decode step on a 32-slot mid-config engine copied every
-KDA pool, 161 ms per token against 35 ms on a 1-slot engine). With two or more indices both stay
-real gather / scatter ops and nothing is copied. So a one-row index is padded with one index past
-the end (clipped on read and sliced off; dropped on write): the same values, no copy.
+the buffer is read by many fusions the write does not depend on); to keep the original readable it
+then copies the whole buffer (measured: a 1-row decode step on a 32-slot mid-config engine copied
+every KDA pool, 161 ms per token against 35 ms on a 1-slot engine). With two or more indices the
+gather stays a real gather and nothing is copied. So a one-row read is padded with one index past
+the end (clipped on read and sliced off; dropped on write: the same values, no copy). On TPU the writes
+go one row at a time (`put_rows`).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +33,36 @@ def take_rows(x: jax.Array, idx: jax.Array, axis: int = 0) -> jax.Array:
 
 def put_rows(x: jax.Array, idx: jax.Array, values: jax.Array, axis: int = 0) -> jax.Array:
     """x with its rows idx [R] along `axis` set to values (R rows along `axis`, cast to x's dtype);
-    indices past the end are dropped (padding rows)."""
+    indices past the end are dropped (padding rows).
+
+    The form depends on the compiler (`jax.lax.platform_dependent`, chosen where the program is
+    lowered, so a compile-only TPU target gets the TPU form): XLA:CPU and GPU get one scatter (a
+    one-row index padded to two, as `take_rows`); TPU a `dynamic_update_slice` per row in a loop
+    over R (`_put_rows_looped`). The TPU compiler stages a slot scatter of a whole stacked pool in
+    scoped VMEM and refuses it for the KDA conv states (3 rows of a window padded to 8 sublanes:
+    "CompileTimeScopedVmemOom" on bf16[8,7,8,3,8192], the real config's tpu7x prefill; at 64 slots it
+    did not finish compiling), while the row loop compiles in place at any slot count. Elsewhere the
+    scatter stays: on XLA:CPU the loop is in place too but 1.5-2x slower, and on a GPU it would be R
+    kernel launches per pool."""
     values = values.astype(x.dtype)
+    return jax.lax.platform_dependent(x, idx, values, tpu=functools.partial(_put_rows_looped, axis=axis),
+                                      default=functools.partial(_put_rows_scattered, axis=axis))
+
+
+def _put_rows_scattered(x, idx, values, axis):
     if idx.shape[0] == 1:
         values = jnp.concatenate([values, jnp.zeros_like(values)], axis=axis)
     return x.at[(slice(None),) * axis + (_at_least_two(idx, x.shape[axis]),)].set(values, mode="drop")
+
+
+def _put_rows_looped(x, idx, values, axis):
+    size = x.shape[axis]
+
+    def one(r, out):
+        i = idx[r]
+        at = jnp.minimum(i, size - 1)
+        old = jax.lax.dynamic_slice_in_dim(out, at, 1, axis=axis)
+        new = jax.lax.dynamic_slice_in_dim(values, r, 1, axis=axis)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(i < size, new, old), at, axis=axis)
+
+    return jax.lax.fori_loop(0, idx.shape[0], one, x)

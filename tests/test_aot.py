@@ -200,3 +200,26 @@ def test_programs_flag_is_checked():
     assert parse_families("decode, prefill,decode") == ("decode", "prefill")
     with pytest.raises(ValueError, match="--programs: unknown program 'decod'"):
         parse_families("decod")
+
+
+def test_slot_row_write_of_real_conv_pool_compiles_for_tpu_in_place():
+    """`rows.put_rows` on the real config's stacked KDA conv-state pool (8 groups x 7 layers x 8 slots x
+    3 x 8192, bf16: the 3-row window sits in 8 sublanes) compiles for tpu7x and writes in place. As one
+    slot scatter the TPU compiler refused it (scoped VMEM 42.66M > 32M) and at 64 slots did not finish."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from ling_jax.aot.targets import resolve_target
+    from ling_jax.rows import put_rows
+
+    devices = resolve_target("tpu7x:2x2x1").devices
+    rep = NamedSharding(Mesh(devices, ("expert",)), PartitionSpec())
+    pool = jax.ShapeDtypeStruct((8, 7, 8, 3, 8192), jnp.bfloat16, sharding=rep)
+    rows = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=rep)
+    new = jax.ShapeDtypeStruct((8, 7, 2, 3, 8192), jnp.float32, sharding=rep)
+    compiled = jax.jit(lambda p, r, n: put_rows(p, r, n, axis=2), donate_argnums=0).lower(pool, rows, new).compile()
+    m = compiled.memory_analysis()
+    pool_bytes = 8 * 7 * 8 * 3 * 8192 * 2
+    assert m.alias_size_in_bytes == pool_bytes  # the output is the donated pool
+    assert m.temp_size_in_bytes < pool_bytes // 8  # no copy of it

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ling_jax.rows import put_rows, take_rows
+from ling_jax.rows import _put_rows_looped, put_rows, take_rows
 from ling_jax.serve import Engine
 from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL
 
@@ -44,6 +44,8 @@ def test_helpers_equal_the_plain_forms_and_stay_in_place():
             if j < 6:
                 want[:, j] = v[:, k]
         np.testing.assert_array_equal(put_rows(jnp.asarray(x), i, jnp.asarray(v), axis=1), want)
+        # the TPU's form (a dynamic_update_slice per row; tests/test_aot.py compiles it for tpu7x), run here
+        np.testing.assert_array_equal(_put_rows_looped(jnp.asarray(x), i, jnp.asarray(v), axis=1), want)
 
     pool = jnp.zeros((2, 32, 8, 64))
 
