@@ -338,9 +338,12 @@ class MultiheadLatentAttention(nnx.Module):
                 form = "absorbed"
         kv_len = lengths + n_valid
         if getattr(cache, "c_scale", None) is not None or getattr(cache, "c_scale_pages", None) is not None:
-            # FP8 caches keep the XLA forms: with the native core, generate's FP8 logprobs moved by
-            # up to 2.4e-4 from the engine's (tests/test_kv_fp8.py, 1e-4) while both float32 caches
-            # agree to ~1e-6; not understood yet (BENCHMARKS.md, sixteenth session)
+            # FP8 caches keep the XLA forms. The native core sums a query row's scores in another order
+            # in a call of <= 8 rows (dot products) than in prefill tiles (keys in lanes), so one position's
+            # output differs in its last bits between generate's whole-prompt prefill and the engine's
+            # chunks (<= 1.3e-6; the XLA dense core is row-invariant: 0). Float32 caches don't mind; an
+            # e4m3 latent rounds at ~6% steps, so such a bit now and then flips a quantised value of
+            # the next layer and moved logprobs 2.4e-4 (tests/test_kv_fp8.py holds them to 1e-4).
             ex = ex.replace(native_attention=False)
         # kv_b_proj is read as a matrix (split into W_UK / W_UV by the absorbed form): an FP8-kept one is
         # dequantised here, in-graph (a transient of one layer), like the XLA twin of the FP8 matmul.
