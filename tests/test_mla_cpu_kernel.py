@@ -119,6 +119,28 @@ def test_alone_equals_in_a_batch_bit_for_bit(T):
         np.testing.assert_array_equal(np.asarray(alone)[0], both[b])
 
 
+def test_a_row_decoded_equals_the_row_prefilled_within_float32_not_bit_for_bit():
+    """One query position computed in a 1-row call (the decode path: dot products) and among 30 rows
+    (prefill tiles, keys in lanes) sums its scores in other orders: equal within float32 tolerance, not
+    bit for bit. The XLA dense core gives the same bits either way, which is why FP8 latent caches (an
+    e4m3 rounding turns a last-bit difference into a ~6% step now and then) keep the XLA forms
+    (`ling_jax/mla.py`; BENCHMARKS.md, "FP8 latent caches keep the XLA forms")."""
+    rng = np.random.default_rng(3)
+    T, S = 30, 32
+    q_hat, q_pe, c, k_pe, q_pos, kv = _inputs(rng, 1, T, 4, S, 128, 64, [T])
+    native = np.asarray(cpu_kernel.latent_attention_cpu(q_hat, q_pe, c, k_pe, q_pos, kv, 0.1))
+    dense = np.asarray(latent_attention(q_hat, q_pe, c, k_pe, attention_mask(q_pos, S, kv), 0.1))
+    bits_differ = 0
+    for t in range(T):
+        one = (q_hat[:, t:t + 1], q_pe[:, t:t + 1], c, k_pe)
+        alone = np.asarray(cpu_kernel.latent_attention_cpu(*one, q_pos[:, t:t + 1], jnp.asarray([t + 1]), 0.1))[0, 0]
+        np.testing.assert_allclose(alone, native[0, t], rtol=1e-5, atol=1e-5)
+        bits_differ += int(not np.array_equal(alone, native[0, t]))
+        xla_alone = latent_attention(*one, attention_mask(q_pos[:, t:t + 1], S, jnp.asarray([t + 1])), 0.1)
+        np.testing.assert_array_equal(np.asarray(xla_alone)[0, 0], dense[0, t])
+    assert bits_differ > 0  # if the kernel becomes row-invariant, FP8 caches can use it (drop the fallback)
+
+
 def test_vjp_is_the_references():
     rng = np.random.default_rng(3)
     q_hat, q_pe, c, k_pe, q_pos, kv = _inputs(rng, 2, 3, 2, 40, 16, 8, [40, 11])
