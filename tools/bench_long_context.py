@@ -12,7 +12,9 @@ process's VmHWM), and times a second request after a first one that compiled the
   generate  `generate` twice with the same compiled shapes (first on a two-chunk prefix of the prompt
             with the same cache length), timed through its stream callback;
   engine    an `Engine` (1 slot, pages of 16, prefill chunks of 2,048 tokens like `generate`, no prefix
-            cache: the second request recomputes everything), the same prompt twice, timed by step;
+            cache), `Engine.warmup()` (every program compiled on padding rows: one [1, 2048] prefill
+            and one 1-row decode per block-table width), then the prompt once, timed by step (until
+            the seventeenth session the prompt ran twice: the same programs, twice the time at 256K);
   serve     `ling-jax serve` on the same model written as a checkpoint (bf16 on disk, float32 compute,
             the same engine flags, `--warmup off`), the prompt as token ids through streamed
             /v1/completions, twice.
@@ -97,7 +99,7 @@ ENGINE_CHILD = textwrap.dedent("""
             times += [now] * (len(h.generated) - len(times))
         return t0, times
 
-    timed()  # compiles every program the prompt needs (each block-table width its chunks reach)
+    eng.warmup()  # compiles every program the prompt needs (each block-table width), on padding rows
     t0, times = timed()
     print(json.dumps({"tokens": L, "prefill_s": times[0] - t0, "decode_tokens": len(times) - 1,
                       "decode_s": times[-1] - times[0], "decode_step_median_s": float(np.median(np.diff(times))),
