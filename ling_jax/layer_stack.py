@@ -367,25 +367,33 @@ def _is_mla(cache) -> bool:
     return isinstance(cache, (MLACache, PagedMLACache))
 
 
-def _cache_at(cache, g, j, fresh=None):
+def _cache_at(cache, g, j, fresh=None, static: bool = False):
     """What layer (g, j) of a run gets of the run's stacked cache: a KDA state read at [g, j] (rows
     `fresh` [B] read as zero); an MLA cache whole, with its `layer` set (the attention reads and
-    writes its own layer in place)."""
+    writes its own layer in place). static: g, j are Python ints (unrolled) and the state has one
+    reader (not a verify, whose rollback keeps the state it started from)."""
     if cache is None:
         return None
     if _is_mla(cache):
         return cache._replace(layer=(g, j))
-    def read(x):
-        # a gather of [g, j] (`rows.take_rows` keeps it one): a dynamic slice would be fused into each
-        # of the state's readers (the conv states feed q, k and v), leaving the stacked pool read by
-        # fusions XLA cannot order before the in-place write, so it copied the whole pool (twice, per layer)
+    def read(x, static):
         m, n = x.shape[:2]
-        flat = x.reshape((m * n,) + x.shape[2:])
-        y = take_rows(flat, jnp.asarray(g * n + j, jnp.int32).reshape(1), axis=0)[0]
+        if static:
+            y = x[g, j]
+        else:
+            flat = x.reshape((m * n,) + x.shape[2:])
+            y = take_rows(flat, jnp.asarray(g * n + j, jnp.int32).reshape(1), axis=0)[0]
         if fresh is not None:
             y = jnp.where(fresh.reshape((-1,) + (1,) * (y.ndim - 1)), jnp.zeros((), y.dtype), y)
         return y
-    return jax.tree.map(read, cache)
+    # The recurrent state of an unrolled layer, `static`: a static slice, which XLA:CPU reads in
+    # place (a one-row gather copied every layer's rows: 15% of a 32-row mid-config decode step,
+    # BENCHMARKS.md "Serving, seventeenth session"). Otherwise a gather of [g, j] (`rows.take_rows`
+    # keeps it one): a slice would be fused into each of the state's readers (the conv states feed q,
+    # k and v), leaving the stacked pool read by fusions XLA cannot order before the in-place write,
+    # so it copied the whole pool (tests/test_inplace_rows.py).
+    return cache._replace(recurrent=read(cache.recurrent, static),
+                          **{f: read(getattr(cache, f), False) for f in ("conv_q", "conv_k", "conv_v")})
 
 
 def _cache_put(cache, new, g, j):
@@ -434,12 +442,14 @@ def _run_unrolled(block: Block, layers, h, caches, forced, lengths, n_valid, ex:
     at [g, j] like the scan's."""
     cs = list(caches)
     per_run = [dict() for _ in block.runs]
+    static = not mode.kda_states  # (`_cache_at`)
     for g in range(block.repeats):
         for r, run in enumerate(block.runs):
             for j, li in enumerate(block.layer_grid(r)[g]):
                 f = None if forced[r] is None else forced[r][g, j]
                 gdef, p = nnx.split(layers[li])
-                h, new, idx, extra = _layer_fn(gdef, ex, mode)(p, h, _cache_at(cs[r], g, j, fresh), f, lengths, n_valid)
+                h, new, idx, extra = _layer_fn(gdef, ex, mode)(p, h, _cache_at(cs[r], g, j, fresh, static),
+                                                                 f, lengths, n_valid)
                 cs[r] = _cache_put(cs[r], new, g, j)
                 per_run[r][(g, j)] = (idx, extra)
     idxs, extras = [], []
