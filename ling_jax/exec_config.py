@@ -85,6 +85,11 @@ class ExecConfig:
         blockwise online softmax, built on first use): ~6x the XLA blockwise prefill's rate
         (BENCHMARKS.md "A native CPU attention kernel"); float32 only, the XLA forms when it cannot
         be built. Training turns it off (forward-only kernel).
+    native_kda: a decode call's KDA delta rule on XLA:CPU runs the native CPU kernel on the states
+        where they are stored (`pallas_kernels.kda.cpu_kernel`, `kda.kda_in_place`: the engine's slot
+        pool or `generate`'s cache updated in place, no gather or scatter of rows): XLA:CPU ran the
+        step as several passes over every state (BENCHMARKS.md "The KDA decode step in place");
+        float32, one device, the XLA reference when it cannot be built.
     attn_block: keys per block of the XLA blockwise MLA attention (`pallas_kernels.mla.blockwise`):
         its temporaries are [B,H,T,attn_block] scores, whatever the key count.
     prefill_chunk: tokens per model call when `generate` prefills or `forward` runs a longer
@@ -106,6 +111,7 @@ class ExecConfig:
     weights_first_rows: int = 0
     native_experts: bool = False
     native_attention: bool = False
+    native_kda: bool = False
     attn_block: int = 512
     prefill_chunk: int = 2048
     remat: Optional[str] = None
@@ -119,7 +125,7 @@ class ExecConfig:
         _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
         for name, low in (("kda_chunk", 1), ("attn_block", 1), ("prefill_chunk", 1), ("weights_first_rows", 0)):
             check_int(getattr(self, name), f"ExecConfig.{name}", field=name, low=low)
-        for name in ("native_experts", "native_attention"):
+        for name in ("native_experts", "native_attention", "native_kda"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExecConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.platform is not None:
@@ -144,6 +150,7 @@ class ExecConfig:
                     weights_first_rows=0 if accel else CPU_WEIGHTS_FIRST_ROWS,
                     native_experts=not accel,
                     native_attention=not accel,
+                    native_kda=not accel,
                     layer_loop="unroll" if unroll else "scan",
                     platform=platform)
         base.update({k: v for k, v in overrides.items() if v is not None or k == "remat"})

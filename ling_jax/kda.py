@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,8 @@ from ling_jax.linear import Linear
 from ling_jax.norms import gated_rms_norm, l2_normalize
 from ling_jax.ops import real_tokens
 from ling_jax.placement import param_mesh
+from ling_jax.rows import put_rows, take_rows
+from pallas_kernels.kda import cpu_kernel
 from pallas_kernels.kda.chunk_kernel import kda_chunk_scan_pallas
 from pallas_kernels.kda.reference import kda_chunk_scan, kda_recurrent_scan
 from pallas_kernels.kda.step_kernel import kda_recurrent_scan_pallas
@@ -34,6 +36,34 @@ class KDAState(NamedTuple):
     conv_q: jax.Array
     conv_k: jax.Array
     conv_v: jax.Array
+
+
+class SlotKDAState(NamedTuple):
+    """A KDA cache whose recurrent states stay where they are stored: a decode call updates them in
+    place (`kda_in_place`), with no gather of its rows out of the slot pool and no scatter back.
+
+    recurrent: the whole stacked pool [repeats, n, S, H, dk, dv] f32 (S slots; the engine's slot pool,
+    or `generate`'s batch); conv_*: the rows' conv states, stacked [repeats, n, R, K-1, H*dk] (one
+    layer's [R, K-1, H*dk] once `layer` is set); rows [R] int32: the slots of the call's rows
+    (>= S: a padding row); fresh [R] bool or None: rows whose state starts at zero; layer: None, or
+    (g, j) of the layer reading it (`layer_stack._cache_at`, Python or traced ints)."""
+    recurrent: jax.Array
+    conv_q: jax.Array
+    conv_k: jax.Array
+    conv_v: jax.Array
+    rows: jax.Array
+    fresh: Optional[jax.Array] = None
+    layer: Optional[tuple] = None
+
+
+def kda_in_place(ex: ExecConfig, mode: CallMode, dtype) -> bool:
+    """Whether a call keeps its KDA states in their pool (`SlotKDAState`) and runs the native CPU
+    kernel on them (`pallas_kernels.kda.cpu_kernel`): token-by-token calls that need no per-token
+    states (decode; a verify keeps the reference scan for its rollback), `ex.native_kda` with the
+    XLA kernels, float32 states, the kernel built. Callers also need the model on one device (the
+    kernel is not partitioned): `layer_stack` and the engine check that."""
+    return (mode.kda_recurrent and not mode.kda_states and ex.native_kda and ex.kernels == "xla"
+            and jnp.dtype(dtype) == jnp.float32 and cpu_kernel.available())
 
 
 def kda_zero_state(cfg: LingConfig, batch: int, dtype) -> KDAState:
@@ -143,6 +173,8 @@ class KimiDeltaAttention(nnx.Module):
         if x.dtype == jnp.bfloat16:  # the chunked reference kernel stores normalised q/k in bf16
             q, k = q.astype(jnp.bfloat16).astype(jnp.float32), k.astype(jnp.bfloat16).astype(jnp.float32)
         all_states = extra = None
+        if isinstance(state, SlotKDAState):
+            return self._finish(x, *self._slot_scan(state, q, k, v, g, beta, ex, mode), (cq, ck, cv), None, ex)
         pallas = ex.kernels == "pallas"
         def pallas_chunk_scan(q, k, v, g, beta, s0, chunk, return_chunk_states=False):
             kern = partial(kda_chunk_scan_pallas, chunk_size=chunk, platform=ex.platform,
@@ -164,15 +196,42 @@ class KimiDeltaAttention(nnx.Module):
                              *(jnp.stack([c[2][:, e:e + K - 1] for e in ends], axis=1) for c in convs))
         else:
             o, s = chunk_scan(q, k, v, g, beta, state.recurrent, ex.kda_chunk)
-        o = o.astype(x.dtype)
-        gate = self.g_proj(x, ex).reshape(B, T, H, d)
-        y = gated_rms_norm(o, gate, self.o_norm[...], cfg.rms_norm_eps).astype(x.dtype)
-        out = self.o_proj(y.reshape(B, T, H * d), ex)
-        new = KDAState(s, cq, ck, cv)
         if mode.kda_states:
             extra = (jnp.concatenate([state.recurrent[:, None].astype(all_states.dtype), all_states], axis=1),
                      tuple(c[2] for c in convs))
-        return out, new, extra
+        return self._finish(x, o, KDAState(s, cq, ck, cv), (cq, ck, cv), extra, ex)
+
+    def _finish(self, x, o, new, convs, extra, ex: ExecConfig):
+        """The output projection of the delta rule's o [B,T,H,dv]; `new` gets the new conv states."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, d = cfg.num_attention_heads, cfg.head_dim
+        gate = self.g_proj(x, ex).reshape(B, T, H, d)
+        y = gated_rms_norm(o.astype(x.dtype), gate, self.o_norm[...], cfg.rms_norm_eps).astype(x.dtype)
+        out = self.o_proj(y.reshape(B, T, H * d), ex)
+        return out, new._replace(conv_q=convs[0], conv_k=convs[1], conv_v=convs[2]), extra
+
+    def _slot_scan(self, state: SlotKDAState, q, k, v, g, beta, ex: ExecConfig, mode: CallMode):
+        """The delta rule token by token on the rows' states where they lie (`SlotKDAState`): the
+        native kernel in place, or (no kernel, a mesh, another dtype) its XLA twin: the rows read
+        out of the pool, `kda_recurrent_scan`, written back. Returns (o, the state with the new pool)."""
+        if mode.kda_states or not mode.kda_recurrent:
+            raise ValueError(f"a SlotKDAState is for decode calls, not a {mode.kind!r} call (`kda_in_place`)")
+        pool, g_j = state.recurrent, state.layer
+        if g_j is None:
+            raise ValueError("SlotKDAState.layer is not set (the layer stack sets it for the layer reading it)")
+        if kda_in_place(ex, mode, pool.dtype) and param_mesh(self.A_log) is None:
+            o, pool = cpu_kernel.kda_recurrent_rows_cpu(pool, state.rows, q, k, v, g, beta, fresh=state.fresh,
+                                                        layer=g_j)
+            return o, state._replace(recurrent=pool)
+        mine = jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(pool, g_j[0], 0, False), g_j[1], 0, False)
+        s0 = take_rows(mine, state.rows, axis=0)
+        if state.fresh is not None:
+            s0 = jnp.where(state.fresh[:, None, None, None], 0.0, s0)
+        o, s = kda_recurrent_scan(q, k, v, g, beta, s0.astype(jnp.float32))
+        mine = put_rows(mine, state.rows, s)
+        pool = jax.lax.dynamic_update_slice(pool, mine[None, None], (g_j[0], g_j[1]) + (0,) * mine.ndim)
+        return o, state._replace(recurrent=pool)
 
 
 def kda_rollback(rollback, n_keep: jax.Array) -> KDAState:

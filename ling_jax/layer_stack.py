@@ -45,8 +45,9 @@ from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.config import KDA, LingConfig
 from ling_jax.decoder_layer import DecoderLayer
 from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
-from ling_jax.kda import kda_rollback
+from ling_jax.kda import KDAState, SlotKDAState, kda_in_place, kda_rollback
 from ling_jax.mla import MLACache, PagedMLACache
+from ling_jax.placement import model_mesh
 from ling_jax.rows import take_rows
 
 
@@ -345,9 +346,18 @@ class LayerStack(nnx.Module):
                              f"{self.loop!r} (the layer loop is chosen when the model is built or loaded; "
                              f"convert with model.set_layer_loop({ex.layer_loop!r}))")
         block = self.plan[b]
+        slots = [isinstance(c, KDAState) and kda_in_place(ex, mode, c.recurrent.dtype) and model_mesh(self) is None
+                 for c in caches]
+        # a decode's KDA states stay where they are (`kda.SlotKDAState`): updated in place by the
+        # native kernel, each row its own slot of the stacked cache
+        caches = tuple(_as_slots(c, fresh) if s else c for c, s in zip(caches, slots))
         if self.loop == "unroll":
-            return _run_unrolled(block, self.per_layer, h, caches, forced, lengths, n_valid, ex, mode, fresh)
-        return _run_scanned(block, self.runs[b], h, caches, forced, lengths, n_valid, ex, mode, fresh)
+            out = _run_unrolled(block, self.per_layer, h, caches, forced, lengths, n_valid, ex, mode, fresh)
+        else:
+            out = _run_scanned(block, self.runs[b], h, caches, forced, lengths, n_valid, ex, mode, fresh)
+        h, new_c, idxs, extras = out
+        new_c = tuple(KDAState(*c[:4]) if s else c for c, s in zip(new_c, slots))
+        return h, new_c, idxs, extras
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +375,12 @@ def _layer_fn(gdef, ex: ExecConfig, mode: CallMode):
 
 def _is_mla(cache) -> bool:
     return isinstance(cache, (MLACache, PagedMLACache))
+
+
+def _as_slots(c: KDAState, fresh) -> SlotKDAState:
+    """A run's stacked KDA cache [repeats, n, B, ...] as a SlotKDAState whose row b is slot b."""
+    B = c.recurrent.shape[2]
+    return SlotKDAState(c.recurrent, c.conv_q, c.conv_k, c.conv_v, jnp.arange(B, dtype=jnp.int32), fresh)
 
 
 def _cache_at(cache, g, j, fresh=None, static: bool = False):
@@ -392,8 +408,10 @@ def _cache_at(cache, g, j, fresh=None, static: bool = False):
     # keeps it one): a slice would be fused into each of the state's readers (the conv states feed q,
     # k and v), leaving the stacked pool read by fusions XLA cannot order before the in-place write,
     # so it copied the whole pool (tests/test_inplace_rows.py).
-    return cache._replace(recurrent=read(cache.recurrent, static),
-                          **{f: read(getattr(cache, f), False) for f in ("conv_q", "conv_k", "conv_v")})
+    convs = {f: read(getattr(cache, f), False) for f in ("conv_q", "conv_k", "conv_v")}
+    if isinstance(cache, SlotKDAState):  # the recurrent states stay in their pool: the layer gets (g, j)
+        return cache._replace(layer=(g, j), **convs)
+    return cache._replace(recurrent=read(cache.recurrent, static), **convs)
 
 
 def _cache_put(cache, new, g, j):
@@ -402,6 +420,10 @@ def _cache_put(cache, new, g, j):
         return None
     if _is_mla(cache):
         return new._replace(layer=None)
+    if isinstance(cache, SlotKDAState):  # the pool came back updated in place; the conv rows go to [g, j]
+        convs = {f: getattr(cache, f).at[g, j].set(getattr(new, f).astype(getattr(cache, f).dtype))
+                 for f in ("conv_q", "conv_k", "conv_v")}
+        return cache._replace(recurrent=new.recurrent, **convs)
     return jax.tree.map(lambda buf, x: buf.at[g, j].set(x.astype(buf.dtype)), cache, new)
 
 

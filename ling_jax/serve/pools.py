@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from ling_jax.accounting import cache_bytes
 from ling_jax.checks import check_int
 from ling_jax.config import KDA, LingConfig
-from ling_jax.kda import kda_zero_state
+from ling_jax.kda import KDAState, SlotKDAState, kda_zero_state
 from ling_jax.kv_quant import FP8, check_kv_cache_dtype
 from ling_jax.layer_stack import map_runs, zeros_by_kind
 from ling_jax.mla import PagedMLACache
@@ -196,7 +196,7 @@ def per_device_bytes(tree) -> int:
 
 
 def as_cache(cfg: LingConfig, pools: Pools, block_table: jax.Array, lengths: jax.Array,
-             rows: jax.Array | None = None, fresh: jax.Array | None = None) -> HybridCache:
+             rows: jax.Array | None = None, fresh: jax.Array | None = None, in_place: bool = False) -> HybridCache:
     """The HybridCache the model reads, for the slot rows `rows` [R] (None: every slot).
 
     fresh [R] bool: rows starting a new sequence in a reused slot: their KDA state reads as zero
@@ -205,11 +205,17 @@ def as_cache(cfg: LingConfig, pools: Pools, block_table: jax.Array, lengths: jax
     row: clipped on read, dropped on write by `with_cache`); MLA layers get their whole page pool
     plus block_table [R, max_blocks], one table for all layers: the layer stack hands each MLA
     layer its run's whole stacked pool with the layer's index, and the layer reads and writes its
-    own pages in place (`ling_jax.layer_stack`)."""
+    own pages in place (`ling_jax.layer_stack`).
+    in_place: the KDA recurrent states stay in the slot pool (`kda.SlotKDAState`: a decode call
+    whose kernel updates them there, `kda.kda_in_place`); only the rows' conv states are gathered."""
     def one(run, c):
         if run.attn != KDA:
             return c._replace(block_table=block_table)
-        return c if rows is None else jax.tree.map(lambda x: take_rows(x, rows, axis=2), c)
+        got = c if rows is None else jax.tree.map(lambda x: take_rows(x, rows, axis=2), c._replace(recurrent=None))
+        if in_place:
+            slots = jnp.arange(c.recurrent.shape[2], dtype=jnp.int32) if rows is None else rows
+            return SlotKDAState(c.recurrent, got.conv_q, got.conv_k, got.conv_v, slots, fresh)
+        return c if rows is None else got._replace(recurrent=take_rows(c.recurrent, rows, axis=2))
 
     layers = map_runs(cfg, one, pools.layers)
     mtp = None if pools.mtp is None else pools.mtp._replace(block_table=block_table)
@@ -224,6 +230,12 @@ def with_cache(cfg: LingConfig, pools: Pools, cache: HybridCache, rows: jax.Arra
     def one(run, old, new):
         if run.attn != KDA:
             return new._replace(block_table=None)
+        if isinstance(new, SlotKDAState):  # the recurrent pool came back updated in place
+            new = KDAState(new.recurrent, new.conv_q, new.conv_k, new.conv_v)
+            if rows is None:
+                return new
+            return KDAState(new.recurrent, *(put_rows(getattr(old, f), rows, getattr(new, f), axis=2)
+                                             for f in ("conv_q", "conv_k", "conv_v")))
         return new if rows is None else jax.tree.map(lambda o, n: put_rows(o, rows, n, axis=2), old, new)
 
     layers = map_runs(cfg, one, pools.layers, cache.layers)

@@ -12,7 +12,8 @@ rows cost, so 3 decoding slots of 32 run a 4-row program, not a 32-row one), pre
 Rows and slots: a program with fewer rows than slots gathers its rows' KDA states, hidden and
 token statistics from the pools (`rows` [R] = each row's slot, max_slots = padding) and scatters
 them back; a decode program with R = max_slots runs every slot in place (rows = arange(max_slots):
-nothing gathered, nothing copied).
+nothing gathered, nothing copied). A decode on XLA:CPU leaves the KDA recurrent states in the slot
+pool whatever its rows: the native kernel updates each row's state where it lies (`kda.SlotKDAState`).
 
 Rows that have nothing to do (idle slots in decode, unused rows of a prefill batch) get
 n_valid = 0: their KDA state passes through unchanged (g = 0, beta = 0, conv state kept), their
@@ -28,6 +29,8 @@ from flax import nnx
 
 from ling_jax.call_mode import CallMode
 from ling_jax.exec_config import ExecConfig
+from ling_jax.kda import kda_in_place
+from ling_jax.placement import model_mesh
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.sampling import MAX_LOGPROBS, RowSampling, token_logprobs
 from ling_jax.token_stats import gather_stats, penalize_rows, scatter_stats, update_rows
@@ -79,7 +82,10 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
     cfg = model.cfg
     rows = inp.rows if gather_rows else None
     fresh = (inp.lengths == 0) & (inp.n_valid > 0)  # a new sequence, maybe in a reused slot
-    cache = as_cache(cfg, pools, inp.block_table, inp.lengths, rows, fresh)
+    # a decode's KDA states stay in the slot pool, updated there by the native kernel (no gather of
+    # the rows' states and no scatter back: `kda.kda_in_place`; a model on a mesh keeps the gather)
+    in_place = kda_in_place(ex, mode, jnp.float32) and model_mesh(model) is None
+    cache = as_cache(cfg, pools, inp.block_table, inp.lengths, rows, fresh, in_place)
     prev_hidden = take_rows(pools.hidden, inp.rows) if gather_rows else pools.hidden
     out = model(inp.ids, cache, inp.n_valid, exec=ex, mode=mode)
     new_cache = out["cache"]
