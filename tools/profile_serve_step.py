@@ -7,6 +7,7 @@ fused op came from (the `op_name` metadata of the compiled HLO, digits folded), 
 `eid,edc->eic/dot_general` = the routed experts' gate/up batched matmuls.
 
   python tools/profile_serve_step.py [--slots 8] [--steps 3] [--top 25]
+  python tools/profile_serve_step.py --prefill   # prefill steps [2, 64] instead (two long prompts)
 """
 from __future__ import annotations
 
@@ -54,13 +55,18 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timed", type=int, default=8, help="untraced steps timed first")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--prefill", action="store_true", help="profile prefill steps instead: two long prompts "
+                    "fed [2, 64] per step (prefill_chunk 128 over 2 rows, tools/bench_serve.py's engine), "
+                    "nothing decoding")
     a = ap.parse_args()
     model = load_model(a.checkpoint, "float32", with_mtp=False, progress=False)
     S = a.slots
-    eng = Engine(model, max_slots=S, page_size=16, num_pages=S * 24 + 8, prefill_chunk=128, max_seq_len=384,
-                 prefix_cache=False)
+    eng = Engine(model, max_slots=S, page_size=16, num_pages=S * 24 + 8 + (160 if a.prefill else 0),
+                 prefill_chunk=128, max_seq_len=384 if not a.prefill else 1280, prefix_cache=False)
     eng.warmup()
     rng = np.random.default_rng(0)
+    if a.prefill:
+        return profile_prefill(eng, model, a, rng)
     N = a.active or S
     hs = [eng.submit(rng.integers(0, 32000, 128).tolist(), RequestParams(max_tokens=250, stop_ids=()))
           for _ in range(N)]
@@ -73,9 +79,19 @@ def main():
         ts.append(time.perf_counter() - t)
     print(f"# {model.exec}\n# decode step, {N} of {S} slots: median {1e3 * statistics.median(ts):.1f} ms, "
           f"min {1e3 * min(ts):.1f} ms ({N / statistics.median(ts):.1f} tok/s); load {os.getloadavg()[0]:.1f}")
+    per_thunk = trace(eng, a.steps)
+    widths = eng.runner.widths[0]
+    R, rows, _ = eng.runner.decode_rows_for([h._req for h in hs])
+    inp = eng.runner.inputs(rows, np.zeros((R, 1), np.int32), np.zeros(R, np.int32), [None] * R, widths)
+    names = op_names(eng.runner.decode_fn.lower(eng.runner.params, eng.runner.pools, inp).compile().as_text())
+    report(per_thunk, names, a)
+
+
+def trace(eng, steps: int) -> collections.Counter:
+    """Per-thunk microseconds over `steps` engine steps (a Perfetto trace of jax.profiler)."""
     d = tempfile.mkdtemp(prefix="ling-prof-")
     with jax.profiler.trace(d, create_perfetto_trace=True):
-        for _ in range(a.steps):
+        for _ in range(steps):
             eng.step()
     ev = json.load(gzip.open(glob.glob(os.path.join(d, "**", "*.json.gz"), recursive=True)[0]))
     ev = ev["traceEvents"] if isinstance(ev, dict) else ev
@@ -83,10 +99,32 @@ def main():
     for e in ev:
         if e.get("ph") == "X":
             per_thunk[e["name"]] += e.get("dur", 0)
-    widths = eng.runner.widths[0]
-    R, rows, _ = eng.runner.decode_rows_for([h._req for h in hs])
-    inp = eng.runner.inputs(rows, np.zeros((R, 1), np.int32), np.zeros(R, np.int32), [None] * R, widths)
-    names = op_names(eng.runner.decode_fn.lower(eng.runner.params, eng.runner.pools, inp).compile().as_text())
+    return per_thunk
+
+
+def profile_prefill(eng, model, a, rng):
+    """Two 1,024-token prompts fed 64 tokens per row per step ([2, 64], the bench's prefill shape)."""
+    from ling_jax.serve.multihost import OP_PREFILL
+    hs = [eng.submit(rng.integers(0, 32000, 1024).tolist(), RequestParams(max_tokens=1, stop_ids=()))
+          for _ in range(2)]
+    eng.step()
+    ts = []
+    for _ in range(a.timed):
+        t = time.perf_counter()
+        eng.step()
+        ts.append(time.perf_counter() - t)
+    print(f"# {model.exec}\n# prefill step [2, 64] (128 prompt tokens): median {1e3 * statistics.median(ts):.1f} ms, "
+          f"min {1e3 * min(ts):.1f} ms ({128 / statistics.median(ts):.1f} tok/s); load {os.getloadavg()[0]:.1f}")
+    per_thunk = trace(eng, a.steps)
+    assert not any(h.generated for h in hs), "the prompts finished inside the profile: shorten --timed/--steps"
+    names = {}
+    for w in eng.runner.widths:  # the steps ran at several widths: every program's names
+        inp = eng.runner.padding_inputs(OP_PREFILL, eng.runner.prefill_rows, 64, w)
+        names.update(op_names(eng.runner.prefill_fn.lower(eng.runner.params, eng.runner.pools, inp).compile().as_text()))
+    report(per_thunk, names, a)
+
+
+def report(per_thunk, names, a):
     by_op = collections.Counter()
     for n, us in per_thunk.items():
         if n in names:
