@@ -72,11 +72,7 @@ def main():
           for _ in range(N)]
     while any(not h.generated for h in hs):
         eng.step()
-    ts = []
-    for _ in range(a.timed):
-        t = time.perf_counter()
-        eng.step()
-        ts.append(time.perf_counter() - t)
+    ts = timed_steps(eng, a.timed)
     print(f"# {model.exec}\n# decode step, {N} of {S} slots: median {1e3 * statistics.median(ts):.1f} ms, "
           f"min {1e3 * min(ts):.1f} ms ({N / statistics.median(ts):.1f} tok/s); load {os.getloadavg()[0]:.1f}")
     per_thunk = trace(eng, a.steps)
@@ -85,6 +81,16 @@ def main():
     inp = eng.runner.inputs(rows, np.zeros((R, 1), np.int32), np.zeros(R, np.int32), [None] * R, widths)
     names = op_names(eng.runner.decode_fn.lower(eng.runner.params, eng.runner.pools, inp).compile().as_text())
     report(per_thunk, names, a)
+
+
+def timed_steps(eng, n: int) -> list:
+    """Seconds of each of `n` untraced engine steps."""
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        eng.step()
+        ts.append(time.perf_counter() - t)
+    return ts
 
 
 def trace(eng, steps: int) -> collections.Counter:
@@ -108,11 +114,7 @@ def profile_prefill(eng, model, a, rng):
     hs = [eng.submit(rng.integers(0, 32000, 1024).tolist(), RequestParams(max_tokens=1, stop_ids=()))
           for _ in range(2)]
     eng.step()
-    ts = []
-    for _ in range(a.timed):
-        t = time.perf_counter()
-        eng.step()
-        ts.append(time.perf_counter() - t)
+    ts = timed_steps(eng, a.timed)
     print(f"# {model.exec}\n# prefill step [2, 64] (128 prompt tokens): median {1e3 * statistics.median(ts):.1f} ms, "
           f"min {1e3 * min(ts):.1f} ms ({128 / statistics.median(ts):.1f} tok/s); load {os.getloadavg()[0]:.1f}")
     per_thunk = trace(eng, a.steps)
