@@ -127,9 +127,17 @@ def test_engine_with_fp8_pages_equals_generate_with_fp8_cache(tiny_model):
     """`Engine(kv_cache_dtype="fp8")` (`batch` / `serve` / `aot --kv-cache-dtype fp8`): the MLA and
     MTP page pools hold float8 values + float32 per-token scales, written by the same per-token codec
     as `generate`'s FP8 cache, so greedy requests give `generate(kv_cache_dtype="fp8")`'s tokens and
-    logprobs (1e-4), alone, batched, and through a prefix-cache hit (its page copy moves the scales
-    with the values). Its pages cost (512+64+8)/(2·576) of bfloat16's per token at the real shape;
-    here float32 vs fp8 pages of the tiny config, counted by `describe`."""
+    logprobs, alone, batched, and through a prefix-cache hit (its page copy moves the scales with the
+    values). Its pages cost (512+64+8)/(2·576) of bfloat16's per token at the real shape; here float32
+    vs fp8 pages of the tiny config, counted by `describe`.
+
+    Tolerance: the engine prefills in 16-token chunks, `generate` in one pass, so a latent differs
+    by float32 rounding before it is quantised, and where it sits on an e4m3 rounding boundary its
+    code moves one step (up to 1/16 of the value). The random toy amplifies that: measured 1.1e-4 and
+    2.4e-4 logprob on two CPU models (which one flips depends on the CPU's dot kernels), against
+    ~1e-2 that the FP8 cache itself moves the logprobs (vs the float cache). A codec or scale-copy
+    error moves them by the latter's order, so the bound is 1e-3 and under a quarter of the FP8
+    cache's own effect on that request."""
     from ling_jax.serve import Engine, RequestParams
     from ling_jax.serve.pools import plan_pools
 
@@ -157,7 +165,10 @@ def test_engine_with_fp8_pages_equals_generate_with_fp8_cache(tiny_model):
     assert eng.stats()["prefix_hits"] >= 1 and eng.stats()["prefix_tokens_saved"] >= 16
     for p, h in zip(prompts, [first] + rest):
         ref = generate(tiny_model, [p], n, stop_ids=(), kv_cache_dtype="fp8", logprobs=0)
-        assert h.generated == ref.tokens[0]
-        assert max(abs(a.logprob - b.logprob) for a, b in zip(h.logprobs, ref.logprobs[0])) < 1e-4
+        flt = generate(tiny_model, [p], n, stop_ids=(), logprobs=0)
+        assert h.generated == ref.tokens[0] == flt.tokens[0]
+        fp8_effect = max(abs(a.logprob - b.logprob) for a, b in zip(ref.logprobs[0], flt.logprobs[0]))
+        diff = max(abs(a.logprob - b.logprob) for a, b in zip(h.logprobs, ref.logprobs[0]))
+        assert fp8_effect > 4e-3 and diff < min(1e-3, fp8_effect / 4), (diff, fp8_effect)
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8"):
         Engine(tiny_model, kv_cache_dtype="int8", **kw)
