@@ -7,7 +7,8 @@ fused op came from (the `op_name` metadata of the compiled HLO, digits folded), 
 `eid,edc->eic/dot_general` = the routed experts' gate/up batched matmuls.
 
   python tools/profile_serve_step.py [--slots 8] [--steps 3] [--top 25]
-  python tools/profile_serve_step.py --prefill   # prefill steps [2, 64] instead (two long prompts)
+  python tools/profile_serve_step.py --prefill [--prefill-rows 2 --prefill-chunk 128]
+      # prefill steps [rows, chunk / rows] instead (one long prompt per row)
 """
 from __future__ import annotations
 
@@ -55,18 +56,26 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timed", type=int, default=8, help="untraced steps timed first")
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--prefill", action="store_true", help="profile prefill steps instead: two long prompts "
-                    "fed [2, 64] per step (prefill_chunk 128 over 2 rows, tools/bench_serve.py's engine), "
-                    "nothing decoding")
+    ap.add_argument("--prefill", action="store_true", help="profile prefill steps instead: one long prompt per "
+                    "prefill row, fed [prefill rows, prefill chunk / rows] per step (default [2, 64]: "
+                    "tools/bench_serve.py's engine), nothing decoding")
+    ap.add_argument("--prefill-rows", type=int, default=2)
+    ap.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per step (over the rows)")
     a = ap.parse_args()
     model = load_model(a.checkpoint, "float32", with_mtp=False, progress=False)
     S = a.slots
-    eng = Engine(model, max_slots=S, page_size=16, num_pages=S * 24 + 8 + (160 if a.prefill else 0),
-                 prefill_chunk=128, max_seq_len=384 if not a.prefill else 1280, prefix_cache=False)
+    if a.prefill:
+        S = max(S, a.prefill_rows)
+    per_row = a.prefill_chunk // a.prefill_rows
+    prompt = per_row * (a.timed + a.steps + 2)  # long enough to be still prefilling after the profiled steps
+    eng = Engine(model, max_slots=S, page_size=16,
+                 num_pages=S * 24 + 8 + (a.prefill_rows * (-(-prompt // 16) + 1) if a.prefill else 0),
+                 prefill_chunk=a.prefill_chunk if a.prefill else 128, prefill_rows=a.prefill_rows,
+                 max_seq_len=384 if not a.prefill else prompt + 16, prefix_cache=False)
     eng.warmup()
     rng = np.random.default_rng(0)
     if a.prefill:
-        return profile_prefill(eng, model, a, rng)
+        return profile_prefill(eng, model, a, rng, prompt)
     N = a.active or S
     hs = [eng.submit(rng.integers(0, 32000, 128).tolist(), RequestParams(max_tokens=250, stop_ids=()))
           for _ in range(N)]
@@ -108,20 +117,23 @@ def trace(eng, steps: int) -> collections.Counter:
     return per_thunk
 
 
-def profile_prefill(eng, model, a, rng):
-    """Two 1,024-token prompts fed 64 tokens per row per step ([2, 64], the bench's prefill shape)."""
+def profile_prefill(eng, model, a, rng, prompt: int):
+    """One `prompt`-token prompt per prefill row, fed [rows, chunk / rows] per step (every row full)."""
     from ling_jax.serve.multihost import OP_PREFILL
-    hs = [eng.submit(rng.integers(0, 32000, 1024).tolist(), RequestParams(max_tokens=1, stop_ids=()))
-          for _ in range(2)]
+    R, T = a.prefill_rows, a.prefill_chunk // a.prefill_rows
+    hs = [eng.submit(rng.integers(0, 32000, prompt).tolist(), RequestParams(max_tokens=1, stop_ids=()))
+          for _ in range(R)]
     eng.step()
     ts = timed_steps(eng, a.timed)
-    print(f"# {model.exec}\n# prefill step [2, 64] (128 prompt tokens): median {1e3 * statistics.median(ts):.1f} ms, "
-          f"min {1e3 * min(ts):.1f} ms ({128 / statistics.median(ts):.1f} tok/s); load {os.getloadavg()[0]:.1f}")
+    n = R * T
+    print(f"# {model.exec}\n# prefill step [{R}, {T}] ({n} prompt tokens): median {1e3 * statistics.median(ts):.1f} ms, "
+          f"min {1e3 * min(ts):.1f} ms ({n / statistics.median(ts):.1f} tok/s, "
+          f"{1e3 * statistics.median(ts) / n:.2f} ms/token); load {os.getloadavg()[0]:.1f}")
     per_thunk = trace(eng, a.steps)
     assert not any(h.generated for h in hs), "the prompts finished inside the profile: shorten --timed/--steps"
     names = {}
     for w in eng.runner.widths:  # the steps ran at several widths: every program's names
-        inp = eng.runner.padding_inputs(OP_PREFILL, eng.runner.prefill_rows, 64, w)
+        inp = eng.runner.padding_inputs(OP_PREFILL, R, T, w)
         names.update(op_names(eng.runner.prefill_fn.lower(eng.runner.params, eng.runner.pools, inp).compile().as_text()))
     report(per_thunk, names, a)
 
