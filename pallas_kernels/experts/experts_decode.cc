@@ -9,6 +9,7 @@
 // Deterministic: every expert's output goes to its own (token, slot) row, summed afterwards per
 // token in slot order, so the thread split never changes a bit of the result.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -162,9 +163,12 @@ ffi::Error ExpertsDecodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
   }
   std::vector<float> ybuf(static_cast<size_t>(N * k * D), 0.f);
   const int64_t T = std::max<int64_t>(1, std::min<int64_t>(threads, static_cast<int64_t>(jobs.size())));
-  auto work = [&](int64_t t) {
+  // experts handed out one at a time (not a fixed split): a descheduled thread delays the call by
+  // one expert, not by its share; each expert writes its own rows of ybuf, so the bits do not change
+  std::atomic<size_t> next{0};
+  auto work = [&](int64_t) {
     Scratch h;
-    for (size_t j = static_cast<size_t>(t); j < jobs.size(); j += static_cast<size_t>(T))
+    for (size_t j; (j = next.fetch_add(1, std::memory_order_relaxed)) < jobs.size();)
       run_expert(jobs[j], x.typed_data(), wg.typed_data(), wu.typed_data(), wd.typed_data(), lim, k, D, I,
                  ybuf.data(), h);
   };

@@ -14,6 +14,7 @@
 // The columns of S are independent in every step, so blocks need no communication.
 // Deterministic: every (row, head) is one job on one thread, sums in a fixed order.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -125,9 +126,10 @@ ffi::Error KdaRecurrentImpl(ffi::Buffer<ffi::F32> pool_in, ffi::Buffer<ffi::S32>
   float* O = out->typed_data();
   const int64_t jobs = R * H;
   const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(threads, jobs));
-  auto work = [&](int64_t t) {
+  std::atomic<int64_t> next{0};  // (row, head) jobs handed out one at a time: see latent_cpu.cc
+  auto work = [&](int64_t) {
     std::vector<float> eg(static_cast<size_t>(dk));
-    for (int64_t j = t; j < jobs; j += nth) {
+    for (int64_t j; (j = next.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
       const int64_t r = j / H, h = j % H, slot = rw[r];
       if (slot < 0 || slot >= S) {  // a padding row
         for (int64_t tt = 0; tt < T; ++tt) std::fill_n(O + ((r * T + tt) * H + h) * dv, dv, 0.f);

@@ -18,6 +18,7 @@
 // A row's arithmetic depends only on its own query and keys (the splits are fixed by key position,
 // not by the batch), so a sequence alone and in a batch get the same bits.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -363,9 +364,12 @@ ffi::Error LatentAttentionImpl(ffi::Buffer<ffi::F32> q_hat, ffi::Buffer<ffi::F32
   std::vector<float> pm(static_cast<size_t>(n_items * g.QB)), pl(pm.size()), pacc(static_cast<size_t>(n_items * g.QB * g.r));
   // threads only when there is enough work to pay for starting them (~65K row-key pairs)
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>({threads, n_items, 1 + work / (1 << 16)}));
-  auto run = [&](int64_t t) {
+  // items handed out one at a time (not a fixed split): a thread the OS takes away for a while (a
+  // server's HTTP thread, a co-located client) delays the call by one item, not by its share
+  std::atomic<int64_t> next{0};
+  auto run = [&](int64_t) {
     Scratch s;
-    for (int64_t i = t; i < n_items; i += nt) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const Item& it = items[static_cast<size_t>(i)];
       run_item(g, it, pm.data() + it.part * g.QB, pl.data() + it.part * g.QB, pacc.data() + it.part * g.QB * g.r, s);
     }
