@@ -132,8 +132,7 @@ inline vf8 hsum8(const vf8* v) {
   return SHUF(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// The few-row form of `scores` (decode / verify: R ≤ 8 rows, two at a time so that each key vector
-// loaded serves both), with no transposed copy of the keys:
+// The few-row form of `scores` (decode / verify: R ≤ 8 rows), with no transposed copy of the keys:
 // s[i][j] = qs[i] · key_j for j < nk (key_j = [crow[j] ; krow[j]], d = r + dr a multiple of 8), eight
 // keys at a time, each key's products over d in its own vector, summed by `hsum8`; zeros past nk.
 void scores_few(const float* qs, const float* const* crow, const float* const* krow, int64_t nk, int64_t R,
@@ -150,29 +149,19 @@ void scores_few(const float* qs, const float* const* crow, const float* const* k
       cr[u] = crow[j0 + (u < n ? u : 0)];
       kr[u] = krow[j0 + (u < n ? u : 0)];
     }
-    for (int64_t i = 0; i < R; i += 2) {  // two query rows per pass: each key vector loaded once for both
-      const float* q0 = qs + i * (r + dr);
-      const float* q1 = q0 + (r + dr);
-      vf8 a[L], b[L];  // per key, its products over d in lanes (the same sums, in the same order, as one row at a time)
-      for (int u = 0; u < L; ++u) a[u] = b[u] = vf8{};
+    for (int64_t i = 0; i < R; ++i) {  // each query vector loaded once per eight keys
+      const float* q = qs + i * (r + dr);
+      vf8 a[L];
+      for (int u = 0; u < L; ++u) a[u] = vf8{};
       for (int64_t e = 0; e < r; e += L) {
-        const vf8 qa = load8(q0 + e), qb = load8(q1 + e);
-        for (int u = 0; u < L; ++u) {
-          const vf8 kv = load8(cr[u] + e);
-          a[u] += qa * kv;
-          b[u] += qb * kv;
-        }
+        const vf8 qv = load8(q + e);
+        for (int u = 0; u < L; ++u) a[u] += qv * load8(cr[u] + e);
       }
       for (int64_t e = 0; e < dr; e += L) {
-        const vf8 qa = load8(q0 + r + e), qb = load8(q1 + r + e);
-        for (int u = 0; u < L; ++u) {
-          const vf8 kv = load8(kr[u] + e);
-          a[u] += qa * kv;
-          b[u] += qb * kv;
-        }
+        const vf8 qv = load8(q + r + e);
+        for (int u = 0; u < L; ++u) a[u] += qv * load8(kr[u] + e);
       }
       store8(s + i * KB + j0, hsum8(a));
-      store8(s + (i + 1) * KB + j0, hsum8(b));
     }
   }
 }
