@@ -82,7 +82,7 @@ def test_tpu_report_contract_and_progress(tpu_report):
     assert r["mesh"] == {"data": 1, "expert": 4, "model": 1}
     assert r["hbm_bytes"] == int(15.75 * 2 ** 30)
     names = [p["name"] for p in r["programs"]]
-    assert names == ["forward[T=1]", "decode[R=4,W=16]", "prefill[T=64,W=16]", "snapshot-save[C=2]",
+    assert names == ["forward[T=1]", "decode[R=4,W=16]", "prefill[R=2,T=64,W=16]", "snapshot-save[C=2]",
                      "snapshot-restore[C=2]"]
     for p in r["programs"]:
         assert KEYS <= set(p), p

@@ -24,8 +24,11 @@ def engine(tiny_model):
     with xla_compiles() as events:
         eng.warmup()
     assert eng.runner.decode_rows == (1, 2, 4)  # row buckets: a step with 1 or 2 decoding slots runs 1 or 2 rows
-    n = (len(eng.runner.decode_rows) + len(eng.runner.buckets)) * len(eng.runner.widths)
-    assert len(events) >= n == (3 + 3) * 1  # every step shape ((3 row buckets + 3 buckets) x 1 width) compiled at warm-up
+    assert eng.runner.prefill_row_buckets == (1, 2)  # and a chunk of one prompt a 1-row prefill
+    run = eng.runner
+    n = (len(run.decode_rows) + len(run.prefill_row_buckets) * len(run.buckets)) * len(run.widths)
+    # every step shape ((3 decode row buckets + 2 prefill row buckets x 3 token buckets) x 1 width) compiled at warm-up
+    assert len(events) >= n == (3 + 2 * 3) * 1
     # dispatch signatures per shape: at most the first-call placement and the steady state (the second
     # round of warm-up records the latter and compiles nothing, see Engine.warmup)
     assert n <= eng.compiled_shapes() <= 2 * n
@@ -284,6 +287,32 @@ def test_prefill_rows_never_exceed_the_slots(tiny_model, reference):
     h = eng.submit(prompts[2], params[2])
     eng.run_until_done()
     assert h.generated == expected[2]
+
+
+def test_prefill_runs_the_fewest_rows_that_hold_its_prompts(engine, reference):
+    """A chunk of one prompt runs the [1, T] program, of two the [2, T] one (a prefill program
+    computes its idle rows: BENCHMARKS.md, "Prefill programs per row count"), with the tokens of
+    each request alone; and no step compiles anything after warm-up."""
+    prompts, params, _, expected, _ = reference
+    run, shapes = engine.runner, []
+    before = engine.compiled_shapes()
+    real = run._run_prefill
+
+    def spy(inp):
+        shapes.append((inp.ids.shape[0], int((inp.n_valid > 0).sum())))
+        return real(inp)
+    run._run_prefill = spy
+    try:
+        alone = engine.submit(prompts[2], params[2])  # 60 tokens: two chunks of 32, alone
+        engine.run_until_done()
+        pair = [engine.submit(prompts[i], params[i]) for i in (3, 4)]  # fed side by side
+        engine.run_until_done()
+    finally:
+        run._run_prefill = real
+    assert alone.generated == expected[2] and [h.generated for h in pair] == [expected[3], expected[4]]
+    assert shapes[:2] == [(1, 1), (1, 1)], shapes
+    assert (2, 2) in shapes[2:] and all(rows == max(1, used) for rows, used in shapes), shapes
+    assert engine.compiled_shapes() == before
 
 
 # --------------------------------------------------------------------------- penalties and logprobs

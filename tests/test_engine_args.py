@@ -106,7 +106,7 @@ def test_page_arithmetic(tiny_model, tiny_cfg):
 
 
 def test_engine_options_from_the_flags():
-    auto = {"kv_cache_dtype": "auto"}
+    auto = {"kv_cache_dtype": "auto", "prefill_rows": 2}
     assert engine_options(flags()) == {"prefix_cache": True, "prefix_cache_memory_gib": None,
                                        "snapshot_interval": None, "speculative": 0, **auto}  # the Engine's defaults
     assert engine_options(flags("--no-prefix-cache", "--speculative", "2")) == \
@@ -114,6 +114,7 @@ def test_engine_options_from_the_flags():
     assert engine_options(flags("--prefix-cache-memory", "0.5", "--snapshot-interval", "32")) == \
         {"prefix_cache": True, "prefix_cache_memory_gib": 0.5, "snapshot_interval": 32, "speculative": 0, **auto}
     assert engine_options(flags("--kv-cache-dtype", "fp8"))["kv_cache_dtype"] == "fp8"
+    assert engine_options(flags("--prefill-rows", "4"))["prefill_rows"] == 4
 
 
 def test_engine_from_args_reports_on_stderr(tiny_model):

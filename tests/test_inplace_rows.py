@@ -130,7 +130,7 @@ def test_no_engine_program_copies_a_pool_or_a_weight_stack(tiny_model, loop):
                                 relayout_ok=name.startswith("verify"))
             assert not bad, f"{loop}: {name} materialises a pool or weight stack:\n" + "\n".join(bad[:5])
         kind = "verify" if spec else "decode"
-        assert {f"{kind}[R=1,W=4]", f"{kind}[R=4,W=4]", "prefill[T=8,W=4]"} <= set(names), names
+        assert {f"{kind}[R=1,W=4]", f"{kind}[R=4,W=4]", "prefill[R=1,T=8,W=4]"} <= set(names), names
         assert any(n.startswith("snapshot") for n in names) and len(names) >= 5, names
 
 

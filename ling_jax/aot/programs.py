@@ -6,11 +6,11 @@ Families (`--programs`):
   generate-decode  `generate.decode_loop` (one while loop; the compiler's cost is one step's)
   decode | verify  the engine's decode step ([R, 1]) or speculative verify ([R, K+1]) per row bucket R
                    and block-table width W
-  prefill          the engine's prefill chunk ([prefill_rows, T]) per token bucket T
+  prefill          the engine's prefill chunk ([R, T]) per row bucket R and token bucket T
   snapshot         the prefix cache's save / restore copy programs
 The engine's programs come from `Engine.program_calls()` of an Engine built on the shape-only model,
 so they are the ones `Engine.warmup()` compiles, with its padding inputs. `shapes="largest"` keeps the
-largest row bucket and width (decode / verify) and token bucket (prefill): the memory bound.
+largest row bucket and width (decode / verify) and row and token bucket (prefill): the memory bound.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def _largest(calls: list, per_rows: bool = False) -> list:
     best: dict = {}
     for c in calls:
         fam = c[0].split("[")[0]
-        if per_rows:
+        if per_rows and fam in ("decode", "verify"):
             fam = (fam, _dims(c[0]).get("R"))
         key = tuple(int(x) for x in re.findall(r"=(\d+)", c[0]))
         if fam not in best or key > best[fam][0]:
@@ -87,7 +87,7 @@ def _step_tokens(name: str, speculative: int) -> int:
     if name.startswith("decode"):
         return nums["R"]
     if name.startswith("prefill"):
-        return nums["T"]
+        return nums.get("R", 1) * nums["T"]
     return 0
 
 
@@ -102,16 +102,15 @@ def engine_programs(model, families, *, plan: Callable, shapes: str = "largest",
     calls = eng.program_calls()
     calls = [c for c in calls if c[0].split("[")[0].split("-")[0] in families]
     if rows:
-        calls = [c for c in calls if _dims(c[0]).get("R", rows[0]) in rows]
+        calls = [c for c in calls if not c[0].startswith(("decode", "verify")) or _dims(c[0])["R"] in rows]
     if shapes == "largest":
         calls = _largest(calls, per_rows=bool(rows))
     out = []
     for name, fn, args in calls:
         fam = name.split("[")[0].split("-")[0]
         args = tuple(_abstract_inputs(a, mesh) for a in args)
-        per_row = eng.runner.prefill_rows if fam == "prefill" else 1
         kind = "pools" if fam == "snapshot" else "engine"
-        out.append(Program(name, fam, fn, args, {}, _step_tokens(name, speculative) * per_row,
+        out.append(Program(name, fam, fn, args, {}, _step_tokens(name, speculative),
                            plan(kind, eng=eng, snapshots=fam in ("prefill", "snapshot"), mtp=eng.sizes.with_mtp)))
     return out
 

@@ -1,6 +1,6 @@
 """The serving engine's command-line flags (`ling-jax batch`, `ling-jax serve`) and the Engine they build.
 
-    add_engine_flags(parser)              # --max-slots --page-size --cache-memory --prefill-chunk
+    add_engine_flags(parser)              # --max-slots --page-size --cache-memory --prefill-chunk --prefill-rows
                                           # --max-seq-len --warmup/--no-warmup --prefix-cache-memory
                                           # --no-prefix-cache --speculative
     engine = engine_from_args(args, model)  # checks, defaults, start-up report on stderr, warm-up
@@ -65,6 +65,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "memory, on CPU at most 4 GiB; see `describe` in the start-up report)")
     g.add_argument("--prefill-chunk", type=positive_int, default=64, metavar="N",
                    help="prompt tokens fed per engine step at most (a running decode waits at most one chunk)")
+    g.add_argument("--prefill-rows", type=positive_int, default=2, metavar="N",
+                   help="prompts fed side by side in one prefill step at most (each gets its share of "
+                        "--prefill-chunk; a step with fewer prompts runs a program of fewer rows)")
     g.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N",
                    help="prompt + new tokens of one request (default: the model's context, cut to the pool)")
     g.add_argument("--allow-long-context", action="store_true",
@@ -212,10 +215,11 @@ def plan_engine_memory(args, model, budget: Optional[tuple[int, str]] = None) ->
 
 
 def engine_options(args) -> dict:
-    """The Engine keywords of the prefix-cache, speculative and cache-dtype flags (the sizes are the
-    caller's, the memory `plan_engine_memory`'s): prefix_cache, prefix_cache_memory_gib,
-    snapshot_interval, speculative, kv_cache_dtype."""
-    return {"prefix_cache": not args.no_prefix_cache, "prefix_cache_memory_gib": args.prefix_cache_memory,
+    """The Engine keywords of the prefill-rows, prefix-cache, speculative and cache-dtype flags (the
+    sizes are the caller's, the memory `plan_engine_memory`'s): prefill_rows, prefix_cache,
+    prefix_cache_memory_gib, snapshot_interval, speculative, kv_cache_dtype."""
+    return {"prefill_rows": args.prefill_rows, "prefix_cache": not args.no_prefix_cache,
+            "prefix_cache_memory_gib": args.prefix_cache_memory,
             "snapshot_interval": args.snapshot_interval, "speculative": args.speculative,
             "kv_cache_dtype": args.kv_cache_dtype}
 

@@ -13,9 +13,10 @@ same order give the same tokens. A server drives `step()` from one thread and ro
 Compile bound: the decode program has one shape ([R, 1]) per row bucket R in `decode_rows` and
 block-table width in `widths` (a step runs the fewest rows that hold its decoding slots, so idle
 slots cost nothing, and attends over the pages of its longest decoding sequence, rounded up to a
-width); the prefill program one per token bucket and width ([prefill_rows, T], T in `buckets`: powers of
-two up to `prefill_chunk`; its block table cut to the width that holds its rows' pages after the
-chunk, so a chunk gathers the pages its keys need, not all max_blocks). `warmup()`
+width); the prefill program one per row bucket, token bucket and width ([R, T], R in
+`prefill_row_buckets`: powers of two up to `prefill_rows`, the fewest that hold the chunk's prompts;
+T in `buckets`: powers of two up to `prefill_chunk`; its block table cut to the width that holds its
+rows' pages after the chunk, so a chunk gathers the pages its keys need, not all max_blocks). `warmup()`
 runs each once on padding rows (which change nothing), so afterwards no request of any length
 within `max_seq_len` compiles anything (`compiled_shapes()` counts them). With `speculative=K`
 the speculative program (`speculative.py`: [R, K+1] verify) takes decode's place, one per row
@@ -48,7 +49,7 @@ from ling_jax.serve.allocator import PageAllocator
 from ling_jax.serve.pools import GIB, plan_pools
 from ling_jax.serve.prefix_cache import PrefixCache
 from ling_jax.serve.request import RequestFieldError, RequestParams
-from ling_jax.serve.runner import ModelRunner, check_decode_rows, decode_widths, token_buckets
+from ling_jax.serve.runner import ModelRunner, check_row_buckets, decode_widths, token_buckets
 from ling_jax.serve.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
 from ling_jax.serve.snapshots import DEFAULT_BUDGET_FRACTION, plan_snapshots
 from ling_jax.speculation import MAX_SPECULATIVE
@@ -106,6 +107,10 @@ class Engine:
     (default `token_buckets(prefill_chunk)`); widths: decode block-table widths in pages (default
     `decode_widths(max_blocks, 256 // page_size)`; prefill chunks are bucketed by the same widths);
     decode_rows: decode row counts (default `row_buckets(max_slots)`; must end at max_slots);
+    prefill_row_buckets: prefill row counts compiled (default `row_buckets(prefill_rows)`; must end
+    at prefill_rows): a chunk of m prompts runs the smallest that holds them, since a prefill program
+    computes its idle rows (one prompt alone through a [2, 128] program costs 30% more than through
+    [1, 128]; BENCHMARKS.md, "Prefill programs per row count");
     speculative: MTP drafts verified per decode step, 0 (off) … `MAX_SPECULATIVE` (needs the MTP
     layer and with_mtp; the speculative program then replaces decode, one per width; README).
     prefix_cache: keep an exact prefix cache (shared pages + KDA snapshots, prefix_cache.py);
@@ -125,7 +130,8 @@ class Engine:
                  cache_memory_gib: float | None = None, prefill_chunk: int = 64, prefill_rows: int = 2,
                  max_seq_len: int | None = None, with_mtp: bool | None = None, exec: ExecConfig | None = None,
                  buckets: Sequence[int] | None = None, widths: Sequence[int] | None = None,
-                 decode_rows: Sequence[int] | None = None, speculative: int = 0, prefix_cache: bool = True,
+                 decode_rows: Sequence[int] | None = None, prefill_row_buckets: Sequence[int] | None = None,
+                 speculative: int = 0, prefix_cache: bool = True,
                  prefix_cache_memory_gib: float | None = None, snapshot_interval: int | None = None,
                  kv_cache_dtype: str | None = None):
         cfg = model.cfg
@@ -151,8 +157,10 @@ class Engine:
         widths = tuple(sorted(set(widths))) if widths else decode_widths(mb, max(1, 256 // page_size))
         if widths[-1] != mb or widths[0] < 1:
             raise ValueError(f"decode widths {widths} must be positive and end at max_blocks={mb}")
-        decode_rows = check_decode_rows(decode_rows, max_slots)
+        decode_rows = check_row_buckets(decode_rows, max_slots, "decode_rows", "max_slots")
         prefill_rows = min(prefill_rows, max_slots)
+        prefill_row_buckets = check_row_buckets(prefill_row_buckets, prefill_rows, "prefill_row_buckets",
+                                                "prefill_rows")
         self.prefill_chunk = prefill_chunk
         self.exec = exec or model.exec
         if self.exec.layer_loop != model.model.layers.loop:
@@ -166,7 +174,8 @@ class Engine:
                                                              min(prefill_chunk, interval))
         # the device side: parameters, pools, compiled programs, their shapes and warm-up (runner.py)
         self.runner = ModelRunner(model, self.sizes, self.exec, self.alloc, buckets=buckets, widths=widths,
-                                  decode_rows=decode_rows, prefill_rows=prefill_rows, speculative=speculative,
+                                  decode_rows=decode_rows, prefill_rows=prefill_rows,
+                                  prefill_row_buckets=prefill_row_buckets, speculative=speculative,
                                   snapshot_rows=snapshot_rows, snapshot_interval=interval)
         self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, self.prefix,
                                speculative=speculative)
@@ -234,8 +243,8 @@ class Engine:
         return self.runner.program_calls()
 
     def compiled_shapes(self) -> int:
-        """How many programs the step functions hold ((len(decode_rows) + len(buckets)) x len(widths)
-        after warmup; the prefix cache's two copy programs: `runner.snapshots.compiled_shapes()`)."""
+        """How many programs the step functions hold ((len(decode_rows) + len(prefill_row_buckets) x
+        len(buckets)) x len(widths) after warmup; the prefix cache's two copy programs: `runner.snapshots.compiled_shapes()`)."""
         return self.runner.compiled_shapes()
 
     # -- multi-host (serve/multihost.py) ----------------------------------------------------
@@ -327,7 +336,7 @@ class Engine:
                     r.n_fed += 1
                     self._emit(r, int(tok[i]), out, lp, i)
         if plan.prefill:
-            R = run.prefill_rows
+            R = run.prefill_rows_for(len(plan.prefill))
             T = run.token_bucket(max(n for _, n in plan.prefill))
             reqs, rows = [None] * R, np.full(R, S)
             ids, n_valid = np.zeros((R, T), np.int32), np.zeros(R, np.int32)

@@ -10,8 +10,9 @@ rules); the runner runs it: `decode`, `verify`, `prefill` take a step's rows and
 (and logprobs) on the host; `restore` / `save` run the prefix cache's copy orders.
 
 Shapes (see `engine.py`'s docstring for the compile bound): decode [R, 1] per row bucket R in
-`decode_rows` and block-table width in `widths`; prefill [prefill_rows, T] per token bucket T in
-`buckets` and width; with `speculative=K` the verify program [R, K+1] takes decode's place.
+`decode_rows` and block-table width in `widths`; prefill [R, T] per row bucket R in
+`prefill_row_buckets`, token bucket T in `buckets` and width; with `speculative=K` the verify
+program [R, K+1] takes decode's place.
 """
 from __future__ import annotations
 
@@ -64,16 +65,16 @@ def token_buckets(prefill_chunk: int, smallest: int = 8) -> tuple[int, ...]:
     return tuple(out) + (prefill_chunk,)
 
 
-def check_decode_rows(decode_rows, max_slots: int) -> tuple[int, ...]:
-    """The decode row buckets: default `row_buckets(max_slots)`; given ones must be positive ints
-    ending at max_slots (the most slots a step can decode)."""
-    if decode_rows is None:
-        return row_buckets(max_slots)
-    rows = tuple(sorted(set(decode_rows)))
-    if not rows or not all(is_int(n) and n >= 1 for n in rows) or rows[-1] != max_slots:
-        raise FieldError("decode_rows", f"Engine decode_rows {tuple(decode_rows)!r} must be positive ints ending at "
-                                        f"max_slots={max_slots}")
-    return tuple(int(n) for n in rows)
+def check_row_buckets(rows, top: int, field: str, top_name: str) -> tuple[int, ...]:
+    """Row counts compiled for one program family (decode: `decode_rows` up to max_slots; prefill:
+    `prefill_row_buckets` up to prefill_rows): default `row_buckets(top)`; given ones must be
+    positive ints ending at `top` (the most rows a step of that family runs)."""
+    if rows is None:
+        return row_buckets(top)
+    out = tuple(sorted(set(rows)))
+    if not out or not all(is_int(n) and n >= 1 for n in out) or out[-1] != top:
+        raise FieldError(field, f"Engine {field} {tuple(rows)!r} must be positive ints ending at {top_name}={top}")
+    return tuple(int(n) for n in out)
 
 
 def host_logprobs(lp, reqs):
@@ -84,19 +85,22 @@ def host_logprobs(lp, reqs):
 class ModelRunner:
     """The model's programs over the pools (module docstring). Built by `Engine` from its checked
     settings: sizes (the pools' plan), exec, alloc (the page allocator whose block table a call's
-    rows read), buckets / widths / decode_rows / prefill_rows (the compiled shapes), speculative
+    rows read), buckets / widths / decode_rows / prefill_row_buckets (the compiled shapes; prefill_rows,
+    their largest, is also the prefix cache's copies per call), speculative
     (drafts per verify, 0 = plain decode), snapshot_rows (the prefix cache's snapshot pool, None =
     no prefix cache) and snapshot_interval (tokens between the snapshots a prefill takes inside
     itself). A call's rows are given as `reqs` (None = padding): the runner reads a request's slot,
     tokens fed and generated and its sampling parameters, nothing of its lifecycle."""
 
     def __init__(self, model, sizes: PoolSizes, exec: ExecConfig, alloc: PageAllocator, *, buckets, widths,
-                 decode_rows, prefill_rows: int, speculative: int = 0, snapshot_rows: int | None = None,
-                 snapshot_interval: int = 0):
+                 decode_rows, prefill_rows: int, prefill_row_buckets=None, speculative: int = 0,
+                 snapshot_rows: int | None = None, snapshot_interval: int = 0):
         cfg = self.cfg = model.cfg
         self.sizes, self.exec, self.alloc = sizes, exec, alloc
         self.buckets, self.widths, self.decode_rows = tuple(buckets), tuple(widths), tuple(decode_rows)
         self.prefill_rows, self.speculative, self.snapshot_interval = prefill_rows, speculative, snapshot_interval
+        self.prefill_row_buckets = check_row_buckets(prefill_row_buckets, prefill_rows, "prefill_row_buckets",
+                                                     "prefill_rows")
         self.graphdef, self.params = nnx.split(model)
         # compile-only (`ling-jax aot`): shape-only parameters on devices that cannot hold data; the
         # pools are then shapes too, and `program_calls()` lists what warmup() would compile
@@ -136,7 +140,8 @@ class ModelRunner:
         decode = (f"speculative decode (K={self.speculative}: [R, {self.speculative + 1}] verify)"
                   if self.speculative else "decode [R, 1]")
         return (f"  compiled shapes: {decode} for R in {list(self.decode_rows)} over block-table widths "
-                f"{list(self.widths)}; prefill [{self.prefill_rows}, T] for T in {list(self.buckets)}")
+                f"{list(self.widths)}; prefill [R, T] for R in {list(self.prefill_row_buckets)}, T in "
+                f"{list(self.buckets)}")
 
     def _describe_placement(self) -> str:
         sh = jax.tree.leaves(self.pool_sharding)[0]
@@ -153,6 +158,11 @@ class ModelRunner:
     def width_for(self, pages: int) -> int:
         """The smallest block-table width (pages) of `widths` holding `pages`."""
         return next(w for w in self.widths if w >= pages)
+
+    def prefill_rows_for(self, prompts: int) -> int:
+        """The smallest prefill row bucket holding `prompts` rows (a prefill program computes its
+        idle rows too, so a lone prompt runs a 1-row program)."""
+        return next(n for n in self.prefill_row_buckets if n >= prompts)
 
     def token_bucket(self, tokens: int) -> int:
         """The smallest prefill token bucket holding `tokens`."""
@@ -256,8 +266,8 @@ class ModelRunner:
         self.snapshots.save(self.pools, copies)
 
     def compiled_shapes(self) -> int:
-        """How many programs the step functions hold ((len(decode_rows) + len(buckets)) x len(widths)
-        after warmup; the prefix cache's two copy programs: `snapshots.compiled_shapes()`)."""
+        """How many programs the step functions hold ((len(decode_rows) + len(prefill_row_buckets) x
+        len(buckets)) x len(widths) after warmup; the prefix cache's two copy programs: `snapshots.compiled_shapes()`)."""
         return (self.prefill_fn._cache_size() + self.decode_fn._cache_size()
                 + (self.spec_fn._cache_size() if self.spec_fn is not None else 0))
 
@@ -275,7 +285,7 @@ class ModelRunner:
         """The warm-up as [(label, call)] (see `Engine.warmup_items`); empty on a follower."""
         if self.is_follower:
             return []
-        S, R = self.sizes.max_slots, self.prefill_rows
+        S = self.sizes.max_slots
         spec = self.speculative
 
         def decode(n, w):
@@ -284,21 +294,22 @@ class ModelRunner:
                 self.pools = program(self.params, self.pools, self.padding_inputs(OP_DECODE, n, 1, w))[0]
             return (f"{'speculative decode' if spec else 'decode'} {n} row(s) x {w} page(s)", call)
 
-        def prefill(T, w):
-            return (f"prefill {R} row(s) x {T} tokens x {w} page(s)",
-                    lambda: self._run_prefill(self.padding_inputs(OP_PREFILL, R, T, w)))
+        def prefill(n, T, w):
+            return (f"prefill {n} row(s) x {T} tokens x {w} page(s)",
+                    lambda: self._run_prefill(self.padding_inputs(OP_PREFILL, n, T, w)))
 
-        first = [prefill(self.buckets[0], self.widths[0]), decode(self.decode_rows[0], self.widths[0])]
+        P = self.prefill_row_buckets
+        first = [prefill(P[0], self.buckets[0], self.widths[0]), decode(self.decode_rows[0], self.widths[0])]
         rest = ([decode(n, w) for w in self.widths for n in self.decode_rows
                  if (n, w) != (self.decode_rows[0], self.widths[0])]
-                + [prefill(T, w) for w in self.widths for T in self.buckets
-                   if (T, w) != (self.buckets[0], self.widths[0])])
+                + [prefill(n, T, w) for w in self.widths for T in self.buckets for n in P
+                   if (n, T, w) != (P[0], self.buckets[0], self.widths[0])])
         items = first + rest
         if self.snapshots is not None:
             items.append(("prefix-cache snapshot copies", self._warmup_snapshots))
 
         def again():
-            self._warmup_round(S, R)
+            self._warmup_round(S)
             if self.snapshots is not None:
                 self._warmup_snapshots()
         return items + [("every program once more (placement; no compile)", again)]
@@ -306,27 +317,28 @@ class ModelRunner:
     def _warmup_snapshots(self) -> None:
         self.pools = self.snapshots.warmup(self.pools)
 
-    def _warmup_round(self, S: int, R: int) -> None:
+    def _warmup_round(self, S: int) -> None:
         program = self.spec_fn if self.speculative else self.decode_fn  # speculative replaces decode
         for n in self.decode_rows:
             for w in self.widths:
                 self.pools = program(self.params, self.pools, self.padding_inputs(OP_DECODE, n, 1, w))[0]
-        for T in self.buckets:
-            for w in self.widths:
-                self._run_prefill(self.padding_inputs(OP_PREFILL, R, T, w))
+        for n in self.prefill_row_buckets:
+            for T in self.buckets:
+                for w in self.widths:
+                    self._run_prefill(self.padding_inputs(OP_PREFILL, n, T, w))
 
     def program_calls(self) -> list:
         """[(name, jitted program, arguments)] of every program `warmup()` compiles, in its order:
-        decode (or the speculative verify) per row bucket R and block-table width W, prefill per token
-        bucket T and width W, and the prefix cache's two copy programs. A compile-only run (`ling-jax
+        decode (or the speculative verify) per row bucket R and block-table width W, prefill per row
+        bucket R, token bucket T and width W, and the prefix cache's two copy programs. A compile-only run (`ling-jax
         aot`) lowers each with `program.lower(*arguments)`; the arguments are the warm-up's padding inputs."""
         name, program = ("verify", self.spec_fn) if self.speculative else ("decode", self.decode_fn)
         calls = [(f"{name}[R={n},W={w}]", program, (self.params, self.pools, self.padding_inputs(OP_DECODE, n, 1, w)))
                  for n in self.decode_rows for w in self.widths]
         snaps = (self.snapshots.snaps,) if self.snapshots is not None else ()
-        calls += [(f"prefill[T={T},W={w}]", self.prefill_fn,
-                   (self.params, self.pools, self.padding_inputs(OP_PREFILL, self.prefill_rows, T, w)) + snaps)
-                  for T in self.buckets for w in self.widths]
+        calls += [(f"prefill[R={n},T={T},W={w}]", self.prefill_fn,
+                   (self.params, self.pools, self.padding_inputs(OP_PREFILL, n, T, w)) + snaps)
+                  for n in self.prefill_row_buckets for T in self.buckets for w in self.widths]
         if self.snapshots is not None:
             calls += self.snapshots.program_calls(self.pools)
         return calls
@@ -363,8 +375,8 @@ class ModelRunner:
 
     def _program_shapes(self) -> list:
         """Every (op, R, T, W) the runner runs: decode [R, 1] per row bucket and width, prefill
-        [prefill_rows, T] per bucket and width."""
-        R = self.prefill_rows
+        [R, T] per row bucket, token bucket and width."""
         dec = OP_SPEC if self.speculative else OP_DECODE
         return ([ProgramShape(dec, n, 1, w) for n in self.decode_rows for w in self.widths]
-                + [ProgramShape(OP_PREFILL, R, t, w) for t in self.buckets for w in self.widths])
+                + [ProgramShape(OP_PREFILL, n, t, w) for n in self.prefill_row_buckets for t in self.buckets
+                   for w in self.widths])
