@@ -20,7 +20,7 @@ PAGE, MAX_SEQ, MAX_NEW = 8, 96, 20
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     eng = Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=48, prefill_chunk=32, prefill_rows=2,
-                 max_seq_len=MAX_SEQ)
+                 max_seq_len=MAX_SEQ, prefill_row_buckets=(1, 2))
     with xla_compiles() as events:
         eng.warmup()
     assert eng.runner.decode_rows == (1, 2, 4)  # row buckets: a step with 1 or 2 decoding slots runs 1 or 2 rows
@@ -420,3 +420,14 @@ def test_penalties_exact_under_preemption(engine, tiny_model, penalty_workload):
     assert any(h._req.preemptions for h in handles) and any(not h._req.preemptions for h in handles)
     _assert_equal_generate(handles, params, expected)
     assert handles[-1].generated == h.generated
+
+
+def test_prefill_row_buckets_default_and_refusal(tiny_model):
+    """Default: one prefill row count (prefill_rows; BENCHMARKS.md "Prefill programs per row count"
+    says why); row buckets that do not end at prefill_rows are refused by name."""
+    eng = Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=16, prefill_chunk=16, prefill_rows=2)
+    assert eng.runner.prefill_row_buckets == (2,)
+    assert all(args[2].ids.shape[0] == 2 for name, _, args in eng.program_calls() if name.startswith("prefill"))
+    with pytest.raises(ValueError, match=r"prefill_row_buckets \(1, 4\) must be positive ints ending at prefill_rows=2"):
+        Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=16, prefill_chunk=16, prefill_rows=2,
+               prefill_row_buckets=(1, 4))

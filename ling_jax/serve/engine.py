@@ -14,7 +14,7 @@ Compile bound: the decode program has one shape ([R, 1]) per row bucket R in `de
 block-table width in `widths` (a step runs the fewest rows that hold its decoding slots, so idle
 slots cost nothing, and attends over the pages of its longest decoding sequence, rounded up to a
 width); the prefill program one per row bucket, token bucket and width ([R, T], R in
-`prefill_row_buckets`: powers of two up to `prefill_rows`, the fewest that hold the chunk's prompts;
+`prefill_row_buckets`, default just `prefill_rows`; a chunk runs the fewest that hold its prompts;
 T in `buckets`: powers of two up to `prefill_chunk`; its block table cut to the width that holds its
 rows' pages after the chunk, so a chunk gathers the pages its keys need, not all max_blocks). `warmup()`
 runs each once on padding rows (which change nothing), so afterwards no request of any length
@@ -107,10 +107,12 @@ class Engine:
     (default `token_buckets(prefill_chunk)`); widths: decode block-table widths in pages (default
     `decode_widths(max_blocks, 256 // page_size)`; prefill chunks are bucketed by the same widths);
     decode_rows: decode row counts (default `row_buckets(max_slots)`; must end at max_slots);
-    prefill_row_buckets: prefill row counts compiled (default `row_buckets(prefill_rows)`; must end
-    at prefill_rows): a chunk of m prompts runs the smallest that holds them, since a prefill program
-    computes its idle rows (one prompt alone through a [2, 128] program costs 30% more than through
-    [1, 128]; BENCHMARKS.md, "Prefill programs per row count");
+    prefill_row_buckets: prefill row counts compiled (default `(prefill_rows,)`; must end at
+    prefill_rows; `row_buckets(prefill_rows)` for all powers of two): a chunk of m prompts runs the
+    smallest that holds them, since a prefill program computes its idle rows (one prompt alone
+    through a [2, 128] program costs 30% more than through [1, 128]). Not the default: on the
+    serving benchmark it gained nothing measurable end to end and cost 70 s more warm-up
+    (BENCHMARKS.md, "Prefill programs per row count");
     speculative: MTP drafts verified per decode step, 0 (off) … `MAX_SPECULATIVE` (needs the MTP
     layer and with_mtp; the speculative program then replaces decode, one per width; README).
     prefix_cache: keep an exact prefix cache (shared pages + KDA snapshots, prefix_cache.py);
@@ -160,7 +162,7 @@ class Engine:
         decode_rows = check_row_buckets(decode_rows, max_slots, "decode_rows", "max_slots")
         prefill_rows = min(prefill_rows, max_slots)
         prefill_row_buckets = check_row_buckets(prefill_row_buckets, prefill_rows, "prefill_row_buckets",
-                                                "prefill_rows")
+                                                "prefill_rows", default=(prefill_rows,))
         self.prefill_chunk = prefill_chunk
         self.exec = exec or model.exec
         if self.exec.layer_loop != model.model.layers.loop:

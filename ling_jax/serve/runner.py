@@ -65,12 +65,12 @@ def token_buckets(prefill_chunk: int, smallest: int = 8) -> tuple[int, ...]:
     return tuple(out) + (prefill_chunk,)
 
 
-def check_row_buckets(rows, top: int, field: str, top_name: str) -> tuple[int, ...]:
+def check_row_buckets(rows, top: int, field: str, top_name: str, default=None) -> tuple[int, ...]:
     """Row counts compiled for one program family (decode: `decode_rows` up to max_slots; prefill:
-    `prefill_row_buckets` up to prefill_rows): default `row_buckets(top)`; given ones must be
-    positive ints ending at `top` (the most rows a step of that family runs)."""
+    `prefill_row_buckets` up to prefill_rows): None = `default` (else `row_buckets(top)`); given
+    ones must be positive ints ending at `top` (the most rows a step of that family runs)."""
     if rows is None:
-        return row_buckets(top)
+        return tuple(default) if default is not None else row_buckets(top)
     out = tuple(sorted(set(rows)))
     if not out or not all(is_int(n) and n >= 1 for n in out) or out[-1] != top:
         raise FieldError(field, f"Engine {field} {tuple(rows)!r} must be positive ints ending at {top_name}={top}")
@@ -100,7 +100,7 @@ class ModelRunner:
         self.buckets, self.widths, self.decode_rows = tuple(buckets), tuple(widths), tuple(decode_rows)
         self.prefill_rows, self.speculative, self.snapshot_interval = prefill_rows, speculative, snapshot_interval
         self.prefill_row_buckets = check_row_buckets(prefill_row_buckets, prefill_rows, "prefill_row_buckets",
-                                                     "prefill_rows")
+                                                     "prefill_rows", default=(prefill_rows,))
         self.graphdef, self.params = nnx.split(model)
         # compile-only (`ling-jax aot`): shape-only parameters on devices that cannot hold data; the
         # pools are then shapes too, and `program_calls()` lists what warmup() would compile

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Replay a serving workload through the engine's own scheduler with a fitted step-cost model:
+what concurrency 8 vs 32 (issue 21's batch scaling) can reach under a prefill policy, without the
+model.
+
+Why: a load run of `tools/bench_serve.py` takes ~7 minutes and mixes the policy (how prompts are
+chunked and batched) with the kernels' speed. The engine's host scheduler (`serve/scheduler.py`)
+imports no jax, so the exact sequence of steps a policy produces can be replayed in a second; each
+step is then charged what such a step measured on this machine:
+
+  decode over R rows:        a_d + r_d * R + e * E(R)       E(R) = experts a step of R tokens
+                                                            touches on average, 64 (1 - (7/8)^R)
+  prefill [R, T], v tokens:  a_p + t_p * R * T + v_p * v    (dense work on every row, idle ones
+                                                            too; routed experts on fed tokens)
+
+Defaults fitted to the nineteenth/twentieth sessions' profiles of the mid config on an AMD EPYC
+(`tools/profile_serve_step.py`: 8-row decode 144 ms, 32-row 280 ms; `tools/measure_idle_prefill_row.py`:
+[1, 128] 724 ms, [2, 128] with an idle row 941 ms; [4, 128] 2,082 ms). With them it reproduces the
+measured load rows' step counts exactly (344 / 168) and their wall times within 2-3%.
+
+  python tools/simulate_load.py [--workload tools/results/serve_workload_full.json]
+                                [--policy 128x2,128x2rb,512x4rb] [--prefill-token-ms 1.84]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ling_jax.serve.allocator import PageAllocator, PoolSizes  # noqa: E402
+from ling_jax.serve.request import RequestParams  # noqa: E402
+from ling_jax.serve.runner import row_buckets, token_buckets  # noqa: E402
+from ling_jax.serve.scheduler import DECODE, Request, Scheduler  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def experts_touched(tokens: int, experts: int = 64, k: int = 8) -> float:
+    return experts * (1 - (1 - k / experts) ** tokens)
+
+
+def simulate(requests: list, concurrency: int, chunk: int, rows: int, per_row_buckets: bool, cost: dict) -> tuple:
+    """(wall seconds, steps) of `requests` ([{"prompt", "max_tokens"}]) with at most `concurrency`
+    in flight, all submitted at once (as bench_serve's load rows)."""
+    sizes = PoolSizes(max_slots=concurrency, page_size=16, num_pages=1 << 16, max_seq_len=1 << 12,
+                      with_mtp=False, page_bytes=1, slot_bytes=1)
+    sched = Scheduler(PageAllocator(sizes), concurrency, chunk, rows)
+    decode_rows, prefill_rows, tbuckets = row_buckets(concurrency), row_buckets(rows), token_buckets(chunk)
+    pending, live, done, wall, steps = list(enumerate(requests)), 0, 0, 0.0, 0
+    while done < len(requests):
+        while pending and live < concurrency:
+            i, r = pending.pop(0)
+            sched.queue.append(Request(i, r["prompt"], RequestParams(max_tokens=r["max_tokens"]), frozenset()))
+            live += 1
+        plan, ms = sched.schedule(), 0.0
+
+        def emit(req):
+            nonlocal done, live
+            req.generated.append(0)
+            if len(req.generated) >= req.params.max_tokens:
+                sched.finish(req, "length")
+                done, live = done + 1, live - 1
+        if plan.decode:
+            R = next(n for n in decode_rows if n >= len(plan.decode))
+            ms += cost["decode_ms"] + cost["decode_row_ms"] * R + cost["expert_ms"] * experts_touched(R)
+            for req in plan.decode:
+                req.n_fed += 1
+                emit(req)
+        if plan.prefill:
+            R = next(n for n in prefill_rows if n >= len(plan.prefill)) if per_row_buckets else rows
+            T = next(t for t in tbuckets if t >= max(n for _, n in plan.prefill))
+            ms += cost["prefill_ms"] + cost["prefill_slot_ms"] * R * T + cost["prefill_token_ms"] * sum(
+                n for _, n in plan.prefill)
+            for req, n in plan.prefill:
+                req.n_fed += n
+                if req.n_fed == len(req.feed):
+                    req.state = DECODE
+                    emit(req)
+        wall += ms / 1e3
+        steps += 1
+    return wall, steps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default=os.path.join(RESULTS, "serve_workload_full.json"))
+    ap.add_argument("--policy", default="128x2,128x2rb,256x2rb,512x4rb,512x8rb",
+                    help="comma list of CHUNKxROWS, 'rb' = prefill programs per row bucket")
+    ap.add_argument("--concurrency", default="8,32")
+    for name, v in (("decode-ms", 25.0), ("decode-row-ms", 3.74), ("expert-ms", 2.2), ("prefill-ms", 270.0),
+                    ("prefill-slot-ms", 1.7), ("prefill-token-ms", 1.84)):
+        ap.add_argument(f"--{name}", type=float, default=v)
+    a = ap.parse_args()
+    with open(a.workload) as f:
+        reqs = json.load(f)["requests"]
+    cost = {k.replace("-", "_"): getattr(a, k.replace("-", "_")) for k in
+            ("decode-ms", "decode-row-ms", "expert-ms", "prefill-ms", "prefill-slot-ms", "prefill-token-ms")}
+    out_tokens = sum(r["max_tokens"] for r in reqs)
+    conc = [int(c) for c in a.concurrency.split(",")]
+    print(f"# {len(reqs)} requests, {out_tokens} output tokens; cost model {cost}")
+    print("| policy | " + " | ".join(f"c={c} s (tok/s, steps)" for c in conc) + f" | c={conc[-1]} / c={conc[0]} |")
+    print("|---|" + "---:|" * (len(conc) + 1))
+    for pol in a.policy.split(","):
+        rb = pol.endswith("rb")
+        chunk, rows = (int(x) for x in pol.removesuffix("rb").split("x"))
+        res = [simulate(reqs, c, chunk, rows, rb, cost) for c in conc]
+        cells = " | ".join(f"{w:.1f} ({out_tokens / w:.1f}, {s})" for w, s in res)
+        print(f"| {pol} | {cells} | {res[0][0] / res[-1][0]:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
