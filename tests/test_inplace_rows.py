@@ -107,17 +107,17 @@ def _stacked_weights(eng) -> list:
 @pytest.mark.parametrize("loop", ["scan", "unroll"])
 def test_no_engine_program_copies_a_pool_or_a_weight_stack(tiny_model, loop):
     """Issue 21: every program an engine compiles (decode and the speculative verify at one row and
-    at every slot, prefill, the prefix cache's save and restore) writes the donated pools in place,
-    the MLA page pools included (carried through the layer scan, written at [layer, page, offset]),
-    and reads the stored parameter stacks without restacking them: no copy, concatenation or
-    broadcast of a pool-, snapshot- or weight-stack-sized array in the compiled HLO; on a scanned
-    and an unrolled layer loop."""
+    at every slot, prefill at one row and two, the prefix cache's save and restore) writes the
+    donated pools in place, the MLA page pools included (carried through the layer scan, written at
+    [layer, page, offset]), and reads the stored parameter stacks without restacking them: no copy,
+    concatenation or broadcast of a pool-, snapshot- or weight-stack-sized array in the compiled HLO;
+    on a scanned and an unrolled layer loop."""
     model = tiny_model if loop == "scan" else nnx.clone(tiny_model).set_layer_loop("unroll")
     assert model.model.layers.loop == loop
     for spec in (0, 1):
         eng = Engine(model, max_slots=4, page_size=8, num_pages=12, prefill_chunk=8, max_seq_len=32,
                      decode_rows=(1, 4), buckets=(8,), snapshot_interval=8, prefix_cache_memory_gib=2 ** -10,
-                     speculative=spec)
+                     speculative=spec, prefill_rows=2, prefill_row_buckets=(1, 2))
         run = eng.runner
         pools = jax.tree.leaves(run.pools) + jax.tree.leaves(run.snapshots.snaps)
         assert any(x.ndim == 5 and x.shape[2] == 12 for x in jax.tree.leaves(run.pools))  # the page pools are checked
@@ -130,7 +130,8 @@ def test_no_engine_program_copies_a_pool_or_a_weight_stack(tiny_model, loop):
                                 relayout_ok=name.startswith("verify"))
             assert not bad, f"{loop}: {name} materialises a pool or weight stack:\n" + "\n".join(bad[:5])
         kind = "verify" if spec else "decode"
-        assert {f"{kind}[R=1,W=4]", f"{kind}[R=4,W=4]", "prefill[R=1,T=8,W=4]"} <= set(names), names
+        assert {f"{kind}[R=1,W=4]", f"{kind}[R=4,W=4]", "prefill[R=1,T=8,W=4]", "prefill[R=2,T=8,W=4]"} <= set(names), \
+            names
         assert any(n.startswith("snapshot") for n in names) and len(names) >= 5, names
 
 
