@@ -31,6 +31,7 @@ from ling_jax.call_mode import DECODE, PREFILL
 from ling_jax.checks import check_int
 from ling_jax.exec_config import ExecConfig
 from ling_jax.model import HybridCache, init_cache
+from ling_jax.placement import model_mesh
 from ling_jax.sampling import MAX_LOGPROBS, RowSampling, SamplingParams, TokenLogprob, check_logprobs, token_logprobs
 from ling_jax.speculation import MAX_SPECULATIVE, speculative_round
 from ling_jax.token_stats import TokenStats, init_token_stats, penalize_rows, update_rows
@@ -193,7 +194,7 @@ def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_f
     stats = state.stats
     if stats is not None:  # the fed token (the last one emitted) is a generated one
         stats = update_rows(stats, state.token[:, None], active.astype(jnp.int32), state.cache.lengths,
-                            jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool))
+                            jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), model_mesh(model))
     out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex, mode=DECODE)
     logits = out["logits"][:, 0]
     rows = RowSampling.broadcast(sampling, B, state.n_out)

@@ -53,10 +53,18 @@ def init_token_stats(max_slots: int, vocab_size: int) -> TokenStats:
 
 
 def update_rows(stats: TokenStats, ids: jax.Array, n_valid: jax.Array, lengths: jax.Array,
-                prompt_len: jax.Array, fresh: jax.Array) -> TokenStats:
+                prompt_len: jax.Array, fresh: jax.Array, mesh=None) -> TokenStats:
     """Rows' statistics [R, V] after feeding ids [R, T] (n_valid [R] real, starting at sequence
-    position lengths [R]); rows with fresh [R] are cleared first."""
+    position lengths [R]); rows with fresh [R] are cleared first. mesh: the model's (None: one
+    device); the rows are then kept replicated on it, as the pools hold them. Why: the penalties
+    meet them with the vocabulary-split logits, and left to itself the partitioner split the
+    update the same way and all-gathered the whole statistics pool back every step (the real
+    config on v6e-64, `model=4`: [64, 157184] int32 and bool, 50 MB a decode step;
+    BENCHMARKS.md "The pods' all-gathers")."""
     counts, seen = stats
+    if mesh is not None:
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        counts, seen = (jax.lax.with_sharding_constraint(a, rep) for a in (counts, seen))
     R, T = ids.shape
     V = counts.shape[-1]
     counts, seen = jax.lax.cond(
@@ -68,6 +76,8 @@ def update_rows(stats: TokenStats, ids: jax.Array, n_valid: jax.Array, lengths: 
     r = jnp.arange(R)[:, None]
     counts = counts.at[r, ids].add((valid & ~in_prompt).astype(jnp.int32))
     seen = seen.at[r, jnp.where(valid & in_prompt, ids, V)].set(True, mode="drop")
+    if mesh is not None:
+        counts, seen = (jax.lax.with_sharding_constraint(a, rep) for a in (counts, seen))
     return TokenStats(counts, seen)
 
 

@@ -223,3 +223,34 @@ def test_slot_row_write_of_real_conv_pool_compiles_for_tpu_in_place():
     pool_bytes = 8 * 7 * 8 * 3 * 8192 * 2
     assert m.alias_size_in_bytes == pool_bytes  # the output is the donated pool
     assert m.temp_size_in_bytes < pool_bytes // 8  # no copy of it
+
+
+def test_token_statistics_are_not_gathered_on_a_model_mesh():
+    """On `model=2` the vocabulary (the LM head, so the logits and the penalties) is split; the
+    per-slot token statistics [slots, V] (int32 counts, bool prompt mask) stay replicated, as the
+    pools hold them: the TPU decode program all-gathers no [rows, V] int32 / bool array. Before
+    `token_stats.update_rows` pinned them, the partitioner split their update like the logits and
+    gathered them back every step (12 such all-gathers here; 50 MB a step for the real config on
+    v6e-64: BENCHMARKS.md "The pods' all-gathers"). Only the TPU compiler showed it (XLA:CPU's
+    partitioner chose otherwise at the tiny scale)."""
+    import re
+
+    from sharding.mesh import make_mesh, parse_mesh_shape
+
+    from ling_jax.aot.abstract import placed_abstract_model
+    from ling_jax.aot.programs import engine_programs
+    from ling_jax.aot.targets import resolve_target
+    from ling_jax.config import LingConfig
+
+    cfg = LingConfig.from_dict(small_config_dict())
+    target = resolve_target("v5e:2x2")
+    mesh = make_mesh(parse_mesh_shape("expert=2,model=2", 4), target.devices)
+    model = placed_abstract_model(cfg, "bf16", mesh, target.platform, with_mtp=False)
+    (prog,) = engine_programs(model, {"decode"}, plan=lambda *a, **k: 0, max_slots=4, page_size=16,
+                              num_pages=64, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
+    hlo = prog.lower().compile().as_text()
+    gathers = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", hlo)
+    assert gathers, "expected the logits' all-gather for sampling (the vocabulary is split)"
+    V = cfg.vocab_size
+    stats = [(t, s) for t, s in gathers if t in ("s32", "pred") and s.split(",")[-1] == str(V)]
+    assert not stats, f"the decode program all-gathers token statistics: {stats}"

@@ -9,6 +9,7 @@ placement.
 """
 import jax
 import numpy as np
+from flax import nnx
 
 import sharding as S
 from conftest import load_from_dict, xla_compiles
@@ -71,3 +72,29 @@ def test_pools_split_by_head_serve_the_one_device_tokens(tiny_cfg, tiny_params, 
     one = Engine(tiny_model, **KW)
     assert per_device_bytes(one.runner.pools) == total  # one device holds everything
     assert got == [_serve(one, [p])[0] for p in prompts]
+
+
+def test_penalised_requests_on_a_vocabulary_split_give_the_one_device_tokens():
+    """With the vocabulary split over `model` (the LM head, so the logits and the penalties), the
+    per-slot token statistics are pinned replicated where they are updated (`token_stats.update_rows`;
+    that the TPU decode program then gathers none of them is tests/test_aot.py's check: XLA:CPU's
+    partitioner never did): requests with presence, frequency and repetition penalties give the
+    one-device engine's tokens."""
+    import np_reference as R
+    cfg = R.tiny_config(vocab_size=98, pad_token_id=96, eos_token_id=97)  # even: the vocabulary splits over model=2
+    params = R.random_params(cfg, seed=4)
+    model = shard_model(load_from_dict(cfg, params), S.parse_mesh("expert=4,model=2"))
+    kw = dict(KW, prefix_cache=False)
+    kw.pop("snapshot_interval"), kw.pop("prefix_cache_memory_gib")
+    head = jax.tree.leaves(nnx.state(model.lm_head))[0]
+    assert "model" in str(head.sharding.spec)  # the logits are split over the vocabulary
+    rp = RequestParams(max_tokens=6, stop_ids=(), presence_penalty=0.7, frequency_penalty=0.4,
+                       repetition_penalty=1.3)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (9, 21)]
+
+    def serve(e):
+        hs = [e.submit(p, rp) for p in prompts]
+        e.run_until_done()
+        return [h.generated for h in hs]
+    assert serve(Engine(model, **kw)) == serve(Engine(load_from_dict(cfg, params), **kw))

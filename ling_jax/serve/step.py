@@ -98,7 +98,7 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
     stats, x = pools.stats, logits
     if stats is not None and s.prompt_len is not None:
         rs = gather_stats(stats, inp.rows) if gather_rows else stats
-        rs = update_rows(rs, inp.ids, inp.n_valid, inp.lengths, s.prompt_len, fresh)
+        rs = update_rows(rs, inp.ids, inp.n_valid, inp.lengths, s.prompt_len, fresh, model_mesh(model))
         x = penalize_rows(logits, rs, s.presence, s.frequency, s.repetition)
         stats = scatter_stats(stats, inp.rows, rs) if gather_rows else rs
     tok = s.draw(x)
