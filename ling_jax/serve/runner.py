@@ -267,7 +267,8 @@ class ModelRunner:
 
     def compiled_shapes(self) -> int:
         """How many programs the step functions hold ((len(decode_rows) + len(prefill_row_buckets) x
-        len(buckets)) x len(widths) after warmup; the prefix cache's two copy programs: `snapshots.compiled_shapes()`)."""
+        len(buckets)) x len(widths) after warmup; the prefix cache's two copy programs:
+        `snapshots.compiled_shapes()`)."""
         return (self.prefill_fn._cache_size() + self.decode_fn._cache_size()
                 + (self.spec_fn._cache_size() if self.spec_fn is not None else 0))
 
