@@ -428,6 +428,7 @@ def test_prefill_row_buckets_default_and_refusal(tiny_model):
     eng = Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=16, prefill_chunk=16, prefill_rows=2)
     assert eng.runner.prefill_row_buckets == (2,)
     assert all(args[2].ids.shape[0] == 2 for name, _, args in eng.program_calls() if name.startswith("prefill"))
-    with pytest.raises(ValueError, match=r"prefill_row_buckets \(1, 4\) must be positive ints ending at prefill_rows=2"):
+    msg = r"prefill_row_buckets \(1, 4\) must be positive ints ending at prefill_rows=2"
+    with pytest.raises(ValueError, match=msg):
         Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=16, prefill_chunk=16, prefill_rows=2,
                prefill_row_buckets=(1, 4))
