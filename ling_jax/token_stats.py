@@ -76,7 +76,8 @@ def update_rows(stats: TokenStats, ids: jax.Array, n_valid: jax.Array, lengths: 
     r = jnp.arange(R)[:, None]
     counts = counts.at[r, ids].add((valid & ~in_prompt).astype(jnp.int32))
     seen = seen.at[r, jnp.where(valid & in_prompt, ids, V)].set(True, mode="drop")
-    if mesh is not None:
+    if mesh is not None:  # the result pinned, so the partitioner runs the update where the rows live
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         counts, seen = (jax.lax.with_sharding_constraint(a, rep) for a in (counts, seen))
     return TokenStats(counts, seen)
 

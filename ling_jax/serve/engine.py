@@ -176,8 +176,8 @@ class Engine:
                                                              min(prefill_chunk, interval))
         # the device side: parameters, pools, compiled programs, their shapes and warm-up (runner.py)
         self.runner = ModelRunner(model, self.sizes, self.exec, self.alloc, buckets=buckets, widths=widths,
-                                  decode_rows=decode_rows, prefill_rows=prefill_rows,
-                                  prefill_row_buckets=prefill_row_buckets, speculative=speculative,
+                                  decode_rows=decode_rows, prefill_row_buckets=prefill_row_buckets,
+                                  speculative=speculative,
                                   snapshot_rows=snapshot_rows, snapshot_interval=interval)
         self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, self.prefix,
                                speculative=speculative)
@@ -246,7 +246,8 @@ class Engine:
 
     def compiled_shapes(self) -> int:
         """How many programs the step functions hold ((len(decode_rows) + len(prefill_row_buckets) x
-        len(buckets)) x len(widths) after warmup; the prefix cache's two copy programs: `runner.snapshots.compiled_shapes()`)."""
+        len(buckets)) x len(widths) after warmup; the prefix cache's two copy programs:
+        `runner.snapshots.compiled_shapes()`)."""
         return self.runner.compiled_shapes()
 
     # -- multi-host (serve/multihost.py) ----------------------------------------------------

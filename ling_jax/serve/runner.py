@@ -85,22 +85,22 @@ def host_logprobs(lp, reqs):
 class ModelRunner:
     """The model's programs over the pools (module docstring). Built by `Engine` from its checked
     settings: sizes (the pools' plan), exec, alloc (the page allocator whose block table a call's
-    rows read), buckets / widths / decode_rows / prefill_row_buckets (the compiled shapes; prefill_rows,
-    their largest, is also the prefix cache's copies per call), speculative
+    rows read), buckets / widths / decode_rows / prefill_row_buckets (the compiled shapes, checked by
+    the engine; `prefill_rows`, their largest, is also the prefix cache's copies per call), speculative
     (drafts per verify, 0 = plain decode), snapshot_rows (the prefix cache's snapshot pool, None =
     no prefix cache) and snapshot_interval (tokens between the snapshots a prefill takes inside
     itself). A call's rows are given as `reqs` (None = padding): the runner reads a request's slot,
     tokens fed and generated and its sampling parameters, nothing of its lifecycle."""
 
     def __init__(self, model, sizes: PoolSizes, exec: ExecConfig, alloc: PageAllocator, *, buckets, widths,
-                 decode_rows, prefill_rows: int, prefill_row_buckets=None, speculative: int = 0,
-                 snapshot_rows: int | None = None, snapshot_interval: int = 0):
+                 decode_rows, prefill_row_buckets, speculative: int = 0, snapshot_rows: int | None = None,
+                 snapshot_interval: int = 0):
         cfg = self.cfg = model.cfg
         self.sizes, self.exec, self.alloc = sizes, exec, alloc
         self.buckets, self.widths, self.decode_rows = tuple(buckets), tuple(widths), tuple(decode_rows)
-        self.prefill_rows, self.speculative, self.snapshot_interval = prefill_rows, speculative, snapshot_interval
-        self.prefill_row_buckets = check_row_buckets(prefill_row_buckets, prefill_rows, "prefill_row_buckets",
-                                                     "prefill_rows", default=(prefill_rows,))
+        self.prefill_row_buckets = tuple(prefill_row_buckets)
+        self.prefill_rows = self.prefill_row_buckets[-1]
+        self.speculative, self.snapshot_interval = speculative, snapshot_interval
         self.graphdef, self.params = nnx.split(model)
         # compile-only (`ling-jax aot`): shape-only parameters on devices that cannot hold data; the
         # pools are then shapes too, and `program_calls()` lists what warmup() would compile
@@ -114,8 +114,8 @@ class ModelRunner:
                                                      self.abstract)
         self.slot_sampling = SlotSampling(sizes.max_slots)
         self.snapshots = None if snapshot_rows is None else SnapshotPool(
-            cfg, sizes, snapshot_rows, model.dtype, prefill_rows, lambda snaps: placed_like(cfg, snaps, self.params),
-            self.pool_sharding, abstract=self.abstract)
+            cfg, sizes, snapshot_rows, model.dtype, self.prefill_rows,
+            lambda snaps: placed_like(cfg, snaps, self.params), self.pool_sharding, abstract=self.abstract)
         self.prefill_fn, self.decode_fn = make_step_fns(
             self.graphdef, exec, snapshot_interval if self.snapshots is not None else 0,
             self.snapshots.sharding if self.snapshots is not None else None, self.pool_sharding)
@@ -286,7 +286,6 @@ class ModelRunner:
         """The warm-up as [(label, call)] (see `Engine.warmup_items`); empty on a follower."""
         if self.is_follower:
             return []
-        S = self.sizes.max_slots
         spec = self.speculative
 
         def decode(n, w):
@@ -310,7 +309,7 @@ class ModelRunner:
             items.append(("prefix-cache snapshot copies", self._warmup_snapshots))
 
         def again():
-            self._warmup_round(S)
+            self._warmup_round()
             if self.snapshots is not None:
                 self._warmup_snapshots()
         return items + [("every program once more (placement; no compile)", again)]
@@ -318,7 +317,7 @@ class ModelRunner:
     def _warmup_snapshots(self) -> None:
         self.pools = self.snapshots.warmup(self.pools)
 
-    def _warmup_round(self, S: int) -> None:
+    def _warmup_round(self) -> None:
         program = self.spec_fn if self.speculative else self.decode_fn  # speculative replaces decode
         for n in self.decode_rows:
             for w in self.widths:
@@ -331,8 +330,9 @@ class ModelRunner:
     def program_calls(self) -> list:
         """[(name, jitted program, arguments)] of every program `warmup()` compiles, in its order:
         decode (or the speculative verify) per row bucket R and block-table width W, prefill per row
-        bucket R, token bucket T and width W, and the prefix cache's two copy programs. A compile-only run (`ling-jax
-        aot`) lowers each with `program.lower(*arguments)`; the arguments are the warm-up's padding inputs."""
+        bucket R, token bucket T and width W, and the prefix cache's two copy programs. A compile-only
+        run (`ling-jax aot`) lowers each with `program.lower(*arguments)`; the arguments are the
+        warm-up's padding inputs."""
         name, program = ("verify", self.spec_fn) if self.speculative else ("decode", self.decode_fn)
         calls = [(f"{name}[R={n},W={w}]", program, (self.params, self.pools, self.padding_inputs(OP_DECODE, n, 1, w)))
                  for n in self.decode_rows for w in self.widths]
