@@ -31,7 +31,7 @@ from ling_jax.call_mode import DECODE, PREFILL
 from ling_jax.checks import check_int
 from ling_jax.exec_config import ExecConfig
 from ling_jax.model import HybridCache, init_cache
-from ling_jax.placement import model_mesh
+from ling_jax.placement import logits_sharding, model_mesh
 from ling_jax.sampling import MAX_LOGPROBS, RowSampling, SamplingParams, TokenLogprob, check_logprobs, token_logprobs
 from ling_jax.speculation import MAX_SPECULATIVE, speculative_round
 from ling_jax.token_stats import TokenStats, init_token_stats, penalize_rows, update_rows
@@ -103,7 +103,7 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, *, 
     if with_mtp:
         new = new._replace(mtp=model.mtp_fill(cache.mtp, ids, out["hidden"], prev_hidden, start, n_valid, ex))
     hid = jnp.where((n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
-    tok = RowSampling.broadcast(sampling, B).draw(logits)
+    tok = RowSampling.broadcast(sampling, B).draw(logits, vocab_sharding=logits_sharding(model))
     return new, logits, tok, hid
 
 
@@ -164,13 +164,13 @@ def _emit(state: DecodeState, toks, count, stop_ids, max_new, logprobs: LogprobB
     return state._replace(out=out, n_out=n_out, done=done, logprobs=lp), take
 
 
-def _logprob_values(logits, toks, state: DecodeState):
+def _logprob_values(logits, toks, state: DecodeState, vocab_sharding=None):
     """token_logprobs of toks [B,n] under logits [B,n,V], shaped for `_emit` (None when off)."""
     if state.logprobs is None:
         return None
     B, n = toks.shape
     N = state.logprobs.top.shape[-1]
-    a, b, c = token_logprobs(logits.reshape(B * n, -1), toks.reshape(-1), N)
+    a, b, c = token_logprobs(logits.reshape(B * n, -1), toks.reshape(-1), N, vocab_sharding)
     return a.reshape(B, n), b.reshape(B, n, N), c.reshape(B, n, N)
 
 
@@ -198,11 +198,11 @@ def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_f
     out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex, mode=DECODE)
     logits = out["logits"][:, 0]
     rows = RowSampling.broadcast(sampling, B, state.n_out)
-    nxt = rows.draw(_penalized(logits, stats, rows))
+    nxt = rows.draw(_penalized(logits, stats, rows), vocab_sharding=logits_sharding(model))
     cache = out["cache"]
     hidden = jnp.where(active[:, None], out["hidden"][:, 0], state.hidden)
     new, take = _emit(state, nxt[:, None], jnp.ones_like(state.n_out), stop_ids, max_new,
-                      _logprob_values(logits[:, None], nxt[:, None], state))
+                      _logprob_values(logits[:, None], nxt[:, None], state, logits_sharding(model)))
     _stream(stream_fn, nxt[:, None], take)
     return new._replace(cache=cache, hidden=hidden, token=jnp.where(active, nxt, state.token), stats=stats,
                         rounds=state.rounds + active, accepted=state.accepted + take)
@@ -216,7 +216,8 @@ def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream
     n_drafts = jnp.clip(max_new - state.n_out - 1, 0, k)
     r = speculative_round(model, state.cache, state.token, state.hidden, n_drafts, active, rows, k, ex)
     # emitted token j was drawn from the verify logits at position j: its logprobs are those
-    new, take = _emit(state, r.emitted, r.n_emitted, stop_ids, max_new, _logprob_values(r.logits, r.emitted, state))
+    lp = _logprob_values(r.logits, r.emitted, state, logits_sharding(model))
+    new, take = _emit(state, r.emitted, r.n_emitted, stop_ids, max_new, lp)
     _stream(stream_fn, r.emitted, take)
     return new._replace(cache=r.cache, hidden=r.hidden, token=jnp.where(active, r.next_token, state.token),
                         rounds=state.rounds + active, accepted=state.accepted + take)

@@ -141,3 +141,14 @@ def model_mesh(model):
         if isinstance(node, nnx.Variable):
             return param_mesh(node)
     return None
+
+
+def logits_sharding(model):
+    """The NamedSharding of the model's [rows, V] logits as its LM head splits the vocabulary (the
+    `vocab` rule), or None: one device, or a vocabulary left whole. Sampling takes it so that only
+    each row's best candidates cross devices (`sampling.processed_logits_rows`)."""
+    mesh = model_mesh(model)
+    if mesh is None:
+        return None
+    s = spec((None, "vocab"), (1, model.cfg.vocab_size), mesh, where="logits")
+    return None if s[1] is None else NamedSharding(mesh, s)

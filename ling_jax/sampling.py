@@ -194,18 +194,21 @@ def apply_penalties(logits: jax.Array, gen_counts: jax.Array, prompt_seen: jax.A
                                 params.frequency_penalty, params.repetition_penalty)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, n_top: int) -> Tuple[jax.Array, jax.Array, jax.Array]:
+def token_logprobs(logits: jax.Array, tokens: jax.Array, n_top: int,
+                   vocab_sharding=None) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities under the model's raw distribution log_softmax(logits) (why raw: the
     numbers then describe the model, not the sampling settings; vLLM's default too).
 
     logits [B, V], tokens [B] -> (logprob of tokens [B] f32, top ids [B, n] int32, top logprobs
     [B, n] f32), n = min(n_top, V), best first, ties lower id first (`lax.top_k`'s order).
+    vocab_sharding: the logits' split (`placement.logits_sharding`): the top n are taken per shard
+    and merged (`_best_candidates`), so the [B, V] row never crosses devices.
     """
     lp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
     tok_lp = jnp.take_along_axis(lp, jnp.asarray(tokens, jnp.int32)[:, None], axis=-1)[:, 0]
     n = min(int(n_top), lp.shape[-1])
-    top_lp, top_ids = jax.lax.top_k(lp, n)
-    return tok_lp, top_ids.astype(jnp.int32), top_lp
+    top_lp, top_ids = _best_candidates(lp, n, vocab_sharding)
+    return tok_lp, top_ids, top_lp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,40 +253,126 @@ class RowSampling(NamedTuple):
                    full(params.top_p, jnp.float32), seeds,
                    jnp.zeros((batch,), jnp.int32) if n_gen is None else jnp.asarray(n_gen, jnp.int32), **pen)
 
-    def draw(self, logits: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def draw(self, logits: jax.Array, keys: jax.Array | None = None, vocab_sharding=None) -> jax.Array:
         """`sample_rows` of logits [R, V] with these rows' parameters; keys default to each row's
-        `request_keys(seed, n_gen)`."""
+        `request_keys(seed, n_gen)`. vocab_sharding: the logits' split (`placement.logits_sharding`)."""
         keys = request_keys(self.seed, self.n_gen) if keys is None else keys
-        return sample_rows(logits, keys, self.temperature, self.top_k, self.top_p)
+        return sample_rows(logits, keys, self.temperature, self.top_k, self.top_p, vocab_sharding)
 
-    def probs(self, logits: jax.Array) -> jax.Array:
+    def probs(self, logits: jax.Array, vocab_sharding=None) -> jax.Array:
         """[R, V] the distribution each row draws from (its temperature / top-k / top-p)."""
-        return jax.nn.softmax(processed_logits_rows(logits, self.temperature, self.top_k, self.top_p), axis=-1)
+        return jax.nn.softmax(processed_logits_rows(logits, self.temperature, self.top_k, self.top_p,
+                                                    vocab_sharding), axis=-1)
+
+
+#: How many of a row's best tokens the sort-free masking looks at: a row whose kept set (its top-k,
+#: or its nucleus) lies within them is masked by a threshold, with no sort of the vocabulary.
+SORT_FREE_CANDIDATES = 256
+
+
+def _shard_count(vocab_sharding) -> int:
+    """How many pieces `vocab_sharding` (a NamedSharding of [R, V] logits, or None) splits V into."""
+    if vocab_sharding is None:
+        return 1
+    axes = vocab_sharding.spec[1] if len(vocab_sharding.spec) > 1 else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([vocab_sharding.mesh.shape[a] for a in axes], dtype=np.int64))
+
+
+def _best_candidates(x: jax.Array, n: int, vocab_sharding=None) -> Tuple[jax.Array, jax.Array]:
+    """The n best entries of each row of x [R, V] in the lower-id-first order: (values [R, n],
+    ids [R, n] int32), n <= V. Each vocabulary shard (`vocab_sharding`, None: one) takes its own
+    best n locally, then the S·n candidates are sorted by (value descending, id ascending). Why:
+    over vocabulary-split logits (the LM head split on `model`) only the candidates leave their
+    device, never the [R, V] row (the real config at R = 64: 40 MB of logits and 80 MB of sort
+    indices gathered a step; BENCHMARKS.md "The pods' all-gathers")."""
+    R, V = x.shape
+    S = _shard_count(vocab_sharding)
+    per = -(-V // S)
+    c = min(n, per)
+    if per * S != V:  # padded at the end: -inf with ids past V, after every real entry in the order
+        x = jnp.pad(x, ((0, 0), (0, per * S - V)), constant_values=_NEG_INF)
+    xs = x.reshape(R, S, per)
+    if S > 1:
+        spec = jax.sharding.PartitionSpec(vocab_sharding.spec[0], vocab_sharding.spec[1], None)
+        xs = jax.lax.with_sharding_constraint(xs, jax.sharding.NamedSharding(vocab_sharding.mesh, spec))
+    vals, idx = jax.lax.top_k(xs, c)  # [R, S, c], per shard
+    ids = (idx + (jnp.arange(S, dtype=jnp.int32) * per)[None, :, None]).reshape(R, S * c)
+    neg, ids = jax.lax.sort((-vals.reshape(R, S * c), ids), dimension=-1, num_keys=2)
+    return -neg[:, :n], ids[:, :n]
+
+
+def _processed_logits_rows_sorted(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Temperature-scaled logits x [B, V] masked by top-k (k [B], V = off) then top-p: a stable
+    descending sort of each whole row (the form for any k and nucleus size)."""
+    vocab = x.shape[-1]
+    order = jnp.argsort(-x, axis=-1, stable=True)
+    sorted_x = jnp.take_along_axis(x, order, axis=-1)
+    keep = jnp.arange(vocab)[None, :] < k[:, None]
+    sorted_k = jnp.where(keep, sorted_x, _NEG_INF)
+    keep = keep & _nucleus_keep_sorted(sorted_k, top_p[:, None])
+    return _scatter_rows(jnp.where(keep, sorted_x, _NEG_INF), order, vocab)
+
+
+def _processed_logits_rows_sort_free(x, k, top_p, vals, ids):
+    """The same masking from the best C candidates (vals, ids [B, C], lower-id-first order), for rows
+    whose kept set lies within them: (masked x [B, V], exact [B] bool). A kept set is a prefix of
+    the order, so it is "every entry at or before the last kept candidate (v, id)": x > v, or
+    x == v at an id <= id; a threshold, applied where x lives. exact is False for a row whose kept
+    set may run past the candidates: a top-k beyond C, or a nucleus (of the whole vocabulary) whose
+    candidates' mass stays below p."""
+    B, V = x.shape
+    C = vals.shape[1]
+    pos = jnp.arange(C)[None, :]
+    in_k = pos < k[:, None]
+    # the nucleus' softmax: over the top-k survivors (k <= C: all candidates), else over the whole
+    # row (k = V; a reduction, so on split logits a [B] all-reduce)
+    top = vals[:, :1]
+    mass = jnp.where(in_k, jnp.exp(vals - top), 0.0)
+    whole = jnp.sum(jnp.exp(x - top), axis=-1, keepdims=True)
+    total = jnp.where(k[:, None] <= C, jnp.sum(mass, axis=-1, keepdims=True), whole)
+    cum = jnp.cumsum(mass / total, axis=-1)
+    excl = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum[:, :-1]], axis=-1)
+    p = top_p[:, None]
+    keep = in_k & ((excl < p) | (p >= 1.0))
+    keep = keep.at[:, 0].set(True)
+    last = jnp.sum(keep, axis=-1) - 1  # keep is a prefix
+    v = jnp.take_along_axis(vals, last[:, None], axis=-1)
+    i = jnp.take_along_axis(ids, last[:, None], axis=-1)
+    col = jnp.arange(V, dtype=jnp.int32)[None, :]
+    unmasked = ((k >= V) & (top_p >= 1.0))[:, None]
+    kept = unmasked | (x > v) | ((x == v) & (col <= i))
+    exact = (C >= V) | (k <= C) | ((k >= V) & ((top_p >= 1.0) | (cum[:, -1] >= top_p)))
+    return jnp.where(kept, x, _NEG_INF), exact
 
 
 def processed_logits_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                          top_p: jax.Array) -> jax.Array:
+                          top_p: jax.Array, vocab_sharding=None,
+                          candidates: int = SORT_FREE_CANDIDATES) -> jax.Array:
     """`processed_logits` with the parameters given per row as arrays, so one compiled program
     serves any mix of requests: logits [B, V]; temperature [B] f32 (0 = greedy); top_k [B] int32
     (0 = off); top_p [B] f32 in (0, 1]. Row b equals `processed_logits(logits[b:b+1], params_b)`:
-    the same temperature division, the same lower-id-first order (a stable descending sort in
-    place of `lax.top_k`, whose order it is) and the same nucleus rule over the top-k survivors
-    (their softmax is taken over the sorted row with the rest at -inf: equal in exact arithmetic,
-    it may differ in the last bit of a sum, which matters only for a mass exactly at p).
+    the same temperature division, the same lower-id-first order (`lax.top_k`'s) and the same
+    nucleus rule over the top-k survivors (their softmax may differ from `processed_logits`' in
+    the last bit of a sum, which matters only for a mass exactly at p).
+
+    How: when every row's kept set lies within its best `candidates` tokens (any top-k up to that,
+    a nucleus that reaches p within them, or no mask at all), the rows are masked by a threshold
+    from those candidates (`_best_candidates`, per vocabulary shard); otherwise by a sort of the
+    whole vocabulary. vocab_sharding: the logits' NamedSharding when the LM head splits the
+    vocabulary (`placement.logits_sharding`), so that only candidates cross devices.
     """
     x = jnp.asarray(logits, jnp.float32)
     vocab = x.shape[-1]
     temperature = jnp.asarray(temperature, jnp.float32)
     greedy = temperature == 0.0
     x = x / jnp.where(greedy, 1.0, temperature)[:, None]
-    order = jnp.argsort(-x, axis=-1, stable=True)
-    sorted_x = jnp.take_along_axis(x, order, axis=-1)
     k = jnp.asarray(top_k, jnp.int32)
     k = jnp.where((k > 0) & (k < vocab), k, vocab)
-    keep = jnp.arange(vocab)[None, :] < k[:, None]
-    sorted_k = jnp.where(keep, sorted_x, _NEG_INF)
-    keep = keep & _nucleus_keep_sorted(sorted_k, jnp.asarray(top_p, jnp.float32)[:, None])
-    out = _scatter_rows(jnp.where(keep, sorted_x, _NEG_INF), order, vocab)
+    p = jnp.asarray(top_p, jnp.float32)
+    vals, ids = _best_candidates(x, min(int(candidates), vocab), vocab_sharding)
+    out, exact = _processed_logits_rows_sort_free(x, k, p, vals, ids)
+    out = jax.lax.cond(jnp.all(exact | greedy), lambda: out, lambda: _processed_logits_rows_sorted(x, k, p))
     if vocab > 1:  # greedy rows: the argmax entry alone (as `processed_logits` does)
         top = jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1)
         onehot = jnp.arange(vocab)[None, :] == top[:, None]
@@ -300,15 +389,16 @@ def request_keys(seeds: jax.Array, counts: jax.Array) -> jax.Array:
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                top_p: jax.Array) -> jax.Array:
+                top_p: jax.Array, vocab_sharding=None) -> jax.Array:
     """`sample` with per-row parameters and keys: [B, V] -> [B] int32. Row b equals
-    `sample(logits[b:b+1], keys[b], params_b)[0]`. A batch of only greedy rows skips the sort."""
+    `sample(logits[b:b+1], keys[b], params_b)[0]`. A batch of only greedy rows skips the masking.
+    vocab_sharding: as `processed_logits_rows`'."""
     x = jnp.asarray(logits, jnp.float32)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
     greedy = jnp.asarray(temperature, jnp.float32) == 0.0
 
     def sampled():
-        p = processed_logits_rows(x, temperature, top_k, top_p)
+        p = processed_logits_rows(x, temperature, top_k, top_p, vocab_sharding)
         drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])(keys, p)
         return jnp.where(greedy, greedy_tok, drawn.astype(jnp.int32))
 

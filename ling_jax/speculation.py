@@ -42,6 +42,7 @@ from ling_jax.call_mode import VERIFY
 from ling_jax.exec_config import ExecConfig
 from ling_jax.layer_stack import roll_back_kda
 from ling_jax.model import HybridCache
+from ling_jax.placement import logits_sharding
 from ling_jax.sampling import RowSampling, request_keys, speculative_accept, speculative_accept_greedy
 
 #: The most drafts per verify round (the MTP layer is trained for the next token; drafts further
@@ -67,7 +68,7 @@ def _fold(keys: jax.Array, i) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(jnp.asarray(i, jnp.uint32), keys.shape))
 
 
-def accept_rows(drafts, draft_logits, target_logits, n_drafts, sampling: RowSampling, keys):
+def accept_rows(drafts, draft_logits, target_logits, n_drafts, sampling: RowSampling, keys, vocab_sharding=None):
     """Per-row acceptance of a verify pass.
 
     drafts [R, K] int32; draft_logits [R, K, V] (the MTP logits each draft was drawn from);
@@ -80,7 +81,8 @@ def accept_rows(drafts, draft_logits, target_logits, n_drafts, sampling: RowSamp
     the argmax after it — what plain greedy decoding emits. Sampled rows: `speculative_accept`
     over the row's first n_drafts drafts (run once per possible count and picked per row, since
     the count is a static shape there), with draft and target distributions processed by the
-    row's own parameters. An all-greedy batch skips the sampled path (`lax.cond`)."""
+    row's own parameters. An all-greedy batch skips the sampled path (`lax.cond`). vocab_sharding:
+    the logits' split (`placement.logits_sharding`)."""
     K = drafts.shape[1]
     greedy_a, _ = speculative_accept_greedy(drafts, target_logits)
     greedy_a = jnp.minimum(greedy_a, n_drafts)
@@ -89,8 +91,8 @@ def accept_rows(drafts, draft_logits, target_logits, n_drafts, sampling: RowSamp
     is_greedy = sampling.temperature == 0.0
 
     def sampled():
-        tp = jnp.stack([sampling.probs(target_logits[:, t]) for t in range(K + 1)], axis=1)
-        qp = jnp.stack([sampling.probs(draft_logits[:, t]) for t in range(K)], axis=1)
+        tp = jnp.stack([sampling.probs(target_logits[:, t], vocab_sharding) for t in range(K + 1)], axis=1)
+        qp = jnp.stack([sampling.probs(draft_logits[:, t], vocab_sharding) for t in range(K)], axis=1)
         one = lambda d, q, p, key: tuple(x[0] for x in speculative_accept(d[None], q[None], p[None], key))
         a_s, n_s = greedy_a, greedy_next
         for k in range(K + 1):
@@ -114,20 +116,21 @@ def speculative_round(model, cache: HybridCache, token, hidden, n_drafts, active
     n_drafts = jnp.where(active, n_drafts, 0)
     P = cache.lengths
     base = request_keys(sampling.seed, sampling.n_gen)
+    vocab_sharding = logits_sharding(model)
 
     def draft(carry, j):
         tok, h, mtp = carry
         write = jnp.where(j == 0, active, j < n_drafts)
         lg, zm, mtp = model.mtp_forward(tok[:, None], h[:, None], mtp, P - 1 + j, write.astype(jnp.int32), ex)
         lg = lg[:, 0]
-        d = sampling.draw(lg, _fold(base, 1 + j))
+        d = sampling.draw(lg, _fold(base, 1 + j), vocab_sharding)
         return (d, zm[:, 0].astype(h.dtype), mtp), (d, lg)
 
     (_, _, mtp), (drafts, draft_logits) = jax.lax.scan(draft, (token, hidden, cache.mtp), jnp.arange(k))
     drafts, draft_logits = drafts.T, jnp.swapaxes(draft_logits, 0, 1)  # [B,k], [B,k,V]
     feed = jnp.concatenate([token[:, None], drafts], axis=1)
     out = model(feed, cache._replace(mtp=None), jnp.where(active, n_drafts + 1, 0), exec=ex, mode=VERIFY)
-    a, nxt = accept_rows(drafts, draft_logits, out["logits"], n_drafts, sampling, _fold(base, 0))
+    a, nxt = accept_rows(drafts, draft_logits, out["logits"], n_drafts, sampling, _fold(base, 0), vocab_sharding)
     a = jnp.where(active, a, 0)
     adv = jnp.where(active, a + 1, 0)
     layers = roll_back_kda(cfg, out["cache"].layers, out["kda_states"], adv)

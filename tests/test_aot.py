@@ -11,6 +11,7 @@ the compiler's own words). Widths are multiples of 128 (FP8 blocks, TPU lanes).
 The full-scale compiles of the 560B config are a tool run (`tools/aot_sweep.py`), not tests.
 """
 import json
+import re
 
 import pytest
 
@@ -194,6 +195,40 @@ def test_collectives_per_step_follow_loop_trip_counts():
     assert (c["all-gather"]["count"], c["all-gather"]["per_step_count"]) == (1, 1)
 
 
+def test_collectives_in_conditional_branches_are_told_apart():
+    """A collective inside a conditional's branch (both branch syntaxes, and a loop inside a branch)
+    counts in per_step_bytes and also in per_step_bytes_in_branches (moved only when taken); one on
+    the always-run path does not."""
+    from ling_jax.aot.analysis import collectives
+    hlo = "\n".join([
+        "%fallback (p: f32[4]) -> f32[16] {",
+        "  %ag = f32[16]{0} all-gather(%p), channel_id=1, dimensions={0}",
+        "}",
+        "%cheap (p: f32[4]) -> f32[16] {",
+        '  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}',
+        "}",
+        "%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+        "  %ar = f32[8]{0} all-reduce(%x), channel_id=2, to_apply=%sum",
+        "}",
+        "%other (p: f32[4]) -> f32[4] {",
+        "  %ar2 = f32[2]{0} all-reduce(%x), channel_id=3, to_apply=%sum",
+        "}",
+        "%sum (a: f32[], b: f32[]) -> f32[] {",
+        "  %add = f32[] add(%a, %b)",
+        "}",
+        "ENTRY %main (x: f32[4]) -> f32[16] {",
+        "  %c = f32[16] conditional(%i, %x, %x), branch_computations={%cheap, %fallback}",
+        "  %d = f32[4] conditional(%q, %x, %x), true_computation=%other, false_computation=%other",
+        "  %ar3 = f32[1]{0} all-reduce(%x), channel_id=4, to_apply=%sum",
+        "}",
+    ])
+    c = collectives(hlo)
+    assert c["all-gather"]["per_step_bytes"] == c["all-gather"]["per_step_bytes_in_branches"] == 64
+    assert c["all-reduce"]["per_step_count"] == 3 + 1 + 1
+    assert c["all-reduce"]["per_step_bytes"] == 3 * 32 + 8 + 4
+    assert c["all-reduce"]["per_step_bytes_in_branches"] == 3 * 32 + 8
+
+
 def test_programs_flag_is_checked():
     from ling_jax.aot.programs import FAMILIES, parse_families
     assert parse_families("all") == FAMILIES
@@ -225,16 +260,31 @@ def test_slot_row_write_of_real_conv_pool_compiles_for_tpu_in_place():
     assert m.temp_size_in_bytes < pool_bytes // 8  # no copy of it
 
 
-def test_token_statistics_are_not_gathered_on_a_model_mesh():
-    """On `model=2` the vocabulary (the LM head, so the logits and the penalties) is split; the
-    per-slot token statistics [slots, V] (int32 counts, bool prompt mask) stay replicated, as the
-    pools hold them: the TPU decode program all-gathers no [rows, V] int32 / bool array. Before
-    `token_stats.update_rows` pinned them, the partitioner split their update like the logits and
-    gathered them back every step (12 such all-gathers here; 50 MB a step for the real config on
-    v6e-64: BENCHMARKS.md "The pods' all-gathers"). Only the TPU compiler showed it (XLA:CPU's
-    partitioner chose otherwise at the tiny scale)."""
-    import re
+def _computations(hlo: str) -> dict:
+    """{computation name: its instruction lines} of an optimised HLO module's text."""
+    out, name = {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            name = "ENTRY" if line.startswith("ENTRY") else line.split(" ")[0]
+            out[name] = []
+        elif name is not None and line.startswith(" "):
+            out[name].append(line)
+    return out
 
+
+def test_token_statistics_and_logits_are_not_gathered_on_a_model_mesh():
+    """On `model=2` the vocabulary (the LM head, so the logits and the penalties) is split.
+    - The per-slot token statistics [slots, V] (int32 counts, bool prompt mask) stay replicated, as
+      the pools hold them: the TPU decode program all-gathers no [rows, V] int32 / bool array.
+      Before `token_stats.update_rows` pinned them, the partitioner split their update like the
+      logits and gathered them back every step (12 such all-gathers here; 50 MB a step for the real
+      config on v6e-64: BENCHMARKS.md "The pods' all-gathers"). Only the TPU compiler showed it
+      (XLA:CPU's partitioner chose otherwise at the tiny scale).
+    - Sampling takes each shard's best candidates (a sort of V/2 per device) and masks by a
+      threshold: the [rows, V] logits (and the sort's indices) are gathered only inside the branch
+      that sorts whole rows (`sampling.processed_logits_rows`' fallback, for a kept set past the
+      candidates), never on the path every sampled step takes (before: on every sampled step;
+      120 MB at R = 64 for the real config)."""
     from sharding.mesh import make_mesh, parse_mesh_shape
 
     from ling_jax.aot.abstract import placed_abstract_model
@@ -250,7 +300,21 @@ def test_token_statistics_are_not_gathered_on_a_model_mesh():
                               num_pages=64, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
     hlo = prog.lower().compile().as_text()
     gathers = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", hlo)
-    assert gathers, "expected the logits' all-gather for sampling (the vocabulary is split)"
     V = cfg.vocab_size
     stats = [(t, s) for t, s in gathers if t in ("s32", "pred") and s.split(",")[-1] == str(V)]
     assert not stats, f"the decode program all-gathers token statistics: {stats}"
+    def sorts(lines, width):  # a sort whose operands are rows of `width` (any leading dims)
+        return any(re.search(rf"\[[\d,]*\b{width}\]", x.split(" sort(")[0]) for x in lines if " sort(" in x)
+
+    vocab_gathers, sorts_whole, sorts_shard = [], 0, 0
+    for name, lines in _computations(hlo).items():
+        whole, shard = sorts(lines, V), sorts(lines, V // 2)
+        sorts_whole, sorts_shard = sorts_whole + whole, sorts_shard + shard
+        for x in lines:
+            m = re.search(r"= \w+\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", x)
+            if m and str(V) in m.group(1).split(","):
+                vocab_gathers.append((name, whole and not shard))
+    assert sorts_shard, "expected the per-shard candidate sort (V/2 per device)"
+    assert vocab_gathers and sorts_whole, "expected the whole-row fallback (it gathers the row)"
+    outside = [n for n, whole in vocab_gathers if not whole]
+    assert not outside, f"[rows, V] all-gathered outside the whole-row sort's branch: {outside}"

@@ -484,3 +484,98 @@ def test_generate_logprobs_speculative_equal_plain(tiny_model):
         assert len(a) == len(b) == 10
         np.testing.assert_allclose([e.logprob for e in a], [e.logprob for e in b], atol=1e-4)
         assert [[j for j, _ in e.top] for e in a] == [[j for j, _ in e.top] for e in b]
+
+
+# --------------------------------------------------------------------------- sort-free masking
+
+def _reference_keep(x, k, p):
+    """float64 NumPy: which entries of x [V] (already temperature-scaled) top-k (0 = off) then
+    top-p keep, in the lower-id-first order; and whether the nucleus cut is ambiguous (a
+    cumulative mass within 1e-6 of p, where float32 rounding may decide either way)."""
+    V = x.shape[0]
+    order = np.argsort(-np.asarray(x, np.float64), kind="stable")
+    k = k if 0 < k < V else V
+    top = order[:k]
+    pr = _softmax64(x[top])
+    cum = np.cumsum(pr)
+    n = k if p >= 1.0 else min(k, int(np.argmax(cum >= p)) + 1 if (cum >= p).any() else k)
+    keep = np.zeros(V, bool)
+    keep[top[:n]] = True
+    return keep, p < 1.0 and np.min(np.abs(cum - p)) < 1e-6
+
+
+def test_sort_free_masking_equals_the_reference_and_the_full_sort():
+    """`processed_logits_rows` masks rows whose kept set lies within their best C candidates by a
+    threshold, else by a sort of the whole row. Against float64 NumPy (top-k, then the nucleus of
+    the survivors, lower ids first on ties) at C = 4, 16, 64 and V, over a mix of rows that stay
+    within C and rows that run past it (a large top-k, a wide nucleus): the same kept set, the kept
+    values those of the scaled row; ties (duplicated logits) keep exactly the lower ids; greedy rows the argmax."""
+    from ling_jax.sampling import _best_candidates, _processed_logits_rows_sort_free, processed_logits_rows
+
+    rng = np.random.default_rng(11)
+    V = 300
+    rows = [(1.0, 0, 1.0), (0.8, 3, 1.0), (1.2, 10, 0.9), (1.0, 0, 0.5), (0.0, 0, 1.0), (1.5, 200, 1.0),
+            (1.0, 0, 0.97), (0.6, 40, 0.7), (2.0, 0, 0.999), (1.0, 7, 0.3)]
+    t = np.array([r[0] for r in rows], np.float32)
+    k = np.array([r[1] for r in rows], np.int32)
+    p = np.array([r[2] for r in rows], np.float32)
+    x = (rng.standard_normal((len(rows), V)) * 3).astype(np.float32)
+    x[:, 150:160] = x[:, 10:20]  # ties across the row
+    x[1, [5, 6, 7, 8]] = x[1].max() + 1.0  # 4 tied best, top-3 keeps ids 5, 6, 7
+    fn = jax.jit(processed_logits_rows, static_argnames="candidates")
+    full = np.asarray(fn(x, t, k, p, candidates=V))
+    for C in (4, 16, 64, V):
+        out = np.asarray(fn(x, t, k, p, candidates=C))
+        np.testing.assert_array_equal(out, full, err_msg=f"C={C}")
+    for b, (tb, kb, pb) in enumerate(rows):
+        got = np.isfinite(full[b])
+        if tb == 0.0:
+            assert got.sum() == 1 and got[np.argmax(x[b])]
+            continue
+        xs = x[b] / np.float32(tb)
+        keep, ambiguous = _reference_keep(xs, kb, pb)
+        assert not ambiguous, f"row {b}: pick another seed"
+        np.testing.assert_array_equal(got, keep, err_msg=f"row {b}")
+        np.testing.assert_allclose(full[b][got], xs[got], rtol=1e-6)  # XLA may divide by a reciprocal
+    assert np.flatnonzero(np.isfinite(full[1])).tolist() == [5, 6, 7]
+    # which rows the threshold form serves at C = 16: within (no mask, top-k <= 16, a nucleus that
+    # closes within 16) and not (top-k 40 or 200 past 16, wide nuclei)
+    xs = jnp.asarray(x / np.where(t == 0, 1, t)[:, None])
+    kk = jnp.where((k > 0) & (k < V), k, V)
+    vals, ids = _best_candidates(xs, 16)
+    _, exact = _processed_logits_rows_sort_free(xs, kk, jnp.asarray(p), vals, ids)
+    exact = np.asarray(exact)
+    assert exact[[0, 1, 2, 4, 9]].all() and not exact[[5, 7]].any()
+    for b in (3, 6, 8):  # a nucleus of the whole row: within 16 iff the 16 best reach p
+        keep, _ = _reference_keep(np.asarray(xs[b]), 0, p[b])
+        assert exact[b] == (keep.sum() <= 16), b
+
+
+def test_best_candidates_per_shard_equal_one_device():
+    """On a mesh that splits the vocabulary (model=4, and V = 301 padded to 4 × 76), the candidates
+    taken per shard then merged are the one-device best n in the lower-id-first order, ties
+    included; and a sampled draw over the split logits is the one-device draw."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from ling_jax.sampling import _best_candidates, request_keys, sample_rows
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    rng = np.random.default_rng(5)
+    V = 301
+    x = rng.standard_normal((3, V)).astype(np.float32)
+    x[:, 200:260] = x[:, 0:60]  # ties across shards
+    x[2, -1] = x[2].max() + 1
+    vs = NamedSharding(mesh, P(None, "model"))
+    xp = jax.device_put(np.pad(x, ((0, 0), (0, 3))), vs)[:, :V]
+    for n in (1, 8, 76, 100, V):
+        v1, i1 = _best_candidates(jnp.asarray(x), n)
+        v4, i4 = jax.jit(lambda a: _best_candidates(a, n, vs))(xp)
+        np.testing.assert_array_equal(np.asarray(i4), np.asarray(i1), err_msg=f"n={n}")
+        np.testing.assert_array_equal(np.asarray(v4), np.asarray(v1))
+        order = np.lexsort((np.arange(V)[None, :].repeat(3, 0), -x))[:, :n]
+        np.testing.assert_array_equal(np.asarray(i1), order)
+    t, k, p = jnp.asarray([1.0, 0.7, 1.3]), jnp.asarray([0, 5, 0], jnp.int32), jnp.asarray([1.0, 0.9, 0.8])
+    keys = request_keys(jnp.asarray([1, 2, 3], jnp.uint32), jnp.asarray([0, 4, 9]))
+    one = np.asarray(sample_rows(jnp.asarray(x), keys, t, k, p))
+    four = np.asarray(jax.jit(lambda a: sample_rows(a, keys, t, k, p, vs))(xp))
+    np.testing.assert_array_equal(four, one)

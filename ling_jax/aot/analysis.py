@@ -37,12 +37,15 @@ def _shape_bytes(text: str) -> int:
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _WHILE_BODY = re.compile(r"\bwhile\(.*?body=%?([\w.\-]+)")
 _TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_CALLED = re.compile(r"(?:calls|to_apply|branch_computations|true_computation|false_computation)=\{?%?([\w.\-]+)")
+_CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+)")
 
 
-def _multipliers(lines: list) -> dict:
-    """{computation: how many times one call of the entry computation runs it}: a while body runs its
-    known trip count (1 when unknown) times per run of the computation holding the loop."""
+def _multipliers(lines: list) -> tuple[dict, set]:
+    """({computation: how many times one call of the entry computation runs it}, the computations
+    that run only when a conditional takes their branch). A while body runs its known trip count (1
+    when unknown) times per run of the computation holding the loop; a branch at most once per run
+    of the conditional (counted as once: an upper bound)."""
     comp, edges, entry = None, {}, None
     for line in lines:
         m = _COMP.match(line)
@@ -56,20 +59,32 @@ def _multipliers(lines: list) -> dict:
         w = _WHILE_BODY.search(line)
         if w:
             t = _TRIP.search(line)
-            edges.setdefault(comp, []).append((w.group(1), int(t.group(1)) if t else 1))
+            edges.setdefault(comp, []).append((w.group(1), int(t.group(1)) if t else 1, False))
         for c in _CALLED.findall(line):
-            edges.setdefault(comp, []).append((c, 1))
-    mult = {}
+            edges.setdefault(comp, []).append((c, 1, False))
+        for group, one in _BRANCHES.findall(line):
+            for c in ([x.strip().lstrip("%") for x in group.split(",") if x.strip()] if group else [one]):
+                edges.setdefault(comp, []).append((c, 1, True))
+    mult, always = {}, set()
 
     def visit(c, k, depth=0):
         if depth > 64 or mult.get(c, 0) >= k:
             return
         mult[c] = k
-        for child, n in edges.get(c, []):
+        for child, n, _ in edges.get(c, []):
             visit(child, k * n, depth + 1)
+
+    def reach(c, depth=0):  # without entering a branch
+        if depth > 64 or c in always:
+            return
+        always.add(c)
+        for child, _, branch in edges.get(c, []):
+            if not branch:
+                reach(child, depth + 1)
     if entry is not None:
         visit(entry, 1)
-    return mult
+        reach(entry)
+    return mult, set(mult) - always
 
 
 def collectives(hlo_text: str) -> dict:
@@ -77,9 +92,11 @@ def collectives(hlo_text: str) -> dict:
     text. count / bytes: the sites in the program (async pairs counted once, at their start; bytes: the
     result's, per device; for an async start the tuple holds the operand too, so only its last element,
     the result, is counted). per_step_*: what one call executes, each site times the trip counts of the
-    loops around it (a collective in the scanned layer body runs once per layer)."""
+    loops around it (a collective in the scanned layer body runs once per layer); per_step_bytes_in_branches:
+    the part of per_step_bytes inside a conditional's branch, moved only on calls that take it (e.g.
+    sampling's whole-row fallback; an all-greedy step skips the sampling branch)."""
     lines = hlo_text.splitlines()
-    mult = _multipliers(lines)
+    mult, branched = _multipliers(lines)
     out: dict = {}
     comp = None
     for line in lines:
@@ -94,12 +111,14 @@ def collectives(hlo_text: str) -> dict:
         if start and rtype.startswith("("):
             parts = _SHAPE.findall(rtype)
             rtype = "{}[{}]".format(*parts[-1]) if parts else rtype
-        e = out.setdefault(kind, {"count": 0, "bytes": 0, "per_step_count": 0, "per_step_bytes": 0})
+        e = out.setdefault(kind, {"count": 0, "bytes": 0, "per_step_count": 0, "per_step_bytes": 0,
+                                  "per_step_bytes_in_branches": 0})
         n, k = _shape_bytes(rtype), mult.get(comp, 1)
         e["count"] += 1
         e["bytes"] += n
         e["per_step_count"] += k
         e["per_step_bytes"] += k * n
+        e["per_step_bytes_in_branches"] += k * n if comp in branched else 0
     return out
 
 

@@ -154,7 +154,9 @@ def format_text(r: dict) -> str:
         if "argument_bytes" not in p:
             lines.append(f"{p['name']:28s} DOES NOT COMPILE ({p['compile_seconds']} s): {p['error']}")
             continue
-        coll = ", ".join(f"{k} {v['per_step_count']}/call at {v['count']} sites ({v['per_step_bytes'] / 2**20:.1f} MiB)"
+        coll = ", ".join(f"{k} {v['per_step_count']}/call at {v['count']} sites ({v['per_step_bytes'] / 2**20:.1f} MiB"
+                         + (f", {v['per_step_bytes_in_branches'] / 2**20:.1f} in branches)"
+                            if v.get("per_step_bytes_in_branches") else ")")
                          for k, v in p["collectives"].items()) or "none"
         rt = p["roofline_seconds"]
         lines.append(f"{p['name']:28s} {g(p['argument_bytes'])} {g(p['plan_bytes'])} {g(p['temp_bytes'])} "

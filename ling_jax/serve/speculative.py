@@ -16,6 +16,7 @@ from flax import nnx
 
 from ling_jax.checks import check_int
 from ling_jax.exec_config import ExecConfig
+from ling_jax.placement import logits_sharding
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.serve.pools import Pools, as_cache, with_cache
 from ling_jax.serve.step import StepInputs, gathers_rows, row_logprobs
@@ -44,7 +45,7 @@ def _spec(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: in
     # raw distribution, as plain decoding reports them), for every position of a row that asked
     s = inp.sampling
     wanted = None if s.logprobs is None else jnp.repeat(s.logprobs, k + 1)
-    lp = row_logprobs(r.logits.reshape(S * (k + 1), -1), r.emitted.reshape(-1), wanted)
+    lp = row_logprobs(r.logits.reshape(S * (k + 1), -1), r.emitted.reshape(-1), wanted, logits_sharding(model))
     lp = tuple(x.reshape((S, k + 1) + x.shape[1:]) for x in lp)
     return new_pools._replace(hidden=hidden), r.emitted, r.n_emitted, lp
 

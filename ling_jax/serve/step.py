@@ -30,7 +30,7 @@ from flax import nnx
 from ling_jax.call_mode import CallMode
 from ling_jax.exec_config import ExecConfig
 from ling_jax.kda import kda_in_place
-from ling_jax.placement import model_mesh
+from ling_jax.placement import logits_sharding, model_mesh
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.sampling import MAX_LOGPROBS, RowSampling, token_logprobs
 from ling_jax.token_stats import gather_stats, penalize_rows, scatter_stats, update_rows
@@ -101,11 +101,12 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
         rs = update_rows(rs, inp.ids, inp.n_valid, inp.lengths, s.prompt_len, fresh, model_mesh(model))
         x = penalize_rows(logits, rs, s.presence, s.frequency, s.repetition)
         stats = scatter_stats(stats, inp.rows, rs) if gather_rows else rs
-    tok = s.draw(x)
+    tok = s.draw(x, vocab_sharding=logits_sharding(model))
     hid = jnp.where((inp.n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
     new_pools = with_cache(cfg, pools, new_cache, rows)
     hidden = put_rows(pools.hidden, inp.rows, hid) if gather_rows else hid.astype(pools.hidden.dtype)
-    result = (new_pools._replace(hidden=hidden, stats=stats), tok, row_logprobs(logits, tok, s.logprobs))
+    lp = row_logprobs(logits, tok, s.logprobs, logits_sharding(model))
+    result = (new_pools._replace(hidden=hidden, stats=stats), tok, lp)
     if snaps is None:
         return result
     if "kda_boundary_states" in out and inp.snap_rows is not None and inp.snap_rows.shape[1] > 0:
@@ -114,17 +115,18 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
     return result + (snaps,)
 
 
-def row_logprobs(logits, tok, wanted):
+def row_logprobs(logits, tok, wanted, vocab_sharding=None):
     """(sampled token's logprob [R], top ids [R, N], top logprobs [R, N]), N = min(MAX_LOGPROBS, V),
     of the model's raw distribution (`sampling.token_logprobs`): fixed shapes whatever each row
     asked for (the host keeps its N); zeros, without the softmax and top-k, when no row asked.
-    The speculative program passes its [R·(K+1)] verify positions as rows."""
+    The speculative program passes its [R·(K+1)] verify positions as rows. vocab_sharding: the
+    logits' split (`placement.logits_sharding`)."""
     R, V = logits.shape
     n = min(MAX_LOGPROBS, V)
     zeros = lambda: (jnp.zeros((R,), jnp.float32), jnp.zeros((R, n), jnp.int32), jnp.zeros((R, n), jnp.float32))
     if wanted is None:
         return zeros()
-    return jax.lax.cond(jnp.any(wanted), lambda: token_logprobs(logits, tok, n), zeros)
+    return jax.lax.cond(jnp.any(wanted), lambda: token_logprobs(logits, tok, n, vocab_sharding), zeros)
 
 
 def gathers_rows(pools: Pools, inp: StepInputs) -> bool:
