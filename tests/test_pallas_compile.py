@@ -94,6 +94,22 @@ def test_kernel_compiles_for_gpu(target, name):
     _compile("gpu", target, name)
 
 
+def test_paged_kernel_with_a_table_over_smem_compiles_for_tpu():
+    """64 rows x 5,000 pages of block table (1.28 MB) do not fit the v5p's 1 MiB of SMEM, where the grid
+    kernel scalar-prefetches the table: the kernel runs the rows in groups (`SMEM_TABLE_BYTES`). The real
+    config's decode at 64 rows x 89K tokens was refused by Mosaic before ("would exceed memory ...
+    prefetched SMEM operand 0")."""
+    from ling_jax.aot.analysis import kernel_calls
+    sh = jax.sharding.SingleDeviceSharding(_device("v5p:2x2x1"))
+    args = [S_((64, 1, H, 512), BF16), S_((64, 1, H, 64), BF16), S_((2, 1, 4096, 16, 512), BF16),
+            S_((2, 1, 4096, 16, 64), BF16), S_((64, 5000), I32), S_((64,), I32), S_((64, 1), I32), S_((), I32),
+            S_((), I32)]
+    fn = CASES["mla_paged_decode"][0]
+    compiled = jax.jit(functools.partial(fn, platform="tpu")).lower(
+        *[S_(a.shape, a.dtype, sharding=sh) for a in args]).compile()
+    assert kernel_calls(compiled.as_text()) == 3  # 26 + 26 + 12 rows of 5,000 entries (520 KB a call)
+
+
 def test_unknown_platform_is_rejected():
     with pytest.raises(ValueError, match="platform must be one of"):
         backend_platform("cuda")

@@ -27,6 +27,9 @@ CASES = [
     (3, 8, 5, [3, 40, 19], "float32", True, {"mode": "grid", "pages_per_step": 2}),          # verify chunk: causal
     (4, 16, 4, [64, 9, 30], "float32", False, {"mode": "loop"}),
     (3, 8, 5, [3, 40, 19], "bfloat16", True, {"mode": "grid"}),
+    # a table over the SMEM budget: rows in groups of one (4 B x 6 entries > 20 B), then of two
+    (1, 8, 6, [0, 48, 13], "float32", True, {"mode": "grid", "smem_table_bytes": 20}),
+    (3, 8, 5, [3, 40, 19], "float32", False, {"mode": "grid", "smem_table_bytes": 40}),
 ]
 
 

@@ -62,6 +62,16 @@ ROWS = {
                          "--decode-rows", "64", *ENGINE_64],
     "h200x8_fp8_b64": ["--weights", "fp8", "--target", "h200x8", "--mesh", "expert=8", "--programs", "decode",
                        "--decode-rows", "64", *ENGINE_64],
+    # roofline decode at batch 1, 8 and 64 on the targets that had only batch 8 (twenty-first session)
+    "tpu7x_mxfp4_b1_8_64": ["--weights", "mxfp4", "--target", "tpu7x:2x2x1", "--mesh", "expert=8", "--programs",
+                            "decode", "--decode-rows", "1,8,64", *ENGINE_64],
+    "v6e64_fp8_b1_64": ["--weights", "fp8", "--target", "v6e:8x8", "--mesh", "expert=16,model=4", "--programs",
+                        "decode", "--decode-rows", "1,64", "--max-slots", "64", "--max-seq-len", "8192",
+                        "--cache-memory", "22"],
+    "v6e64_mxfp4_b1_64": ["--weights", "mxfp4", "--target", "v6e:8x8", "--mesh", "expert=16,model=4", "--programs",
+                          "decode", "--decode-rows", "1,64", *ENGINE_64],
+    "h200x8_fp8_b1": ["--weights", "fp8", "--target", "h200x8", "--mesh", "expert=8", "--programs", "decode",
+                      "--decode-rows", "1", *ENGINE_8K],
     # MTP speculation, 2 drafts, 8 rows: 24 query tokens per step (the row that once did not compile on
     # XLA:GPU, BENCHMARKS.md "The speculative verify on H200")
     "h200x8_mxfp4_verify": ["--weights", "mxfp4", "--target", "h200x8", "--mesh", "expert=8", "--programs",
@@ -145,16 +155,25 @@ def main() -> int:
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     names = a.only.split(",") if a.only else list(ROWS)
+    run_rows(names, lambda n: os.path.join(a.out, f"{n}.json"), lambda n: run_row(n, ROWS[n], a.out, a.temps),
+             a.force)
+    write_table(summary(a.out), os.path.join(a.out, "SUMMARY.md"))
+    return 0
+
+
+def run_rows(names, result_path, run, force: bool) -> None:
+    """run(name) for each row whose result file is missing (every row with force)."""
     for n in names:
-        if not a.force and os.path.exists(os.path.join(a.out, f"{n}.json")):
+        if not force and os.path.exists(result_path(n)):
             print(f"{n}: kept", flush=True)
             continue
-        run_row(n, ROWS[n], a.out, a.temps)
-    text = summary(a.out)
-    with open(os.path.join(a.out, "SUMMARY.md"), "w") as f:
+        run(n)
+
+
+def write_table(text: str, path: str) -> None:
+    with open(path, "w") as f:
         f.write(text)
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ from pallas_kernels._common import compiler_params, next_pow2, target
 from pallas_kernels.mla.kernel import GPU_SMS, _update, init_state, key_loop, merge_splits, query_rows, row_blocks
 
 F32 = jnp.float32
+#: TPU: bytes of block table one grid call scalar-prefetches into SMEM (1 MiB on v5p; the other
+#: prefetched operands are a few hundred bytes). A wider batch x table is run in row groups.
+SMEM_TABLE_BYTES = 512 * 1024
 
 
 def _grid_kernel(bt_ref, lim_b_ref, layer_ref, q_ref, qpe_ref, lim_ref, *refs, scale, page, pages_per_step,
@@ -158,7 +161,7 @@ def _run(q_hat, q_pe, c_pages, kpe_pages, block_table, kv_len, q_pos, layer, sca
 def paged_latent_attention_pallas(q_hat, q_pe, c_pages, kpe_pages, block_table, kv_len, q_pos, scale, layer=None,
                                   interpret=None, *, mode: str | None = None, pages_per_step: int | None = None,
                                   num_splits: int | None = None, block_q: int | None = None,
-                                  platform: str | None = None):
+                                  platform: str | None = None, smem_table_bytes: int = SMEM_TABLE_BYTES):
     """Absorbed-MLA core over a paged cache, read in place; equals `paged_latent_attention` (its reference).
 
     q_hat [B,T,H,r]; q_pe [B,T,H,dr]; c_pages [n_pages, P, r], kpe_pages [n_pages, P, dr] (or a scanned
@@ -169,9 +172,18 @@ def paged_latent_attention_pallas(q_hat, q_pe, c_pages, kpe_pages, block_table, 
     mode: "grid" (TPU default) | "loop" (GPU default); pages_per_step: pages per TPU grid step (8);
     num_splits: parallel partitions of the table (flash decoding; GPU ⌊132 / programs⌋, else 1);
     block_q: query rows per program (GPU 32; else the rows rounded up to a power of two ≥ 16, ≤ 256).
+    smem_table_bytes (grid mode): the block table is scalar-prefetched into SMEM, so a batch whose
+    table is larger runs in groups of rows, one call each (the real config at 64 rows x 5,559 pages
+    needed 1.42 MB of the v5p's 1 MiB SMEM: the compiler refused it).
     """
     plat, interpret = target(platform, interpret)
-    mode, pages_per_step, num_splits, block_q = _defaults(mode, pages_per_step, num_splits, block_q, q_hat.shape[0],
+    B = q_hat.shape[0]
+    mode, pages_per_step, num_splits, block_q = _defaults(mode, pages_per_step, num_splits, block_q, B,
                                                           q_hat.shape[1] * q_hat.shape[2], plat)
-    return _run(q_hat, q_pe, c_pages, kpe_pages, block_table, kv_len, q_pos, layer, float(scale), interpret, mode,
-                pages_per_step, num_splits, block_q, plat=plat)
+    run = functools.partial(_run, layer=layer, scale=float(scale), interpret=interpret, mode=mode,
+                            pages_per_step=pages_per_step, num_splits=num_splits, block_q=block_q, plat=plat)
+    group = max(1, smem_table_bytes // (4 * block_table.shape[1])) if mode == "grid" else B
+    if group >= B:
+        return run(q_hat, q_pe, c_pages, kpe_pages, block_table, kv_len, q_pos)
+    return jnp.concatenate([run(q_hat[i:i + group], q_pe[i:i + group], c_pages, kpe_pages, block_table[i:i + group],
+                                kv_len[i:i + group], q_pos[i:i + group]) for i in range(0, B, group)], axis=0)
