@@ -65,6 +65,8 @@ ROWS = {
     # roofline decode at batch 1, 8 and 64 on the targets that had only batch 8 (twenty-first session)
     "tpu7x_mxfp4_b1_8_64": ["--weights", "mxfp4", "--target", "tpu7x:2x2x1", "--mesh", "expert=8", "--programs",
                             "decode", "--decode-rows", "1,8,64", *ENGINE_64],
+    "tpu7x_mxfp4_b1": ["--weights", "mxfp4", "--target", "tpu7x:2x2x1", "--mesh", "expert=8", "--programs", "decode",
+                       "--decode-rows", "1", *ENGINE_8K],
     "v6e64_fp8_b1_64": ["--weights", "fp8", "--target", "v6e:8x8", "--mesh", "expert=16,model=4", "--programs",
                         "decode", "--decode-rows", "1,64", "--max-slots", "64", "--max-seq-len", "8192",
                         "--cache-memory", "22"],
@@ -124,6 +126,8 @@ def summary(out: str) -> str:
              "fits | roofline ms | tok/s | collectives | compile s |", "|" + "---|" * 14]
     for path in sorted(glob.glob(os.path.join(out, "*.json"))):
         r = json.load(open(path))
+        if "row" not in r:  # not a row of this sweep (a one-off run's raw JSON, aot_fit.py's)
+            continue
         if "programs" not in r:
             lines.append(f"| {r.get('row')} | - | - | - | - | - | - | - | - | error: {r.get('error')} | | | | |")
             continue
