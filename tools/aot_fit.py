@@ -14,7 +14,6 @@ Results: OUT/fit_NAME.json and OUT/FIT.md (the table BENCHMARKS.md quotes).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -22,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from aot_sweep import REAL, run_rows, write_table  # this folder is on sys.path when run as a script
+from aot_sweep import REAL, row_parser, run_rows, write_table  # this folder is on sys.path when run as a script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -144,11 +143,7 @@ def table(out: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default=None, help="comma list of row names (default: all)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "tools", "results", "aot"))
-    ap.add_argument("--force", action="store_true", help="rerun rows whose fit_NAME.json exists")
-    a = ap.parse_args()
+    a = row_parser(__doc__).parse_args()
     run_rows(a.only.split(",") if a.only else list(ROWS), lambda n: os.path.join(a.out, f"fit_{n}.json"),
              lambda n: fit_row(n, a.out), a.force)
     write_table(table(a.out), os.path.join(a.out, "FIT.md"))

@@ -150,12 +150,18 @@ def summary(out: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def row_parser(doc: str) -> argparse.ArgumentParser:
+    """--only / --out / --force, the options of this tool and of aot_fit.py."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--only", default=None, help="comma list of row names (default: all)")
     ap.add_argument("--out", default=os.path.join(ROOT, "tools", "results", "aot"))
+    ap.add_argument("--force", action="store_true", help="run rows whose results exist")
+    return ap
+
+
+def main() -> int:
+    ap = row_parser(__doc__)
     ap.add_argument("--temps", action="store_true", help="GPU rows: list the largest temporaries (XLA dump)")
-    ap.add_argument("--force", action="store_true", help="run rows whose JSON exists")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     names = a.only.split(",") if a.only else list(ROWS)
