@@ -198,11 +198,12 @@ def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_f
     out = model(state.token[:, None], state.cache, active.astype(jnp.int32), exec=ex, mode=DECODE)
     logits = out["logits"][:, 0]
     rows = RowSampling.broadcast(sampling, B, state.n_out)
-    nxt = rows.draw(_penalized(logits, stats, rows), vocab_sharding=logits_sharding(model))
+    vocab_sharding = logits_sharding(model)
+    nxt = rows.draw(_penalized(logits, stats, rows), vocab_sharding=vocab_sharding)
     cache = out["cache"]
     hidden = jnp.where(active[:, None], out["hidden"][:, 0], state.hidden)
     new, take = _emit(state, nxt[:, None], jnp.ones_like(state.n_out), stop_ids, max_new,
-                      _logprob_values(logits[:, None], nxt[:, None], state, logits_sharding(model)))
+                      _logprob_values(logits[:, None], nxt[:, None], state, vocab_sharding))
     _stream(stream_fn, nxt[:, None], take)
     return new._replace(cache=cache, hidden=hidden, token=jnp.where(active, nxt, state.token), stats=stats,
                         rounds=state.rounds + active, accepted=state.accepted + take)

@@ -62,9 +62,6 @@ def update_rows(stats: TokenStats, ids: jax.Array, n_valid: jax.Array, lengths: 
     config on v6e-64, `model=4`: [64, 157184] int32 and bool, 50 MB a decode step;
     BENCHMARKS.md "The pods' all-gathers")."""
     counts, seen = stats
-    if mesh is not None:
-        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        counts, seen = (jax.lax.with_sharding_constraint(a, rep) for a in (counts, seen))
     R, T = ids.shape
     V = counts.shape[-1]
     counts, seen = jax.lax.cond(

@@ -17,11 +17,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
-from aot_sweep import REAL, row_parser, run_rows, write_table  # this folder is on sys.path when run as a script
+# this folder is on sys.path when run as a script
+from aot_sweep import REAL, row_parser, run_aot, run_rows, write_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -43,16 +42,10 @@ ROWS = {
 
 
 def aot(weights, target, mesh, batch, seq, cache_gib) -> dict:
-    cmd = [sys.executable, "-m", "ling_jax.cli", "aot", "--config", REAL, "--weights", weights, "--target", target,
-           "--mesh", mesh, "--programs", "decode", "--decode-rows", str(batch), "--max-slots", str(batch),
-           "--max-seq-len", str(seq), "--cache-memory", f"{cache_gib:.6f}", "--json"]
-    t = time.perf_counter()
-    p = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, cwd=ROOT)
-    try:
-        r = json.loads(p.stdout)
-    except json.JSONDecodeError:
-        r = {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
-    r.update(rc=p.returncode, wall_seconds=round(time.perf_counter() - t, 1), cache_memory_gib=cache_gib)
+    r = run_aot(["--weights", weights, "--target", target, "--mesh", mesh, "--programs", "decode",
+                 "--decode-rows", str(batch), "--max-slots", str(batch), "--max-seq-len", str(seq),
+                 "--cache-memory", f"{cache_gib:.6f}"])
+    r["cache_memory_gib"] = cache_gib
     return r
 
 

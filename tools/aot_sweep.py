@@ -93,22 +93,31 @@ ROWS = {
 }
 
 
-def run_row(name: str, argv: list, out: str, temps: bool) -> dict:
+def run_aot(argv: list, env: dict | None = None) -> dict:
+    """`ling-jax aot --config REAL ARGV --json` in a subprocess (the compilers keep their own state):
+    its report, or {"error": its last stderr line}; with rc and wall_seconds."""
     cmd = [sys.executable, "-m", "ling_jax.cli", "aot", "--config", REAL, *argv, "--json"]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, env=env or dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       cwd=ROOT)
+    try:
+        r = json.loads(p.stdout)
+    except json.JSONDecodeError:
+        r = {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
+    r.update(rc=p.returncode, wall_seconds=round(time.perf_counter() - t, 1))
+    return r
+
+
+def run_row(name: str, argv: list, out: str, temps: bool) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     dump = None
     if temps and any(a.startswith("h100") or a.startswith("h200") for a in argv):
         dump = tempfile.mkdtemp(prefix="aot-dump-")
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text "
                             "--xla_dump_hlo_module_re=.*lambda.*").strip()
-    t = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    print(f"{name}: rc {p.returncode} in {time.perf_counter() - t:.0f} s", flush=True)
-    try:
-        r = json.loads(p.stdout)
-    except json.JSONDecodeError:
-        r = {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
-    r.update(row=name, argv=argv, rc=p.returncode, wall_seconds=round(time.perf_counter() - t, 1))
+    r = run_aot(argv, env)
+    print(f"{name}: rc {r['rc']} in {r['wall_seconds']:.0f} s", flush=True)
+    r.update(row=name, argv=argv)
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(r, f, indent=1)
     if dump:

@@ -95,17 +95,17 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
     hid = _take_last(out["hidden"], inp.n_valid)
     logits = model.logits(hid, ex)
     s = inp.sampling
-    stats, x = pools.stats, logits
+    stats, x, vocab_sharding = pools.stats, logits, logits_sharding(model)
     if stats is not None and s.prompt_len is not None:
         rs = gather_stats(stats, inp.rows) if gather_rows else stats
         rs = update_rows(rs, inp.ids, inp.n_valid, inp.lengths, s.prompt_len, fresh, model_mesh(model))
         x = penalize_rows(logits, rs, s.presence, s.frequency, s.repetition)
         stats = scatter_stats(stats, inp.rows, rs) if gather_rows else rs
-    tok = s.draw(x, vocab_sharding=logits_sharding(model))
+    tok = s.draw(x, vocab_sharding=vocab_sharding)
     hid = jnp.where((inp.n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
     new_pools = with_cache(cfg, pools, new_cache, rows)
     hidden = put_rows(pools.hidden, inp.rows, hid) if gather_rows else hid.astype(pools.hidden.dtype)
-    lp = row_logprobs(logits, tok, s.logprobs, logits_sharding(model))
+    lp = row_logprobs(logits, tok, s.logprobs, vocab_sharding)
     result = (new_pools._replace(hidden=hidden, stats=stats), tok, lp)
     if snaps is None:
         return result
