@@ -67,6 +67,8 @@ ROWS = {
                             "decode", "--decode-rows", "1,8,64", *ENGINE_64],
     "tpu7x_mxfp4_b1": ["--weights", "mxfp4", "--target", "tpu7x:2x2x1", "--mesh", "expert=8", "--programs", "decode",
                        "--decode-rows", "1", *ENGINE_8K],
+    "v5p64_fp8_b1_64": ["--weights", "fp8", "--target", "v5p:4x4x4", "--mesh", "expert=16,model=4", "--programs",
+                        "decode", "--decode-rows", "1,64", *ENGINE_64],
     "v6e64_fp8_b1_64": ["--weights", "fp8", "--target", "v6e:8x8", "--mesh", "expert=16,model=4", "--programs",
                         "decode", "--decode-rows", "1,64", "--max-slots", "64", "--max-seq-len", "8192",
                         "--cache-memory", "22"],
