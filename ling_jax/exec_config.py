@@ -28,6 +28,7 @@ GROUPED_MATMULS = ("capacity", "ragged")
 MLA_FORMS = ("auto", "expanded", "absorbed")
 LAYER_LOOPS = ("scan", "unroll")
 PLATFORMS = ("tpu", "gpu", "cpu")
+POOL_LAYOUTS = ("default", "token_rows")
 
 #: The layer loop unrolls schedules of at most this many layers whose hidden size is at least
 #: UNROLL_MIN_HIDDEN. Why both: a scan makes XLA:CPU copy each layer's weight slices (cost ∝ weight
@@ -101,6 +102,15 @@ class ExecConfig:
         sizes, compiler parameters, interpret or compile). None = the host's default backend. Why a
         field: a compile-only run on a CPU host (`ling-jax aot`) compiles for a TPU or GPU target,
         so the target cannot be read from `jax.default_backend()`; `for_backend` sets it.
+    pool_layout: how the engine lays its pools out in device memory. "default": the device's
+        default layout; "token_rows": the k_pe page pools row-major (each token's values the minor
+        dimension, as the paged write and the attention kernels read them; `serve.pools.
+        token_row_formats`), every engine program pinned to that layout. Why: XLA:TPU keeps a
+        64-wide minor dimension (half a lane tile) with another dimension minor, so every step
+        copied each k_pe pool into the row-major layout and back (temp memory 2x the k_pe pool and
+        that traffic per step, BENCHMARKS.md); row-major pads it to 128 lanes instead (+11% of the
+        latent pool at the release's widths). `for_backend`: "token_rows" on TPU, else "default"
+        (where the default is row-major already).
     """
     kernels: str = "xla"
     experts: str = "auto"
@@ -116,6 +126,7 @@ class ExecConfig:
     prefill_chunk: int = 2048
     remat: Optional[str] = None
     platform: Optional[str] = None
+    pool_layout: str = "default"
 
     def __post_init__(self):
         _choice("kernels", self.kernels, KERNELS)
@@ -123,6 +134,7 @@ class ExecConfig:
         _choice("grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
         _choice("mla_form", self.mla_form, MLA_FORMS)
         _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
+        _choice("pool_layout", self.pool_layout, POOL_LAYOUTS)
         for name, low in (("kda_chunk", 1), ("attn_block", 1), ("prefill_chunk", 1), ("weights_first_rows", 0)):
             check_int(getattr(self, name), f"ExecConfig.{name}", field=name, low=low)
         for name in ("native_experts", "native_attention", "native_kda"):
@@ -152,6 +164,7 @@ class ExecConfig:
                     native_attention=not accel,
                     native_kda=not accel,
                     layer_loop="unroll" if unroll else "scan",
+                    pool_layout="token_rows" if platform == "tpu" else "default",
                     platform=platform)
         base.update({k: v for k, v in overrides.items() if v is not None or k == "remat"})
         if base.get("platform") is not None:

@@ -318,3 +318,49 @@ def test_token_statistics_and_logits_are_not_gathered_on_a_model_mesh():
     assert vocab_gathers and sorts_whole, "expected the whole-row fallback (it gathers the row)"
     outside = [n for n, whole in vocab_gathers if not whole]
     assert not outside, f"[rows, V] all-gathered outside the whole-row sort's branch: {outside}"
+
+
+def _copies_of(hlo: str, shapes: set) -> list:
+    """`copy` / `transpose` ops of the optimised HLO whose result has one of `shapes` (a relayout of
+    an array of that shape: XLA spells a layout change as a copy)."""
+    out = []
+    for m in re.finditer(r"= \w+\[([\d,]*)\]\S* (copy|transpose)\(", hlo):
+        if m.group(1) and tuple(int(d) for d in m.group(1).split(",")) in shapes:
+            out.append(m.group(0))
+    return out
+
+
+def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu():
+    """On TPU the default layout of a k_pe page pool (64 values a token, half a 128-lane tile) puts
+    another dimension minor, so XLA copied every k_pe pool into the row-major layout the paged write
+    and the kernel use and back, in every engine program (temp memory 2x the k_pe pool, BENCHMARKS.md).
+    With `ExecConfig.pool_layout="token_rows"` (the TPU default) the k_pe pools are stored row-major
+    and every program is pinned to it: no decode (gathered rows or in place) or prefill program
+    copies a k_pe pool; with "default" they do (so this test would catch the relayout coming back)."""
+    import jax
+    from sharding.mesh import make_mesh, parse_mesh_shape
+    from sharding.rules import path_str
+
+    from ling_jax.aot.abstract import placed_abstract_model
+    from ling_jax.aot.programs import engine_programs
+    from ling_jax.aot.targets import resolve_target
+    from ling_jax.config import LingConfig
+
+    target = resolve_target("v5e:2x2")
+    mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices)
+    found = {}
+    for layout in ("default", "token_rows"):
+        model = placed_abstract_model(LingConfig.from_dict(small_config_dict()), "bf16", mesh, target.platform,
+                                      with_mtp=True)
+        assert model.exec.pool_layout == "token_rows"  # ExecConfig.for_backend's TPU default
+        model.exec = model.exec.replace(pool_layout=layout)
+        progs = engine_programs(model, {"decode", "prefill"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16,
+                                rows=(1, 8), num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
+        pools = progs[0].args[1]
+        leaves = jax.tree_util.tree_leaves_with_path(pools)
+        kpe = {tuple(x.shape) for p, x in leaves if path_str(p).endswith("kpe_pages")}
+        assert kpe
+        found[layout] = {p.name: _copies_of(p.lower().compile().as_text(), kpe) for p in progs}
+    assert set(found["token_rows"]) == {"decode[R=1,W=16]", "decode[R=8,W=16]", "prefill[R=2,T=64,W=16]"}, found
+    assert all(found["default"].values()), found["default"]  # the relayout this layout removes
+    assert not any(found["token_rows"].values()), found["token_rows"]

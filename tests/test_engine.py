@@ -432,3 +432,34 @@ def test_prefill_row_buckets_default_and_refusal(tiny_model):
     with pytest.raises(ValueError, match=msg):
         Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=16, prefill_chunk=16, prefill_rows=2,
                prefill_row_buckets=(1, 4))
+
+
+def test_token_rows_pool_layout_gives_the_same_tokens(tiny_model, reference):
+    """`ExecConfig.pool_layout="token_rows"` (the TPU default): the k_pe page pools are allocated
+    row-major and every program (prefill, decode, snapshot save / restore) is pinned to that layout.
+    On CPU row-major is the default, so this checks the plumbing: the k_pe pools carry `Format`s,
+    the tokens equal `generate` alone, a prefix-cache hit restores into the pinned pools, and nothing
+    compiles after warm-up. (That it removes the relayout on TPU: tests/test_aot.py.)"""
+    from jax.experimental.layout import Format
+    from sharding.rules import path_str
+
+    prompts, params, _, expected, _ = reference
+    ex = tiny_model.exec.replace(pool_layout="token_rows")
+    eng = Engine(tiny_model, exec=ex, max_slots=2, page_size=PAGE, num_pages=24, prefill_chunk=16, max_seq_len=80,
+                 buckets=(16,), snapshot_interval=16)
+    kpe = [path_str(p).endswith("kpe_pages") for p, _ in jax.tree_util.tree_leaves_with_path(eng.runner.pools)]
+    assert any(kpe) and [isinstance(f, Format) for f in jax.tree.leaves(eng.runner.pool_sharding)] == kpe
+    for x, f in zip(jax.tree.leaves(eng.runner.pools), jax.tree.leaves(eng.runner.pool_sharding)):
+        if isinstance(f, Format):
+            assert x.format.layout.major_to_minor == tuple(range(x.ndim))
+    eng.warmup()
+    picks = [0, 1, 2, 5]
+    with xla_compiles() as events:
+        handles = [eng.submit(prompts[i], params[i]) for i in picks]
+        eng.run_until_done()
+        again = eng.submit(prompts[2], params[2])  # its snapshots were saved: a hit, restored into the pools
+        eng.run_until_done()
+    assert [h.generated for h in handles] == [expected[i] for i in picks]
+    assert again.generated == expected[2]
+    assert eng.stats()["prefix_hits"] >= 1, eng.stats()
+    assert not events, events

@@ -20,6 +20,8 @@ def test_backend_defaults():
         assert (accel.kernels, accel.grouped_matmul, accel.kda_chunk) == ("pallas", "ragged", chunk)
     # the target platform reaches every kernel call (a compile-only run compiles for it on a CPU host)
     assert (cpu.platform, tpu.platform, gpu.platform) == ("cpu", "tpu", "gpu")
+    # the k_pe page pools stored row-major on TPU only (elsewhere that is the default layout already)
+    assert (cpu.pool_layout, tpu.pool_layout, gpu.pool_layout) == ("default", "token_rows", "default")
     assert ExecConfig.for_backend("cuda").platform == "gpu"
     with pytest.raises(ValueError, match="platform"):
         ExecConfig(platform="metal")
@@ -42,7 +44,7 @@ def test_layer_loop_follows_the_model_shape():
 
 
 @pytest.mark.parametrize("field,value", [("kernels", "cuda"), ("experts", "ep"), ("grouped_matmul", "dense"),
-                                         ("mla_form", "mixed"), ("layer_loop", "auto"),
+                                         ("mla_form", "mixed"), ("layer_loop", "auto"), ("pool_layout", "auto"),
                                          ("kda_chunk", 0), ("kda_chunk", 2.5), ("remat", "no_such_policy")])
 def test_bad_values_are_refused_by_field_name(field, value):
     with pytest.raises(ValueError, match=rf"ExecConfig\.{field} "):

@@ -45,6 +45,9 @@ def plan_arguments(cfg, weights: str, mesh_shape: dict, include_mtp: bool, kv_ca
         if kind in ("engine", "pools"):
             s = eng.sizes
             per_tok = full["mla_cache_bytes_per_token_main"] + (full["mla_cache_bytes_per_token_mtp"] if s.with_mtp else 0)
+            if s.kpe_stored:  # k_pe rows padded as stored (ExecConfig.pool_layout "token_rows" on TPU; bf16 pages)
+                n_mla = sum(t == "mla" for t in cfg.layer_types) + (1 if s.with_mtp else 0)
+                per_tok += (s.kpe_stored - cfg.qk_rope_head_dim) * 2 * n_mla
             rows = eng.runner.snapshots.rows if (snapshots and eng.runner.snapshots is not None) else 0
             pools = s.num_pages * s.page_size * per_tok + (s.max_slots + rows) * kda
             return pools + (resident if kind == "engine" else 0)

@@ -39,7 +39,7 @@ from ling_jax.exec_config import ExecConfig
 from ling_jax.kv_quant import KV_CACHE_DTYPES
 from ling_jax.rope import context_limit
 from ling_jax.serve import Engine
-from ling_jax.serve.pools import GIB, plan_pools
+from ling_jax.serve.pools import GIB, plan_pools, stored_kpe_values
 from ling_jax.speculation import MAX_SPECULATIVE
 
 ACCEL_FREE_FRACTION = 0.5
@@ -187,8 +187,10 @@ def plan_engine_memory(args, model, budget: Optional[tuple[int, str]] = None) ->
     """(Engine keywords num_pages / max_seq_len, a line saying how the memory was sized).
     budget: (bytes, how) instead of reading the devices (tests)."""
     cfg, slots, P = model.cfg, args.max_slots, args.page_size
+    kv = getattr(args, "kv_cache_dtype", None)
     unit = plan_pools(cfg, model.dtype, max_slots=slots, page_size=P, num_pages=1, max_seq_len=2,
-                      with_mtp=model.mtp is not None, kv_cache_dtype=getattr(args, "kv_cache_dtype", None))
+                      with_mtp=model.mtp is not None, kv_cache_dtype=kv,
+                      kpe_stored=stored_kpe_values(cfg, model.exec, model.dtype, kv))
     page, slot = unit.page_bytes, unit.slot_bytes
     if args.cache_memory is not None:
         total, how = int(args.cache_memory * GIB), f"--cache-memory {args.cache_memory:g} GiB"

@@ -22,6 +22,7 @@ class PoolSizes:
     slot_bytes: int
     stats_bytes: int = 0  # of slot_bytes: the token statistics (not part of a prefix-cache snapshot)
     kv_cache_dtype: str = "auto"  # "fp8": the MLA pages as float8 + per-token scales (`ling_jax.kv_quant`)
+    kpe_stored: int = 0  # values a token's k_pe row takes as stored, when padded (`pools.stored_kpe_values`); 0 = dr
 
     @property
     def snapshot_bytes(self) -> int:

@@ -46,7 +46,7 @@ from ling_jax.checks import check_int
 from ling_jax.exec_config import ExecConfig
 from ling_jax.sampling_params import TokenLogprob
 from ling_jax.serve.allocator import PageAllocator
-from ling_jax.serve.pools import GIB, plan_pools
+from ling_jax.serve.pools import GIB, plan_pools, stored_kpe_values
 from ling_jax.serve.prefix_cache import PrefixCache
 from ling_jax.serve.request import RequestFieldError, RequestParams
 from ling_jax.serve.runner import ModelRunner, check_row_buckets, decode_widths, token_buckets
@@ -148,7 +148,8 @@ class Engine:
         _check_speculative(speculative, model, with_mtp)
         self.sizes = plan_pools(cfg, model.dtype, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
                                 cache_memory_gib=cache_memory_gib, max_seq_len=max_seq_len, with_mtp=with_mtp,
-                                kv_cache_dtype=kv_cache_dtype)
+                                kv_cache_dtype=kv_cache_dtype,
+                                kpe_stored=stored_kpe_values(cfg, exec or model.exec, model.dtype, kv_cache_dtype))
         if self.sizes.max_seq_len > self.sizes.num_pages * page_size:
             raise ValueError(f"max_seq_len={self.sizes.max_seq_len} exceeds the pool "
                              f"({self.sizes.num_pages} pages x {page_size} tokens)")

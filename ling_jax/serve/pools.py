@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding
 
 from ling_jax.accounting import cache_bytes
@@ -67,18 +68,34 @@ def _byte_costs(cfg: LingConfig, dtype, with_mtp: bool, kv_cache_dtype: str = "a
     return per_token, slot, cb
 
 
+def stored_kpe_values(cfg: LingConfig, exec, dtype, kv_cache_dtype: str | None = None) -> int:
+    """Values a token's k_pe row takes in the engine's pools: dr (`cfg.qk_rope_head_dim`), or dr
+    rounded up to the TPU's 128 lanes when `exec.pool_layout` is "token_rows" on TPU and the pools'
+    type has a known tiling (`token_row_formats`: the row-major k_pe pool is padded there)."""
+    dr = cfg.qk_rope_head_dim
+    kv = check_kv_cache_dtype(kv_cache_dtype)
+    platform = exec.platform or jax.default_backend()
+    if exec.pool_layout != "token_rows" or platform != "tpu" or kv == "fp8" or jnp.dtype(dtype) not in _TPU_TILES:
+        return dr
+    return -(-dr // 128) * 128
+
+
 def plan_pools(cfg: LingConfig, dtype, *, max_slots: int, page_size: int, num_pages: int | None = None,
                cache_memory_gib: float | None = None, max_seq_len: int | None = None,
-               with_mtp: bool = True, kv_cache_dtype: str | None = None) -> PoolSizes:
+               with_mtp: bool = True, kv_cache_dtype: str | None = None, kpe_stored: int | None = None) -> PoolSizes:
     """Sizes from either `num_pages` or a cache memory budget (slots are paid first, the rest
     becomes pages). max_seq_len (prompt + generated tokens of one request) defaults to the
     smaller of the model's context and the whole pool. kv_cache_dtype: "auto"/None (pages in
-    `dtype`) or "fp8" (float8 + two float32 scales per token: ~1.97x the tokens per GiB in bf16)."""
+    `dtype`) or "fp8" (float8 + two float32 scales per token: ~1.97x the tokens per GiB in bf16).
+    kpe_stored: the values a k_pe row takes as stored (`stored_kpe_values`; None = dr): a padded
+    row costs its padding in every MLA pool."""
     for name, v in (("max_slots", max_slots), ("page_size", page_size)):
         check_int(v, name, low=1)
     kv = check_kv_cache_dtype(kv_cache_dtype)
     with_mtp = bool(with_mtp and cfg.has_mtp)
-    per_token, slot, _ = _byte_costs(cfg, dtype, with_mtp, kv)
+    per_token, slot, cb = _byte_costs(cfg, dtype, with_mtp, kv)
+    pad = max(0, (kpe_stored or cfg.qk_rope_head_dim) - cfg.qk_rope_head_dim)
+    per_token += pad * jnp.dtype(dtype).itemsize * (cb["num_mla_layers"] + (1 if with_mtp else 0))
     page = per_token * page_size
     if (num_pages is None) == (cache_memory_gib is None):
         raise ValueError("give exactly one of num_pages or cache_memory_gib")
@@ -94,7 +111,7 @@ def plan_pools(cfg: LingConfig, dtype, *, max_slots: int, page_size: int, num_pa
     max_seq_len = max_seq_len or min(cfg.max_position_embeddings, num_pages * page_size)
     check_int(max_seq_len, "max_seq_len", low=2)
     return PoolSizes(max_slots, page_size, num_pages, max_seq_len, with_mtp, page, slot,
-                     stats_bytes_per_slot(cfg.vocab_size), kv)
+                     stats_bytes_per_slot(cfg.vocab_size), kv, cfg.qk_rope_head_dim + pad if pad else 0)
 
 
 def describe(cfg: LingConfig, sizes: PoolSizes, dtype) -> str:
@@ -105,10 +122,14 @@ def describe(cfg: LingConfig, sizes: PoolSizes, dtype) -> str:
     slots = sizes.max_slots * sizes.slot_bytes
     latents = ("float8_e4m3fn latents + float32 per-token scales" if sizes.kv_cache_dtype == "fp8"
                else f"{jnp.dtype(dtype).name} latents")
+    per_layer, padded = cb["mla_bytes_per_token_per_layer"], ""
+    if sizes.kpe_stored:
+        per_layer = sizes.page_bytes // (sizes.page_size * n_mla)
+        padded = f" (k_pe rows stored row-major as {sizes.kpe_stored} values: ExecConfig.pool_layout)"
     return "\n".join([
         f"cache pools ({latents}, float32 KDA state):",
         f"  pages: {sizes.num_pages} x {sizes.page_size} tokens x {n_mla} MLA layers"
-        f"{' (incl. MTP)' if sizes.with_mtp else ''} x {cb['mla_bytes_per_token_per_layer']} B/token/layer"
+        f"{' (incl. MTP)' if sizes.with_mtp else ''} x {per_layer} B/token/layer{padded}"
         f" = {pages / GIB:.4f} GiB ({sizes.num_pages * sizes.page_size} tokens in all)",
         f"  slots: {sizes.max_slots} x ({cb['num_kda_layers']} KDA layers x "
         f"({cb['kda_state_bytes_per_sequence_per_layer']} B state + "
@@ -175,15 +196,65 @@ def is_abstract(tree) -> bool:
 
 
 def make_placed(make, placement, abstract: bool = False):
-    """(tree, shardings): `make()`'s zeros put where `placement(tree)` says, or, `abstract`, only their
-    shapes with those shardings (nothing allocated: compile-only devices hold no data)."""
+    """(tree, shardings): `make()`'s zeros put where `placement(tree)` says (shardings, or `Format`s:
+    a layout too), or, `abstract`, only their shapes with those shardings (nothing allocated:
+    compile-only devices hold no data; the layout is then the programs' `pin_pools`)."""
     if not abstract:
         tree = make()
         sharding = placement(tree)
         return jax.device_put(tree, sharding), sharding
     shapes = jax.eval_shape(make)
     sharding = placement(shapes)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sharding), sharding
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                        shardings_of(sharding)), sharding
+
+
+def shardings_of(tree):
+    """The shardings of a tree of shardings or `Format`s (a Format's sharding; a sharding as is)."""
+    return jax.tree.map(lambda s: s.sharding if isinstance(s, Format) else s, tree)
+
+
+def has_layouts(pool_sharding) -> bool:
+    return pool_sharding is not None and any(isinstance(s, Format) for s in jax.tree.leaves(pool_sharding))
+
+
+def pin_pools(pool_sharding, n_args: int, at: int = 1) -> dict:
+    """`jax.jit` keyword arguments fixing argument `at` (the pools) of an `n_args`-argument program to
+    `pool_sharding` when it carries layouts (`token_row_formats`), so each program reads the pools
+    in the layout they are stored in (unpinned, a program would be compiled for the default layout
+    and the call refused); {} otherwise (the pools' own placement is taken as is)."""
+    if not has_layouts(pool_sharding):
+        return {}
+    return {"in_shardings": tuple(pool_sharding if i == at else None for i in range(n_args))}
+
+
+#: TPU tiles of a row-major array by element type (what XLA:TPU assigns such an array; a Format with
+#: another tiling is overridden and refused by jax).
+_TPU_TILES = {jnp.dtype(jnp.bfloat16): ((8, 128), (2, 1)), jnp.dtype(jnp.float32): ((8, 128),)}
+
+
+def token_row_formats(pools, shardings):
+    """`ExecConfig.pool_layout="token_rows"`: the k_pe page pools (`*/kpe_pages`, [..., n_pages, P,
+    dr]) as row-major `Format`s (each token's dr values the minor dimension: the layout the paged
+    write and the attention kernels use), every other pool leaf its plain sharding (the device's
+    default layout). Why: XLA:TPU keeps an array whose minor dimension is 64 values (half a
+    128-lane tile) with another dimension minor instead, so each k_pe pool was copied into the
+    row-major layout and back in every step (temp memory 2x the k_pe pool, and that traffic every
+    step; tests/test_aot.py); row-major it pads dr = 64 to 128 lanes (the k_pe pool's memory
+    doubles: +11% of the latent pages at dr = 64, r = 512) and no program copies it. Leaf types
+    without a known TPU tiling keep the default; on CPU and GPU row-major is the default already."""
+    def one(path, x, s):
+        if not path_str(path).endswith("kpe_pages"):
+            return s
+        dev = next(iter(s.device_set))
+        if dev.platform != "tpu":
+            tiles = ()
+        elif jnp.dtype(x.dtype) in _TPU_TILES:
+            tiles = _TPU_TILES[jnp.dtype(x.dtype)]
+        else:
+            return s
+        return Format(Layout(major_to_minor=tuple(range(x.ndim)), tiling=tiles), s)
+    return jax.tree_util.tree_map_with_path(one, pools, shardings)
 
 
 def per_device_bytes(tree) -> int:

@@ -26,7 +26,8 @@ from ling_jax.checks import FieldError, is_int
 from ling_jax.exec_config import ExecConfig
 from ling_jax.serve.allocator import PageAllocator, PoolSizes
 from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_RESTORE, OP_SAVE, OP_SPEC, ProgramShape, make_link
-from ling_jax.serve.pools import GIB, describe, init_pools, is_abstract, make_placed, per_device_bytes, placed_like
+from ling_jax.serve.pools import (GIB, describe, init_pools, is_abstract, make_placed, per_device_bytes, placed_like,
+                                  shardings_of, token_row_formats)
 from ling_jax.serve.slot_sampling import SlotSampling
 from ling_jax.serve.snapshots import SnapshotPool
 from ling_jax.serve.speculative import make_spec_fn
@@ -109,9 +110,16 @@ class ModelRunner:
         # states split by head over `model`, the rest replicated (`pools.pool_shardings`). Every program
         # that returns pools returns them with exactly these shardings (out_shardings), so the first call
         # of each shape and every later call run one compiled program.
-        self.pools, self.pool_sharding = make_placed(lambda: init_pools(cfg, sizes, model.dtype),
-                                                     lambda pools: placed_like(cfg, pools, self.params),
-                                                     self.abstract)
+        make = lambda: init_pools(cfg, sizes, model.dtype)  # noqa: E731
+        placement = lambda pools: placed_like(cfg, pools, self.params)  # noqa: E731
+        if exec.pool_layout == "token_rows":
+            # the k_pe pages row-major, every program pinned to it (ExecConfig.pool_layout: on TPU the
+            # default layout made every step relayout each k_pe pool into and out of it)
+            shapes, sharding = make_placed(make, placement, abstract=True)
+            self.pool_sharding = token_row_formats(shapes, sharding)
+            self.pools = shapes if self.abstract else jax.device_put(make(), self.pool_sharding)
+        else:
+            self.pools, self.pool_sharding = make_placed(make, placement, self.abstract)
         self.slot_sampling = SlotSampling(sizes.max_slots)
         self.snapshots = None if snapshot_rows is None else SnapshotPool(
             cfg, sizes, snapshot_rows, model.dtype, self.prefill_rows,
@@ -144,10 +152,11 @@ class ModelRunner:
                 f"{list(self.buckets)}")
 
     def _describe_placement(self) -> str:
-        sh = jax.tree.leaves(self.pool_sharding)[0]
+        shardings = jax.tree.leaves(shardings_of(self.pool_sharding))
+        sh = shardings[0]
         if not isinstance(sh, jax.sharding.NamedSharding) or sh.mesh.size == 1:
             return ""
-        split = {str(s.spec) for s, x in zip(jax.tree.leaves(self.pool_sharding), jax.tree.leaves(self.pools))
+        split = {str(s.spec) for s, x in zip(shardings, jax.tree.leaves(self.pools))
                  if s.shard_shape(x.shape) != x.shape}
         total = sum(x.nbytes for x in jax.tree.leaves(self.pools))
         return (f"  placement: mesh {dict(sh.mesh.shape)}; KDA states split by head over 'model' "

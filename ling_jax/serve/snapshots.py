@@ -30,7 +30,7 @@ from ling_jax.layer_stack import zeros_by_kind
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.serve.allocator import PoolSizes
 from ling_jax.serve.multihost import OP_RESTORE, OP_SAVE
-from ling_jax.serve.pools import GIB, Pools, make_placed
+from ling_jax.serve.pools import GIB, Pools, make_placed, pin_pools
 from ling_jax.serve.prefix_cache import Restore
 
 #: The default prefix-cache budget, as a fraction of the page pool's bytes. Why a fraction of the
@@ -126,8 +126,10 @@ class SnapshotPool:
         # out_shardings: the rows' own placement, as the prefill program's (step.make_step_fns): every
         # producer of the rows returns one spelling of it, so no call sees a new signature after warm-up
         self._save = jax.jit(lambda snaps, pools, slots, rows: _save(snaps, pools, slots, rows), donate_argnums=(0,),
-                             out_shardings=self.sharding)
-        self._restore = jax.jit(lambda *a: _restore(*a), donate_argnums=(0,), out_shardings=pool_sharding)
+                             out_shardings=self.sharding, **pin_pools(pool_sharding, 4, at=1))
+        self._restore = jax.jit(lambda pools, snaps, rows, slots, dst, src:
+                                _restore(pools, snaps, rows, slots, dst, src),
+                                donate_argnums=(0,), out_shardings=pool_sharding, **pin_pools(pool_sharding, 6, at=0))
 
     @property
     def bytes(self) -> int:

@@ -18,7 +18,7 @@ from ling_jax.checks import check_int
 from ling_jax.exec_config import ExecConfig
 from ling_jax.placement import logits_sharding
 from ling_jax.rows import put_rows, take_rows
-from ling_jax.serve.pools import Pools, as_cache, with_cache
+from ling_jax.serve.pools import Pools, as_cache, pin_pools, with_cache
 from ling_jax.serve.step import StepInputs, gathers_rows, row_logprobs
 from ling_jax.speculation import MAX_SPECULATIVE, speculative_round
 
@@ -57,4 +57,4 @@ def make_spec_fn(graphdef, ex: ExecConfig, k: int, pool_sharding=None):
     `step.make_step_fns`)."""
     check_int(k, "speculative drafts", field="speculative", low=1, high=MAX_SPECULATIVE)
     return jax.jit(lambda params, pools, inp: _spec(graphdef, params, pools, inp, ex, k), donate_argnums=(1,),
-                   out_shardings=(pool_sharding, None, None, None))
+                   out_shardings=(pool_sharding, None, None, None), **pin_pools(pool_sharding, 3))

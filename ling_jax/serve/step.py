@@ -34,7 +34,7 @@ from ling_jax.placement import logits_sharding, model_mesh
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.sampling import MAX_LOGPROBS, RowSampling, token_logprobs
 from ling_jax.token_stats import gather_stats, penalize_rows, scatter_stats, update_rows
-from ling_jax.serve.pools import Pools, as_cache, with_cache
+from ling_jax.serve.pools import Pools, as_cache, pin_pools, with_cache
 
 
 class StepInputs(NamedTuple):
@@ -151,15 +151,17 @@ def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sha
     them (this one, `snapshots.SnapshotPool`'s save) must return one spelling of it, or the next
     call sees a new signature (P() vs P(None, None)) and compiles after warm-up. pool_sharding: the
     pools' shardings (`pools.pool_shardings`), fixed as the returned pools' for the same reason
-    (None: left to propagation)."""
+    (None: left to propagation); `Format`s (`ExecConfig.pool_layout` "token_rows") fix their layout
+    too, read and written (`pools.pin_pools`)."""
     prefill_mode, decode_mode = CallMode.prefill(snapshot_interval), CallMode.decode(logits=False)
     if snapshot_interval:
         prefill = jax.jit(lambda params, pools, inp, snaps: _run(graphdef, params, pools, inp, ex, prefill_mode, True, snaps),
-                          donate_argnums=(1, 3), out_shardings=(pool_sharding, None, None, snap_sharding))
+                          donate_argnums=(1, 3), out_shardings=(pool_sharding, None, None, snap_sharding),
+                          **pin_pools(pool_sharding, 4))
     else:
         prefill = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, ex, prefill_mode, True),
-                          donate_argnums=(1,), out_shardings=(pool_sharding, None, None))
+                          donate_argnums=(1,), out_shardings=(pool_sharding, None, None), **pin_pools(pool_sharding, 3))
     decode = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, ex, decode_mode,
                                                             gathers_rows(pools, inp)),
-                     donate_argnums=(1,), out_shardings=(pool_sharding, None, None))
+                     donate_argnums=(1,), out_shardings=(pool_sharding, None, None), **pin_pools(pool_sharding, 3))
     return prefill, decode
