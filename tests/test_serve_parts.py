@@ -104,6 +104,25 @@ def test_page_allocator_and_sizes(tiny_cfg):
     assert a.used == 2 and a.ensure(0, 9) and len(a.pages[0]) == 3
     a.release(0)
     assert sorted(a.free) == list(range(6))
+    # the block-table rows kept beside the page lists (a step takes them, no list conversion) follow
+    # every grow, share and release; random operations against the lists themselves
+    big = PageAllocator(_sizes(tiny_cfg, max_slots=3, num_pages=12, max_seq_len=24))
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        slot, op = int(rng.integers(3)), rng.integers(3)
+        if op == 0:
+            big.ensure(slot, int(rng.integers(1, 25)))
+        elif op == 1:
+            big.release(slot)
+        elif not big.pages.get(slot) and big.pages.get((slot + 1) % 3):
+            big.share(slot, big.pages[(slot + 1) % 3][:2])
+        for width in (None, 3):
+            rows = big.block_rows([0, None, 1, 2], width)
+            want = np.zeros((4, big.sizes.max_blocks), np.int32)
+            for i, sl in enumerate((0, None, 1, 2)):
+                pg = big.pages.get(sl, []) if sl is not None else []
+                want[i, :len(pg)] = pg
+            assert (rows == want[:, :width]).all()
     by_mem = plan_pools(tiny_cfg, jnp.float32, max_slots=2, page_size=4, cache_memory_gib=1e-4)
     assert by_mem.num_pages == (int(1e-4 * 1024 ** 3) - 2 * by_mem.slot_bytes) // by_mem.page_bytes
     assert by_mem.page_bytes == 4 * 5 * (tiny_cfg.kv_lora_rank + tiny_cfg.qk_rope_head_dim) * 4  # 4 MLA + MTP

@@ -55,6 +55,10 @@ class PageAllocator:
         self.sizes = sizes
         self.empty = list(range(sizes.num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self.pages: dict[int, list[int]] = {}
+        # each slot's block-table row, kept beside `pages` as they change (row max_slots: zeros, for
+        # padding rows): a step reads its rows with one take, not a list -> array conversion of every
+        # page of every row (16K pages a row at 262K tokens: ~1 ms a step on the host, BENCHMARKS.md)
+        self._table = np.zeros((sizes.max_slots + 1, sizes.max_blocks), np.int32)
         self.refs = [0] * sizes.num_pages
         self.cached: set[int] = set()
         self.cache = None  # set by PrefixCache: evict_one() / evictable / evictable_pages()
@@ -83,6 +87,8 @@ class PageAllocator:
             p = self.empty.pop()
             assert self.refs[p] == 0 and p not in self.cached, p
             self.refs[p] = 1
+            if len(have) < self.sizes.max_blocks:
+                self._table[slot, len(have)] = p
             have.append(p)
         return True
 
@@ -91,10 +97,13 @@ class PageAllocator:
         if self.pages.get(slot):
             raise AssertionError(f"slot {slot} already holds pages")
         self.pages[slot] = list(pages)
+        n = min(len(pages), self.sizes.max_blocks)
+        self._table[slot, :n] = self.pages[slot][:n]
         for p in pages:
             self.refs[p] += 1
 
     def release(self, slot: int) -> None:
+        self._table[slot] = 0
         for p in reversed(self.pages.pop(slot, [])):
             self.refs[p] -= 1
             if self.refs[p] == 0 and p not in self.cached:
@@ -114,11 +123,8 @@ class PageAllocator:
     def used(self) -> int:
         return self.sizes.num_pages - self.num_free
 
-    def block_rows(self, slots) -> np.ndarray:
-        """[len(slots), max_blocks] int32 block table rows (unused entries 0: masked by length)."""
-        out = np.zeros((len(slots), self.sizes.max_blocks), np.int32)
-        for i, s in enumerate(slots):
-            if s is not None:
-                p = self.pages.get(s, [])
-                out[i, :len(p)] = p
-        return out
+    def block_rows(self, slots, width: int | None = None) -> np.ndarray:
+        """[len(slots), width] int32 block table rows (None = a padding row; unused entries 0: masked
+        by length); width defaults to max_blocks."""
+        idx = np.fromiter((self.sizes.max_slots if s is None else s for s in slots), np.int64, len(slots))
+        return self._table[idx, :width]

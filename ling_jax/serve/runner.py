@@ -210,7 +210,7 @@ class ModelRunner:
             if r is not None:
                 n_gen[i], lengths[i] = len(r.generated), r.n_fed
         static = self.slot_sampling.rows(reqs)  # written once per admission (`slot_sampling.py`)
-        bt = self.alloc.block_rows([None if r is None else r.slot for r in reqs])[:, :width]
+        bt = self.alloc.block_rows([None if r is None else r.slot for r in reqs], width)
         return StepInputs(np.asarray(rows, np.int32), ids, n_valid, lengths, bt,
                           RowSampling(n_gen=n_gen, **static), snap_rows)
 

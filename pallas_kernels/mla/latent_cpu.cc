@@ -233,8 +233,8 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
        // Each key also prefetches two keys ahead: PREFETCH_L2 keys ahead into L2 (not L1: the block
        // being scored is reread from L1 by every query row and by P·V, and a whole next block
        // fetched into L1 evicted it), PREFETCH_L1 keys ahead into L1. Pages anywhere in the pool
-       // defeat the hardware prefetcher at each page boundary. 256K keys, decode, 2 threads
-       // (BENCHMARKS.md): contiguous 4.4-5.4 -> 3.6-3.9 ms, pages shuffled 7.1-8.4 -> 4.3-4.6 ms.
+       // defeat the hardware prefetcher at each page boundary. 256K keys, decode, 2 threads, interleaved
+       // runs (BENCHMARKS.md): contiguous 4.6-5.9 -> 3.7-4.6 ms, pages shuffled 7.3-8.4 -> 4.4-5.3 ms.
       int64_t pg = kb0 / g.P, off = kb0 % g.P;
       for (int64_t j = 0; j < nk; ++j) {
         const int64_t slot = static_cast<int64_t>(g.bt[it.b * g.nb + pg]) * g.P + off;
