@@ -104,10 +104,15 @@ def timed_steps(eng, n: int) -> list:
 
 def trace(eng, steps: int) -> collections.Counter:
     """Per-thunk microseconds over `steps` engine steps (a Perfetto trace of jax.profiler)."""
+    return trace_calls(eng.step, steps)
+
+
+def trace_calls(fn, n: int) -> collections.Counter:
+    """Per-thunk microseconds over `n` calls of `fn()` (a Perfetto trace of jax.profiler)."""
     d = tempfile.mkdtemp(prefix="ling-prof-")
     with jax.profiler.trace(d, create_perfetto_trace=True):
-        for _ in range(steps):
-            eng.step()
+        for _ in range(n):
+            fn()
     ev = json.load(gzip.open(glob.glob(os.path.join(d, "**", "*.json.gz"), recursive=True)[0]))
     ev = ev["traceEvents"] if isinstance(ev, dict) else ev
     per_thunk = collections.Counter()

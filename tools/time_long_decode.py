@@ -16,26 +16,20 @@ between runs is ±20%.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
-import json
 import os
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_long_context import MODEL  # noqa: E402
-from profile_serve_step import op_names  # noqa: E402
+from profile_serve_step import op_names, trace_calls  # noqa: E402
 from ling_jax.checkpoint.synthetic_config import synthetic_config  # noqa: E402
 from ling_jax.model import LingForCausalLM  # noqa: E402
 from ling_jax.serve import Engine  # noqa: E402
@@ -76,16 +70,7 @@ def main(argv=None) -> int:
     print(f"decode step over {L:,} cached tokens (block table {width} pages): median {1e3 * np.median(times):.2f} ms, "
           f"min {1e3 * min(times):.2f} ms ({a.steps} steps; load {os.getloadavg()[0]:.1f})")
     if a.profile:
-        d = tempfile.mkdtemp(prefix="ling-prof-")
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(10):
-                step()
-        ev = json.load(gzip.open(glob.glob(os.path.join(d, "**", "*.json.gz"), recursive=True)[0]))
-        ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-        per = collections.Counter()
-        for e in ev:
-            if e.get("ph") == "X":
-                per[e["name"]] += e.get("dur", 0)
+        per = trace_calls(step, 10)
         names = op_names(r.decode_fn.lower(r.params, r.pools, inp).compile().as_text())
         print("| XLA op | JAX op | ms / step |\n|---|---|---:|")
         for n, us in per.most_common():
