@@ -203,3 +203,25 @@ def test_engine_policy_stress_with_a_stub_model(tiny_model):
         assert h.finished
         if h.finish_reason != "cancelled":
             assert h.finish_reason == "length" and h.generated == [1] * h._req.params.max_tokens
+
+
+def test_padded_kpe_rows_are_counted(tiny_cfg):
+    """`ExecConfig.pool_layout="token_rows"` on TPU stores each k_pe row padded to 128 lanes
+    (`pools.token_row_formats`): `stored_kpe_values` says so for bf16 / float32 pages on TPU only, and
+    `plan_pools` / `describe` count the padding in every MLA layer's page (the budget buys fewer pages)."""
+    from ling_jax.exec_config import ExecConfig
+    from ling_jax.serve.pools import describe, stored_kpe_values
+
+    dr = tiny_cfg.qk_rope_head_dim
+    tpu, cpu = ExecConfig.for_backend("tpu"), ExecConfig.for_backend("cpu")
+    assert stored_kpe_values(tiny_cfg, tpu, jnp.bfloat16) == stored_kpe_values(tiny_cfg, tpu, jnp.float32) == 128
+    assert stored_kpe_values(tiny_cfg, cpu, jnp.bfloat16) == dr  # row-major is the default there
+    assert stored_kpe_values(tiny_cfg, tpu.replace(pool_layout="default"), jnp.bfloat16) == dr
+    assert stored_kpe_values(tiny_cfg, tpu, jnp.bfloat16, "fp8") == dr  # float8 pages keep the default layout
+    plain = _sizes(tiny_cfg, num_pages=None, cache_memory_gib=1e-3)
+    padded = _sizes(tiny_cfg, num_pages=None, cache_memory_gib=1e-3, kpe_stored=128)
+    n_mla = sum(t == "mla" for t in tiny_cfg.layer_types)  # no MTP pages here (with_mtp=False)
+    assert padded.page_bytes - plain.page_bytes == 4 * n_mla * (128 - dr) * 4  # P=4 tokens, float32
+    assert padded.num_pages < plain.num_pages and padded.kpe_stored == 128 and plain.kpe_stored == 0
+    assert "k_pe rows stored row-major as 128 values" in describe(tiny_cfg, padded, jnp.float32)
+    assert "k_pe rows" not in describe(tiny_cfg, plain, jnp.float32)
