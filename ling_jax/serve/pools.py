@@ -215,6 +215,7 @@ def shardings_of(tree):
 
 
 def has_layouts(pool_sharding) -> bool:
+    """Whether some leaf of the pools' placement fixes a layout (a `Format`, `token_row_formats`)."""
     return pool_sharding is not None and any(isinstance(s, Format) for s in jax.tree.leaves(pool_sharding))
 
 
