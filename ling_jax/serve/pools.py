@@ -74,8 +74,8 @@ def stored_kpe_values(cfg: LingConfig, exec, dtype, kv_cache_dtype: str | None =
     type has a known tiling (`token_row_formats`: the row-major k_pe pool is padded there)."""
     dr = cfg.qk_rope_head_dim
     kv = check_kv_cache_dtype(kv_cache_dtype)
-    platform = exec.platform or jax.default_backend()
-    if exec.pool_layout != "token_rows" or platform != "tpu" or kv == "fp8" or jnp.dtype(dtype) not in _TPU_TILES:
+    dtype = FP8 if kv == "fp8" else dtype
+    if exec.pool_layout != "token_rows" or not _row_major_tiles(exec.platform or jax.default_backend(), dtype):
         return dr
     return -(-dr // 128) * 128
 
@@ -234,6 +234,15 @@ def pin_pools(pool_sharding, n_args: int, at: int = 1) -> dict:
 _TPU_TILES = {jnp.dtype(jnp.bfloat16): ((8, 128), (2, 1)), jnp.dtype(jnp.float32): ((8, 128),)}
 
 
+def _row_major_tiles(platform: str, dtype):
+    """The tiling of a row-major k_pe pool of `dtype` on `platform` under "token_rows" (padded to 128
+    lanes on TPU), () where row-major is untiled (CPU, GPU), None where it is left to the default
+    (a TPU type without a known tiling). The one rule `token_row_formats` and `stored_kpe_values` share."""
+    if platform != "tpu":
+        return ()
+    return _TPU_TILES.get(jnp.dtype(dtype))
+
+
 def token_row_formats(pools, shardings):
     """`ExecConfig.pool_layout="token_rows"`: the k_pe page pools (`*/kpe_pages`, [..., n_pages, P,
     dr]) as row-major `Format`s (each token's dr values the minor dimension: the layout the paged
@@ -247,12 +256,8 @@ def token_row_formats(pools, shardings):
     def one(path, x, s):
         if not path_str(path).endswith("kpe_pages"):
             return s
-        dev = next(iter(s.device_set))
-        if dev.platform != "tpu":
-            tiles = ()
-        elif jnp.dtype(x.dtype) in _TPU_TILES:
-            tiles = _TPU_TILES[jnp.dtype(x.dtype)]
-        else:
+        tiles = _row_major_tiles(next(iter(s.device_set)).platform, x.dtype)
+        if tiles is None:
             return s
         return Format(Layout(major_to_minor=tuple(range(x.ndim)), tiling=tiles), s)
     return jax.tree_util.tree_map_with_path(one, pools, shardings)
