@@ -78,6 +78,21 @@ def test_native_kernel_register_tiles_and_tails():
     assert rel_err(got, ref) < 1e-5
 
 
+@pytest.mark.parametrize("D, I", [(27, 13), (64, 48)])
+def test_native_kernel_gemm_path_equals_float64(D, I):
+    """Experts picked by 16 tokens or more run the kernel's GEMM path (tokens across the vector lanes,
+    tiles of six weight rows by 32 tokens): an expert picked by 45 tokens (one full token tile, a 16-token
+    one), one by 17 (its padded lanes), one by 16 (the threshold); rows not a multiple of six, D and I with
+    and without a tail past the last 8 -- equal float64."""
+    rng = np.random.default_rng(12)
+    x, idx, wts, (wg, wu, wd) = _case(rng, 78, 4, 1, D=D, I=I)
+    idx[:45, 0], idx[45:62, 0], idx[62:, 0] = 0, 1, 2
+    for lim in (0.0, 0.9):
+        ref = _reference(x, idx, wts, wg, wu, wd, lim if lim else np.inf, 4)
+        got = jax.jit(IMPLS["native"])(f32(x), jnp.asarray(idx), f32(wts), f32(wg), f32(wu), f32(wd), lim)
+        assert rel_err(got, ref) < 1e-5
+
+
 @pytest.mark.parametrize("impl", ["xla", "native"])
 def test_a_token_gets_the_same_output_alone_and_in_a_batch(impl):
     """Token n sums only its own experts (in id order): its neighbours change only the GEMMs'
@@ -91,6 +106,20 @@ def test_a_token_gets_the_same_output_alone_and_in_a_batch(impl):
         assert rel_err(alone[0], batch[n]) < 1e-5
         if impl == "native":  # each token's sums run in the same order whatever shares its tile
             np.testing.assert_array_equal(alone[0], batch[n])
+
+
+@pytest.mark.parametrize("D, I", [(24, 10), (27, 13)])
+def test_native_kernel_gemm_path_has_the_bits_of_the_token_alone(D, I):
+    """A token whose experts 40 tokens share (the GEMM path) gets exactly the bits it gets alone (the
+    dot path): the GEMM runs each output's sums in the dot path's order (eight lane chains, added in
+    lane order, then the tail), so batching a prefill never changes a token's experts output."""
+    rng = np.random.default_rng(6)
+    x, idx, wts, w = _case(rng, 40, 3, 2, D=D, I=I)
+    run = jax.jit(IMPLS["native"])
+    batch = np.asarray(run(f32(x), jnp.asarray(idx), f32(wts), *map(f32, w), 0.9))
+    for n in (0, 17, 39):
+        alone = np.asarray(run(f32(x[n:n + 1]), jnp.asarray(idx[n:n + 1]), f32(wts[n:n + 1]), *map(f32, w), 0.9))
+        np.testing.assert_array_equal(alone[0], batch[n])
 
 
 @pytest.mark.parametrize("impl", ["xla", "native"])

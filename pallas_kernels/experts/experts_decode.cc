@@ -5,7 +5,8 @@
 // Why: XLA:CPU copies an expert's weights before every GEMM that reads them (a dynamic slice is a
 // copy), so a decode step streams each used expert twice; here each used expert's weights are read
 // once, in place, for all the tokens that picked it, split over `threads` threads by expert, in
-// register tiles of two weight rows by four tokens (dot_tile), so the FMA units, not the loads, bound it.
+// register tiles of two weight rows by four tokens (dot_tile), so the FMA units, not the loads, bound it;
+// an expert picked by many tokens (prefill) runs the same sums as a GEMM over tokens (class_tile).
 // Deterministic: every expert's output goes to its own (token, slot) row, summed afterwards per
 // token in slot order, so the thread split never changes a bit of the result.
 #include <algorithm>
@@ -58,8 +59,8 @@ inline void dot_tile(const float* w0, const float* w1, const float* const* x, in
   for (int r = 0; r < RB; ++r) {
     float s0 = hsum(a0[r]), s1 = hsum(a1[r]);
     for (int64_t j = i; j < n; ++j) {
-      s0 += w0[j] * x[r][j];
-      s1 += w1[j] * x[r][j];
+      s0 = __builtin_fmaf(w0[j], x[r][j], s0);  // explicit: the GEMM path's tail does the same
+      s1 = __builtin_fmaf(w1[j], x[r][j], s1);
     }
     out[r][0] = s0;
     out[r][1] = s1;
@@ -76,6 +77,92 @@ inline void dot_rows(const float* w0, const float* w1, const float* const* x, in
     case 2: dot_tile<2>(w0, w1, x + r, n, out + r); break;
     case 1: dot_tile<1>(w0, w1, x + r, n, out + r); break;
     default: break;
+  }
+}
+
+
+// ---- Many tokens per expert: the same sums as dot_tile, as a register-tiled GEMM. ----
+// dot_tile's value for (weight row o, token t) is: eight lane sums p_l = sum_j w[8j+l] x[8j+l] (FMA chains,
+// j ascending), then ((((0 + p_0) + p_1) + ...) + p_7), then the tail d >= 8 floor(n/8) added in order.
+// Here the tokens lie across the vector lanes and each lane class l (d = 8j + l) is one pass: a pass
+// accumulates p_l of MO rows x 8 NV tokens in registers (the weight rows broadcast, the activations
+// loaded), then adds it to the running sum in order l = 0..7. Same operations on the same values in
+// the same order, so the bits equal the dot path's: a token's result still does not depend on how
+// many tokens picked its expert. Why: with many tokens per expert (prefill) the dot form spends its
+// time on horizontal sums and activation loads (~90 GFLOP/s of the two cores' ~230 peak); here every
+// weight broadcast feeds NV FMAs and every activation vector MO (~125 GFLOP/s at 64 tokens an expert).
+constexpr int MO = 6, NV = 4;  // 24 accumulators: AVX-512VL's 32 vector registers
+
+// out[i * ostride + t] for the mo weight rows w[i * K ...] (read in place: each pass broadcasts every 8th
+// element) and the 8 nv tokens from t0 of xc, the activations transposed by lane class:
+// xc[(l * K8 + j) * Rp + t] = x_t[8j + l], then the tail rows xc[d * Rp + t] = x_t[d] for d >= 8 K8
+// (K8 = K / 8; padding tokens t >= R are zero).
+template <int mo, int nv>
+inline void class_tile(const float* w, const float* xc, int64_t K, int64_t Rp, int64_t t0, float* out,
+                       int64_t ostride) {
+  const int64_t K8 = K / L;
+  vf8 S[mo][nv];
+  for (int i = 0; i < mo; ++i)
+    for (int v = 0; v < nv; ++v) S[i][v] = vf8{};
+  for (int64_t l = 0; l < L; ++l) {
+    vf8 A[mo][nv];
+    for (int i = 0; i < mo; ++i)
+      for (int v = 0; v < nv; ++v) A[i][v] = vf8{};
+    const float* xl = xc + l * K8 * Rp + t0;
+    const float* wl = w + l;
+    for (int64_t j = 0; j < K8; ++j) {
+      vf8 xv[nv];
+      for (int v = 0; v < nv; ++v) xv[v] = load8(xl + j * Rp + v * L);
+      for (int i = 0; i < mo; ++i) {
+        const float b = wl[i * K + L * j];
+        for (int v = 0; v < nv; ++v) A[i][v] += b * xv[v];
+      }
+    }
+    for (int i = 0; i < mo; ++i)
+      for (int v = 0; v < nv; ++v) S[i][v] = S[i][v] + A[i][v];
+  }
+  for (int64_t d = L * K8; d < K; ++d) {
+    const float* xd = xc + d * Rp + t0;
+    for (int v = 0; v < nv; ++v)
+      for (int i = 0; i < mo; ++i)
+        for (int q = 0; q < L; ++q) S[i][v][q] = __builtin_fmaf(w[i * K + d], xd[v * L + q], S[i][v][q]);
+  }
+  for (int i = 0; i < mo; ++i)
+    for (int v = 0; v < nv; ++v) std::memcpy(out + i * ostride + t0 + v * L, &S[i][v], sizeof(vf8));
+}
+
+template <int mo>
+inline void class_rows(const float* w, const float* xc, int64_t K, int64_t Rp, float* out) {
+  int64_t t = 0;
+  for (; t + NV * L <= Rp; t += NV * L) class_tile<mo, NV>(w, xc, K, Rp, t, out, Rp);
+  switch ((Rp - t) / L) {
+    case 3: class_tile<mo, 3>(w, xc, K, Rp, t, out, Rp); break;
+    case 2: class_tile<mo, 2>(w, xc, K, Rp, t, out, Rp); break;
+    case 1: class_tile<mo, 1>(w, xc, K, Rp, t, out, Rp); break;
+    default: break;
+  }
+}
+
+// The class-order position of element d of a K-vector (the row of xc holding it, above).
+inline int64_t class_pos(int64_t d, int64_t K) {
+  const int64_t K8 = K / L;
+  return d < L * K8 ? (d % L) * K8 + d / L : d;
+}
+
+// out[o * Rp + t] = dot_tile's sum of weight row o of w [O, K] with token t (xc as above), all O rows.
+inline void class_gemm(const float* w, int64_t O, int64_t K, const float* xc, int64_t Rp, float* out) {
+  for (int64_t o0 = 0; o0 < O; o0 += MO) {
+    const int mo = static_cast<int>(std::min<int64_t>(MO, O - o0));
+    const float* wt = w + o0 * K;
+    float* o = out + o0 * Rp;
+    switch (mo) {
+      case 6: class_rows<6>(wt, xc, K, Rp, o); break;
+      case 5: class_rows<5>(wt, xc, K, Rp, o); break;
+      case 4: class_rows<4>(wt, xc, K, Rp, o); break;
+      case 3: class_rows<3>(wt, xc, K, Rp, o); break;
+      case 2: class_rows<2>(wt, xc, K, Rp, o); break;
+      default: class_rows<1>(wt, xc, K, Rp, o); break;
+    }
   }
 }
 
@@ -97,11 +184,46 @@ struct Scratch {
   std::vector<const float*> xr, hr;
   std::vector<float> h;
   std::vector<float> pair;  // [R][2]
+  std::vector<float> xc, g, u, hc, y;  // the GEMM path's operands (run_expert_gemm)
 };
+
+// Experts picked by at least this many tokens run the GEMM path: same bits; from here on faster (one
+// mid-config MoE layer, tools/bench_moe_decode.py: 128 tokens (~16 per expert) even, 512 tokens 72 -> 51 ms,
+// 2,048 tokens 332 -> 232 ms).
+constexpr int64_t kGemmRows = 16;
+
+void run_expert_gemm(const Job& job, const float* x, const float* wg, const float* wu, const float* wd, float lim,
+                     int64_t k, int64_t D, int64_t I, float* ybuf, Scratch& s) {
+  const int64_t R = static_cast<int64_t>(job.slots.size()), Rp = (R + L - 1) / L * L;
+  const float* g_e = wg + job.expert * I * D;
+  const float* u_e = wu + job.expert * I * D;
+  const float* d_e = wd + job.expert * D * I;
+  s.xc.assign(static_cast<size_t>(D * Rp), 0.f);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x + (job.slots[r] / k) * D;
+    for (int64_t d = 0; d < D; ++d) s.xc[class_pos(d, D) * Rp + r] = xr[d];
+  }
+  s.g.resize(static_cast<size_t>(I * Rp));
+  s.u.resize(static_cast<size_t>(I * Rp));
+  class_gemm(g_e, I, D, s.xc.data(), Rp, s.g.data());
+  class_gemm(u_e, I, D, s.xc.data(), Rp, s.u.data());
+  s.hc.assign(static_cast<size_t>(I * Rp), 0.f);
+  for (int64_t i = 0; i < I; ++i) {
+    float* h = s.hc.data() + class_pos(i, I) * Rp;
+    for (int64_t r = 0; r < R; ++r) h[r] = swiglu(s.g[i * Rp + r], s.u[i * Rp + r], lim);
+  }
+  s.y.resize(static_cast<size_t>(D * Rp));
+  class_gemm(d_e, D, I, s.hc.data(), Rp, s.y.data());
+  for (int64_t r = 0; r < R; ++r) {
+    float* yr = ybuf + job.slots[r] * D;
+    for (int64_t d = 0; d < D; ++d) yr[d] = s.y[d * Rp + r];
+  }
+}
 
 void run_expert(const Job& job, const float* x, const float* wg, const float* wu, const float* wd, float lim,
                 int64_t k, int64_t D, int64_t I, float* ybuf, Scratch& s) {
   const int64_t R = static_cast<int64_t>(job.slots.size());
+  if (R >= kGemmRows) return run_expert_gemm(job, x, wg, wu, wd, lim, k, D, I, ybuf, s);
   const float* g_e = wg + job.expert * I * D;
   const float* u_e = wu + job.expert * I * D;
   const float* d_e = wd + job.expert * D * I;
