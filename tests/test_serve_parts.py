@@ -225,3 +225,18 @@ def test_padded_kpe_rows_are_counted(tiny_cfg):
     assert padded.num_pages < plain.num_pages and padded.kpe_stored == 128 and plain.kpe_stored == 0
     assert "k_pe rows stored row-major as 128 values" in describe(tiny_cfg, padded, jnp.float32)
     assert "k_pe rows" not in describe(tiny_cfg, plain, jnp.float32)
+
+
+def test_decode_row_buckets_pad_at_most_a_third_from_eight_rows():
+    """`row_buckets`: 1, 2, 4, 8, then powers of two and 1.5x them, ending at max_slots; so a step of
+    n >= 8 decoding rows runs a bucket padded by at most a third (powers of two alone: up to half)."""
+    from ling_jax.serve.runner import row_buckets
+    assert row_buckets(1) == (1,) and row_buckets(8) == (1, 2, 4, 8)
+    assert row_buckets(32) == (1, 2, 4, 8, 12, 16, 24, 32)
+    assert row_buckets(40) == (1, 2, 4, 8, 12, 16, 24, 32, 40)
+    for top in (3, 8, 13, 32, 64, 100):
+        b = row_buckets(top)
+        assert b == tuple(sorted(set(b))) and b[-1] == top and b[0] == 1
+        for n in range(8, top + 1):
+            r = next(x for x in b if x >= n)
+            assert (r - n) * 3 <= r, (top, n, r)

@@ -108,7 +108,7 @@ class Engine:
     `decode_widths(max_blocks, 256 // page_size)`; prefill chunks are bucketed by the same widths);
     decode_rows: decode row counts (default `row_buckets(max_slots)`; must end at max_slots);
     prefill_row_buckets: prefill row counts compiled (default `(prefill_rows,)`; must end at
-    prefill_rows; `row_buckets(prefill_rows)` for all powers of two): a chunk of m prompts runs the
+    prefill_rows; `row_buckets(prefill_rows)` for the decode rule's): a chunk of m prompts runs the
     smallest that holds them, since a prefill program computes its idle rows (one prompt alone
     through a [2, 128] program costs 30% more than through [1, 128]). Not the default: on the
     serving benchmark it gained nothing measurable end to end and cost 70 s more warm-up

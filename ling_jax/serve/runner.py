@@ -47,12 +47,17 @@ def decode_widths(max_blocks: int, smallest: int) -> tuple[int, ...]:
 
 
 def row_buckets(max_slots: int) -> tuple[int, ...]:
-    """Decode row counts compiled: powers of two below max_slots, and max_slots. Why: a decode
-    step's cost is its rows' (every row streams the weights through the same GEMMs and reads and
-    writes its KDA state), so 3 requests on a 32-slot engine should run 4 rows, not 32."""
+    """Decode row counts compiled: 1, 2, 4, 8, then every power of two and 1.5x it (12, 16, 24, 32, 48,
+    ...) below max_slots, and max_slots. Why: a decode step's cost is its rows' (every row streams the
+    weights through the same GEMMs and reads and writes its KDA state), so 3 requests on a 32-slot
+    engine should run 4 rows, not 32; and 17 should run 24, not 32 (padding at most a third of a step
+    from 8 rows on, for two more programs per octave; `tools/simulate_load.py`: concurrency 32 over
+    the load workload 3-4% faster than with powers of two alone)."""
     out, r = [], 1
     while r < max_slots:
         out.append(r)
+        if r >= 8 and r * 3 // 2 < max_slots:
+            out.append(r * 3 // 2)
         r *= 2
     return tuple(out) + (max_slots,)
 
