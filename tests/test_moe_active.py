@@ -80,13 +80,13 @@ def test_native_kernel_register_tiles_and_tails():
 
 @pytest.mark.parametrize("D, I", [(27, 13), (64, 48)])
 def test_native_kernel_gemm_path_equals_float64(D, I):
-    """Experts picked by 16 tokens or more run the kernel's GEMM path (tokens across the vector lanes,
+    """Experts picked by 12 tokens or more run the kernel's GEMM path (tokens across the vector lanes,
     tiles of six weight rows by 32 tokens): an expert picked by 45 tokens (one full token tile, a 16-token
-    one), one by 17 (its padded lanes), one by 16 (the threshold); rows not a multiple of six, D and I with
-    and without a tail past the last 8 -- equal float64."""
+    one), one by 17 (its padded lanes), one by 12 (the threshold), one by 11 (the dot path beside them);
+    rows not a multiple of six, D and I with and without a tail past the last 8 -- equal float64."""
     rng = np.random.default_rng(12)
-    x, idx, wts, (wg, wu, wd) = _case(rng, 78, 4, 1, D=D, I=I)
-    idx[:45, 0], idx[45:62, 0], idx[62:, 0] = 0, 1, 2
+    x, idx, wts, (wg, wu, wd) = _case(rng, 85, 4, 1, D=D, I=I)
+    idx[:45, 0], idx[45:62, 0], idx[62:74, 0], idx[74:, 0] = 0, 1, 2, 3
     for lim in (0.0, 0.9):
         ref = _reference(x, idx, wts, wg, wu, wd, lim if lim else np.inf, 4)
         got = jax.jit(IMPLS["native"])(f32(x), jnp.asarray(idx), f32(wts), f32(wg), f32(wu), f32(wd), lim)
@@ -110,7 +110,7 @@ def test_a_token_gets_the_same_output_alone_and_in_a_batch(impl):
 
 @pytest.mark.parametrize("D, I", [(24, 10), (27, 13)])
 def test_native_kernel_gemm_path_has_the_bits_of_the_token_alone(D, I):
-    """A token whose experts 40 tokens share (the GEMM path) gets exactly the bits it gets alone (the
+    """A token whose experts ~27 tokens share (the GEMM path) gets exactly the bits it gets alone (the
     dot path): the GEMM runs each output's sums in the dot path's order (eight lane chains, added in
     lane order, then the tail), so batching a prefill never changes a token's experts output."""
     rng = np.random.default_rng(6)

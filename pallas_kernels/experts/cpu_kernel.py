@@ -2,7 +2,7 @@
 
 Same contract and values as `reference.experts_active_loop` (float32): each used expert's weights are
 read once, in place, by `experts_decode.cc`, split over threads by expert, in register tiles of two
-weight rows by four tokens (8-lane vectors, FMA); an expert picked by 16 tokens or more runs the same
+weight rows by four tokens (8-lane vectors, FMA); an expert picked by 12 tokens or more runs the same
 sums, in the same order, as a GEMM with the tokens across the vector lanes (bit-identical: a token's
 result does not depend on how many tokens share its expert). Why native code: XLA:CPU copies an expert's weights
 (a dynamic slice is a copy) before every GEMM that reads them, and its capacity path computes every
