@@ -71,6 +71,10 @@ def parse_args(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=128)
     ap.add_argument("--prefill-rows", type=int, default=2)
+    ap.add_argument("--prefill-row-tokens", type=int, default=None,
+                    help="tokens one prompt is fed a step at most (Engine prefill_row_tokens; default the chunk)")
+    ap.add_argument("--prefill-row-buckets", default=None,
+                    help="prefill row counts compiled, comma list ending at --prefill-rows (default: that one)")
     ap.add_argument("--prefix-cache-memory", type=float, default=0.5, metavar="GIB",
                     help="shared-prefix rows: the prefix cache's budget (snapshots + cached pages)")
     ap.add_argument("--decode-steps", type=int, default=64, help="decode pair: steps after the 128-token prompts")
@@ -134,6 +138,8 @@ def make_engine(model, c: int, max_seq_len: int, a, prefix_cache: bool = False):
     pages_per_seq = -(-max_seq_len // a.page_size)
     eng = Engine(model, max_slots=c, page_size=a.page_size, num_pages=c * pages_per_seq + 2 * pages_per_seq,
                  prefill_chunk=a.prefill_chunk, prefill_rows=a.prefill_rows, max_seq_len=max_seq_len,
+                 prefill_row_tokens=a.prefill_row_tokens,
+                 prefill_row_buckets=[int(x) for x in a.prefill_row_buckets.split(",")] if a.prefill_row_buckets else None,
                  prefix_cache=prefix_cache, prefix_cache_memory_gib=a.prefix_cache_memory if prefix_cache else None)
     t = time.perf_counter()
     eng.warmup()

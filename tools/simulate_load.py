@@ -42,13 +42,15 @@ def experts_touched(tokens: int, experts: int = 64, k: int = 8) -> float:
     return experts * (1 - (1 - k / experts) ** tokens)
 
 
-def simulate(requests: list, concurrency: int, chunk: int, rows: int, per_row_buckets: bool, cost: dict) -> tuple:
+def simulate(requests: list, concurrency: int, chunk: int, rows: int, per_row_buckets: bool, cost: dict,
+             row_tokens: int | None = None) -> tuple:
     """(wall seconds, steps) of `requests` ([{"prompt", "max_tokens"}]) with at most `concurrency`
     in flight, all submitted at once (as bench_serve's load rows)."""
     sizes = PoolSizes(max_slots=concurrency, page_size=16, num_pages=1 << 16, max_seq_len=1 << 12,
                       with_mtp=False, page_bytes=1, slot_bytes=1)
-    sched = Scheduler(PageAllocator(sizes), concurrency, chunk, rows)
-    decode_rows, prefill_rows, tbuckets = row_buckets(concurrency), row_buckets(rows), token_buckets(chunk)
+    sched = Scheduler(PageAllocator(sizes), concurrency, chunk, rows, prefill_row_tokens=row_tokens)
+    decode_rows, prefill_rows = row_buckets(concurrency), row_buckets(rows)
+    tbuckets = token_buckets(min(chunk, row_tokens or chunk))
     pending, live, done, wall, steps = list(enumerate(requests)), 0, 0, 0.0, 0
     while done < len(requests):
         while pending and live < concurrency:

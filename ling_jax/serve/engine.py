@@ -102,9 +102,13 @@ class Engine:
     tokens fed per step at most (a running decode waits at most one chunk); prefill_rows:
     prompts fed side by side in one chunk (at most max_slots: a prefill row no slot can fill would only
     double the chunk's work, e.g. one long prompt on a 1-slot server); max_seq_len: prompt + new tokens of one request;
+    prefill_row_tokens: prompt tokens one prompt is fed per step at most (default prefill_chunk; at
+    most prefill_chunk): with many prompts waiting a step feeds up to prefill_chunk tokens over
+    prefill_rows rows, a lone prompt at most this many, so a decoding request waits for at most a
+    [1, prefill_row_tokens] chunk beside its step while a backlog is fed in large batched steps;
     with_mtp: keep the MTP layer's pages filled too (for speculative decoding; default: the
     model has an MTP layer); exec: how to run (default `model.exec`); buckets: prefill widths
-    (default `token_buckets(prefill_chunk)`); widths: decode block-table widths in pages (default
+    (default `token_buckets(min(prefill_chunk, prefill_row_tokens))`); widths: decode block-table widths in pages (default
     `decode_widths(max_blocks, 256 // page_size)`; prefill chunks are bucketed by the same widths);
     decode_rows: decode row counts (default `row_buckets(max_slots)`; must end at max_slots);
     prefill_row_buckets: prefill row counts compiled (default `(prefill_rows,)`; must end at
@@ -135,13 +139,15 @@ class Engine:
                  decode_rows: Sequence[int] | None = None, prefill_row_buckets: Sequence[int] | None = None,
                  speculative: int = 0, prefix_cache: bool = True,
                  prefix_cache_memory_gib: float | None = None, snapshot_interval: int | None = None,
-                 kv_cache_dtype: str | None = None):
+                 kv_cache_dtype: str | None = None, prefill_row_tokens: int | None = None):
         cfg = model.cfg
         self.cfg = cfg
         if num_pages is None and cache_memory_gib is None:
             raise ValueError("Engine needs num_pages or cache_memory_gib (the page pool's size)")
-        for name, v in (("prefill_chunk", prefill_chunk), ("prefill_rows", prefill_rows)):
+        for name, v in (("prefill_chunk", prefill_chunk), ("prefill_rows", prefill_rows),
+                        ("prefill_row_tokens", prefill_chunk if prefill_row_tokens is None else prefill_row_tokens)):
             check_int(v, f"Engine {name}", field=name, low=1)
+        row_max = min(prefill_chunk, prefill_row_tokens or prefill_chunk)  # one prompt's tokens a step
         with_mtp = (model.mtp is not None) if with_mtp is None else bool(with_mtp)
         if with_mtp and model.mtp is None:
             raise ValueError("Engine with_mtp=True needs the MTP layer, and this model has none")
@@ -153,9 +159,10 @@ class Engine:
         if self.sizes.max_seq_len > self.sizes.num_pages * page_size:
             raise ValueError(f"max_seq_len={self.sizes.max_seq_len} exceeds the pool "
                              f"({self.sizes.num_pages} pages x {page_size} tokens)")
-        buckets = tuple(sorted(set(buckets))) if buckets else token_buckets(prefill_chunk)
-        if buckets[-1] < prefill_chunk:
-            raise ValueError(f"the largest bucket {buckets[-1]} is below prefill_chunk={prefill_chunk}")
+        buckets = tuple(sorted(set(buckets))) if buckets else token_buckets(row_max)
+        if buckets[-1] < row_max:
+            raise ValueError(f"the largest bucket {buckets[-1]} is below the tokens one prompt is fed a step "
+                             f"(min(prefill_chunk, prefill_row_tokens) = {row_max})")
         mb = self.sizes.max_blocks
         widths = tuple(sorted(set(widths))) if widths else decode_widths(mb, max(1, 256 // page_size))
         if widths[-1] != mb or widths[0] < 1:
@@ -164,7 +171,7 @@ class Engine:
         prefill_rows = min(prefill_rows, max_slots)
         prefill_row_buckets = check_row_buckets(prefill_row_buckets, prefill_rows, "prefill_row_buckets",
                                                 "prefill_rows", default=(prefill_rows,))
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.prefill_row_tokens = prefill_chunk, row_max
         self.exec = exec or model.exec
         if self.exec.layer_loop != model.model.layers.loop:
             raise ValueError(f"exec.layer_loop={self.exec.layer_loop!r}, but the model's layers are stored for "
@@ -174,14 +181,14 @@ class Engine:
         self.speculative = speculative
         self.alloc = PageAllocator(self.sizes)
         self.prefix, snapshot_rows = self._make_prefix_cache(prefix_cache, prefix_cache_memory_gib,
-                                                             min(prefill_chunk, interval))
+                                                             min(row_max, interval))
         # the device side: parameters, pools, compiled programs, their shapes and warm-up (runner.py)
         self.runner = ModelRunner(model, self.sizes, self.exec, self.alloc, buckets=buckets, widths=widths,
                                   decode_rows=decode_rows, prefill_row_buckets=prefill_row_buckets,
                                   speculative=speculative,
                                   snapshot_rows=snapshot_rows, snapshot_interval=interval)
         self.sched = Scheduler(self.alloc, max_slots, prefill_chunk, prefill_rows, self.prefix,
-                               speculative=speculative)
+                               speculative=speculative, prefill_row_tokens=row_max)
         self.spec_steps = 0          # speculative program calls
         self.spec_rounds = 0         # verify rounds (one per decoding slot per call)
         self.spec_accepted = 0       # drafts accepted
@@ -194,7 +201,7 @@ class Engine:
 
     def _make_prefix_cache(self, enabled: bool, budget_gib: float | None, every: int):
         """(PrefixCache, its snapshot rows), or (None, None) when off; every: tokens per snapshot
-        a prefill takes at most (min(prefill_chunk, snapshot_interval), `plan_snapshots`)."""
+        a prefill row takes at most (min(prefill_row_tokens, snapshot_interval), `plan_snapshots`)."""
         if not isinstance(enabled, bool):
             raise ValueError(f"Engine prefix_cache must be a bool, got {enabled!r}")
         if not enabled:
@@ -217,7 +224,7 @@ class Engine:
         pc, sz, interval = self.prefix, self.sizes, self.runner.snapshot_interval
         given = ("prefix_cache_memory_gib" if self._prefix_budget_given else
                  f"{DEFAULT_BUDGET_FRACTION} x the page pool")
-        every = min(self.prefill_chunk, interval)
+        every = min(self.prefill_row_tokens, interval)
         chunk_pages = max(1, every // sz.page_size)
         return (f"  prefix cache: budget {pc.budget_bytes / GIB:.4f} GiB ({given}) for cached pages "
                 f"({sz.page_bytes} B each, from the page pool) + snapshots ({sz.snapshot_bytes} B each);\n"

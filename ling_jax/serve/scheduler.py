@@ -20,6 +20,8 @@ Policy (one `schedule()` call per engine step):
    [prefill_rows, T] with T the bucket of its longest row, so the whole budget on the oldest
    prompt (T = prefill_chunk, the other rows idle) computes prefill_rows x the tokens it feeds;
    split, the same tokens fill [prefill_rows, prefill_chunk / m] (BENCHMARKS.md, thirteenth session).
+   No row gets more than `prefill_row_tokens` (default prefill_chunk): a lone prompt is fed in
+   chunks that keep the decoding requests' steps short, a backlog of many in one large batched step.
 4. If nothing can run while requests hold slots (every page held by half-fed prompts), the
    youngest is preempted and the plan made again, so the engine never stalls.
 
@@ -77,7 +79,7 @@ class Plan:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_slots: int, prefill_chunk: int, prefill_rows: int,
-                 prefix: Optional[PrefixCache] = None, speculative: int = 0):
+                 prefix: Optional[PrefixCache] = None, speculative: int = 0, prefill_row_tokens: Optional[int] = None):
         self.alloc = allocator
         self.prefix = prefix
         self.speculative = speculative
@@ -85,6 +87,7 @@ class Scheduler:
         self.queue: collections.deque[Request] = collections.deque()
         self.prefill_chunk = prefill_chunk
         self.prefill_rows = prefill_rows
+        self.prefill_row_tokens = prefill_row_tokens or prefill_chunk
         self.preemptions = 0
         self._age = 0
 
@@ -175,7 +178,8 @@ class Scheduler:
                     decode.append(req)
             prefill, budget = [], self.prefill_chunk
             feeding = [r for r in self.running() if r.state == PREFILL]
-            per_row = -(-budget // max(1, min(len(feeding), self.prefill_rows)))  # see the policy, item 3
+            per_row = min(-(-budget // max(1, min(len(feeding), self.prefill_rows))),  # see the policy, item 3
+                          self.prefill_row_tokens)
             for req in feeding:
                 if len(prefill) == self.prefill_rows or budget == 0:
                     break
