@@ -466,3 +466,31 @@ def test_token_rows_pool_layout_gives_the_same_tokens(tiny_model, reference):
     assert again.generated == expected[2]
     assert eng.stats()["prefix_hits"] >= 1, eng.stats()
     assert not events, events
+
+
+def test_prefill_row_tokens_caps_a_lone_prompt_and_keeps_the_tokens(tiny_model, reference):
+    """`prefill_row_tokens`: a step feeds one prompt at most that many tokens (the prefill programs are
+    compiled up to it, not up to prefill_chunk) while a backlog fills prefill_rows rows of them; the
+    tokens still equal `generate` alone, for a prompt fed alone and for several fed side by side."""
+    prompts, params, _, expected, _ = reference
+    eng = Engine(tiny_model, max_slots=4, page_size=PAGE, num_pages=48, prefill_chunk=32, prefill_rows=4,
+                 prefill_row_buckets=(1, 4), prefill_row_tokens=8, max_seq_len=MAX_SEQ, prefix_cache=False)
+    assert eng.runner.buckets == (8,) and eng.sched.prefill_row_tokens == 8
+    shapes = []
+    fn = eng.runner.prefill
+
+    def spy(rows, ids, *a, **k):
+        shapes.append(ids.shape)
+        return fn(rows, ids, *a, **k)
+    eng.runner.prefill = spy
+    long_one = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    h = eng.submit(prompts[long_one], params[long_one])
+    eng.run_until_done()
+    assert h.generated == expected[long_one]
+    assert len(prompts[long_one]) > 8 and set(shapes) == {(1, 8)}, shapes  # fed alone: [1, 8] chunks
+    shapes.clear()
+    picks = [0, 1, 2, 5, 7]
+    handles = [eng.submit(prompts[i], params[i]) for i in picks]
+    eng.run_until_done()
+    assert [x.generated for x in handles] == [expected[i] for i in picks]
+    assert (4, 8) in shapes and all(T == 8 for _, T in shapes), shapes  # a backlog: four rows of 8

@@ -106,7 +106,7 @@ def test_page_arithmetic(tiny_model, tiny_cfg):
 
 
 def test_engine_options_from_the_flags():
-    auto = {"kv_cache_dtype": "auto", "prefill_rows": 2}
+    auto = {"kv_cache_dtype": "auto", "prefill_rows": 2, "prefill_row_tokens": None}
     assert engine_options(flags()) == {"prefix_cache": True, "prefix_cache_memory_gib": None,
                                        "snapshot_interval": None, "speculative": 0, **auto}  # the Engine's defaults
     assert engine_options(flags("--no-prefix-cache", "--speculative", "2")) == \
@@ -115,6 +115,7 @@ def test_engine_options_from_the_flags():
         {"prefix_cache": True, "prefix_cache_memory_gib": 0.5, "snapshot_interval": 32, "speculative": 0, **auto}
     assert engine_options(flags("--kv-cache-dtype", "fp8"))["kv_cache_dtype"] == "fp8"
     assert engine_options(flags("--prefill-rows", "4"))["prefill_rows"] == 4
+    assert engine_options(flags("--prefill-row-tokens", "32"))["prefill_row_tokens"] == 32
 
 
 def test_engine_from_args_reports_on_stderr(tiny_model):

@@ -168,6 +168,26 @@ def test_scheduler_preempts_youngest_and_chunks(tiny_cfg):
     assert sch.alloc.used == 5
 
 
+
+def test_scheduler_caps_the_tokens_one_prompt_is_fed(tiny_cfg):
+    """prefill_row_tokens: a lone prompt is fed at most that many tokens a step (the decoding requests
+    beside it wait for a short chunk), a backlog fills the rows, prefill_chunk tokens in all."""
+    s = plan_pools(tiny_cfg, jnp.float32, max_slots=6, page_size=4, num_pages=200)
+    sch = Scheduler(PageAllocator(s), 6, prefill_chunk=32, prefill_rows=4, prefill_row_tokens=8)
+    lone = Request(0, list(range(30)), None, frozenset())
+    sch.queue.append(lone)
+    assert [(r.id, n) for r, n in sch.schedule().prefill] == [(0, 8)]  # not 30 (the whole chunk)
+    lone.n_fed = 8
+    more = [Request(i, list(range(n)), None, frozenset()) for i, n in ((1, 20), (2, 5), (3, 40), (4, 12))]
+    sch.queue.extend(more)
+    plan = sch.schedule()  # four rows: 8 each (32 / 4), the 5-token prompt whole
+    assert [(r.id, n) for r, n in plan.prefill] == [(0, 8), (1, 8), (2, 5), (3, 8)]
+    # without the cap, the lone prompt would have taken the whole chunk
+    free = Scheduler(PageAllocator(s), 6, prefill_chunk=32, prefill_rows=4)
+    free.queue.append(Request(0, list(range(30)), None, frozenset()))
+    assert [n for _, n in free.schedule().prefill] == [30]
+
+
 def test_engine_policy_stress_with_a_stub_model(tiny_model):
     """The host side of the engine under a stub model (the compiled steps replaced by a function
     returning token 1): 60 requests into a pool far too small, random cancels. After every step

@@ -139,7 +139,8 @@ def make_engine(model, c: int, max_seq_len: int, a, prefix_cache: bool = False):
     eng = Engine(model, max_slots=c, page_size=a.page_size, num_pages=c * pages_per_seq + 2 * pages_per_seq,
                  prefill_chunk=a.prefill_chunk, prefill_rows=a.prefill_rows, max_seq_len=max_seq_len,
                  prefill_row_tokens=a.prefill_row_tokens,
-                 prefill_row_buckets=[int(x) for x in a.prefill_row_buckets.split(",")] if a.prefill_row_buckets else None,
+                 prefill_row_buckets=([int(x) for x in a.prefill_row_buckets.split(",")]
+                                      if a.prefill_row_buckets else None),
                  prefix_cache=prefix_cache, prefix_cache_memory_gib=a.prefix_cache_memory if prefix_cache else None)
     t = time.perf_counter()
     eng.warmup()

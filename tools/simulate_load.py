@@ -13,13 +13,20 @@ step is then charged what such a step measured on this machine:
   prefill [R, T], v tokens:  a_p + t_p * R * T + v_p * v    (dense work on every row, idle ones
                                                             too; routed experts on fed tokens)
 
-Defaults fitted to the nineteenth/twentieth sessions' profiles of the mid config on an AMD EPYC
-(`tools/profile_serve_step.py`: 8-row decode 144 ms, 32-row 280 ms; `tools/measure_idle_prefill_row.py`:
-[1, 128] 724 ms, [2, 128] with an idle row 941 ms; [4, 128] 2,082 ms). With them it reproduces the
-measured load rows' step counts exactly (344 / 168) and their wall times within 2-3%.
+Defaults fitted to the twenty-third session's steps of the mid config (AMD EPYC, 2 cores; after the
+experts kernel's GEMM path and prefetches): decode over 8 / 16 / 32 rows 109 / 144 / 208 ms
+(`tools/profile_serve_step.py`), prefill [1, 128] 549 ms, [2, 64] 521, [2, 128] 916, [4, 128] 1,695,
+[8, 64] 1,764 (an idle row's share as measured by `tools/measure_idle_prefill_row.py`). With them it
+reproduces the default policy's load run (128 x 2) within 1.5% (c = 8 62.5 s vs 62.8 measured, c = 32
+44.0 vs 44.7) and is optimistic for many-row prefill (512x8rb/64: c = 32 37.9 s vs 42.5 measured).
+The nineteenth/twentieth sessions' fit (before those kernel changes): --decode-ms 25 --decode-row-ms 3.74
+--expert-ms 2.2 --prefill-ms 270 --prefill-slot-ms 1.7 --prefill-token-ms 1.84.
+
+A policy is CHUNKxROWS, 'rb' = prefill programs per row bucket, '/N' = at most N tokens a row a step
+(Engine prefill_row_tokens):
 
   python tools/simulate_load.py [--workload tools/results/serve_workload_full.json]
-                                [--policy 128x2,128x2rb,512x4rb] [--prefill-token-ms 1.84]
+                                [--policy 128x2,128x2rb,512x8rb/64] [--prefill-token-ms 1.5]
 """
 from __future__ import annotations
 
@@ -89,11 +96,12 @@ def simulate(requests: list, concurrency: int, chunk: int, rows: int, per_row_bu
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default=os.path.join(RESULTS, "serve_workload_full.json"))
-    ap.add_argument("--policy", default="128x2,128x2rb,256x2rb,512x4rb,512x8rb",
-                    help="comma list of CHUNKxROWS, 'rb' = prefill programs per row bucket")
+    ap.add_argument("--policy", default="128x2,128x2rb,256x2rb,512x4rb,512x8rb,512x8rb/64",
+                    help="comma list of CHUNKxROWS[rb][/N]: 'rb' = prefill programs per row bucket, "
+                         "/N = at most N tokens a row a step")
     ap.add_argument("--concurrency", default="8,32")
-    for name, v in (("decode-ms", 25.0), ("decode-row-ms", 3.74), ("expert-ms", 2.2), ("prefill-ms", 270.0),
-                    ("prefill-slot-ms", 1.7), ("prefill-token-ms", 1.84)):
+    for name, v in (("decode-ms", 65.7), ("decode-row-ms", 3.84), ("expert-ms", 0.306), ("prefill-ms", 130.0),
+                    ("prefill-slot-ms", 1.55), ("prefill-token-ms", 1.5)):
         ap.add_argument(f"--{name}", type=float, default=v)
     a = ap.parse_args()
     with open(a.workload) as f:
@@ -106,9 +114,10 @@ def main():
     print("| policy | " + " | ".join(f"c={c} s (tok/s, steps)" for c in conc) + f" | c={conc[-1]} / c={conc[0]} |")
     print("|---|" + "---:|" * (len(conc) + 1))
     for pol in a.policy.split(","):
-        rb = pol.endswith("rb")
-        chunk, rows = (int(x) for x in pol.removesuffix("rb").split("x"))
-        res = [simulate(reqs, c, chunk, rows, rb, cost) for c in conc]
+        shape, _, cap = pol.partition("/")
+        rb = shape.endswith("rb")
+        chunk, rows = (int(x) for x in shape.removesuffix("rb").split("x"))
+        res = [simulate(reqs, c, chunk, rows, rb, cost, int(cap) if cap else None) for c in conc]
         cells = " | ".join(f"{w:.1f} ({out_tokens / w:.1f}, {s})" for w, s in res)
         print(f"| {pol} | {cells} | {res[0][0] / res[-1][0]:.2f}x |")
 

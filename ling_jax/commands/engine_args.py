@@ -67,7 +67,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens fed per engine step at most (a running decode waits at most one chunk)")
     g.add_argument("--prefill-rows", type=positive_int, default=2, metavar="N",
                    help="prompts fed side by side in one prefill step at most (each gets its share of "
-                        "--prefill-chunk; a step with fewer prompts runs a program of fewer rows)")
+                        "--prefill-chunk, at most --prefill-row-tokens)")
+    g.add_argument("--prefill-row-tokens", type=positive_int, default=None, metavar="N",
+                   help="prompt tokens one prompt is fed per step at most (default: --prefill-chunk): a lone "
+                        "prompt is fed in chunks this short, a backlog of prompts in steps of up to "
+                        "--prefill-chunk tokens over --prefill-rows rows")
     g.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N",
                    help="prompt + new tokens of one request (default: the model's context, cut to the pool)")
     g.add_argument("--allow-long-context", action="store_true",
@@ -217,10 +221,12 @@ def plan_engine_memory(args, model, budget: Optional[tuple[int, str]] = None) ->
 
 
 def engine_options(args) -> dict:
-    """The Engine keywords of the prefill-rows, prefix-cache, speculative and cache-dtype flags (the
-    sizes are the caller's, the memory `plan_engine_memory`'s): prefill_rows, prefix_cache,
+    """The Engine keywords of the prefill-rows, prefill-row-tokens, prefix-cache, speculative and cache-dtype
+    flags (the sizes are the caller's, the memory `plan_engine_memory`'s): prefill_rows, prefill_row_tokens,
+    prefix_cache,
     prefix_cache_memory_gib, snapshot_interval, speculative, kv_cache_dtype."""
-    return {"prefill_rows": args.prefill_rows, "prefix_cache": not args.no_prefix_cache,
+    return {"prefill_rows": args.prefill_rows, "prefill_row_tokens": args.prefill_row_tokens,
+            "prefix_cache": not args.no_prefix_cache,
             "prefix_cache_memory_gib": args.prefix_cache_memory,
             "snapshot_interval": args.snapshot_interval, "speculative": args.speculative,
             "kv_cache_dtype": args.kv_cache_dtype}

@@ -108,7 +108,8 @@ class Engine:
     [1, prefill_row_tokens] chunk beside its step while a backlog is fed in large batched steps;
     with_mtp: keep the MTP layer's pages filled too (for speculative decoding; default: the
     model has an MTP layer); exec: how to run (default `model.exec`); buckets: prefill widths
-    (default `token_buckets(min(prefill_chunk, prefill_row_tokens))`); widths: decode block-table widths in pages (default
+    (default `token_buckets(min(prefill_chunk, prefill_row_tokens))`); widths: decode block-table
+    widths in pages (default
     `decode_widths(max_blocks, 256 // page_size)`; prefill chunks are bucketed by the same widths);
     decode_rows: decode row counts (default `row_buckets(max_slots)`; must end at max_slots);
     prefill_row_buckets: prefill row counts compiled (default `(prefill_rows,)`; must end at
