@@ -48,9 +48,9 @@ def test_percentiles_match_numpy():
 def test_bench_serve_closed_loop_on_tiny_model(tiny_model):
     """tools/bench_serve.py's closed loop: every request gets exactly its max_tokens, at most c are
     in flight, TTFT / TPOT come out ordered and positive (the tool itself, on the tiny model)."""
-    import argparse
     import bench_serve as B
-    a = argparse.Namespace(page_size=8, prefill_chunk=8, prefill_rows=2, prefix_cache_memory=0.01)
+    a = B.parse_args(["--page-size", "8", "--prefill-chunk", "8", "--prefill-rows", "2",
+                      "--prefix-cache-memory", "0.01"])  # the tool's own flags and defaults
     rng = np.random.default_rng(1)
     reqs = [{"prompt": rng.integers(0, tiny_model.cfg.vocab_size, int(n)).tolist(), "max_tokens": int(m)}
             for n, m in zip(rng.integers(1, 30, 7), rng.integers(1, 6, 7))]
