@@ -145,10 +145,11 @@ class Engine:
         self.cfg = cfg
         if num_pages is None and cache_memory_gib is None:
             raise ValueError("Engine needs num_pages or cache_memory_gib (the page pool's size)")
+        prefill_row_tokens = prefill_chunk if prefill_row_tokens is None else prefill_row_tokens
         for name, v in (("prefill_chunk", prefill_chunk), ("prefill_rows", prefill_rows),
-                        ("prefill_row_tokens", prefill_chunk if prefill_row_tokens is None else prefill_row_tokens)):
+                        ("prefill_row_tokens", prefill_row_tokens)):
             check_int(v, f"Engine {name}", field=name, low=1)
-        row_max = min(prefill_chunk, prefill_row_tokens or prefill_chunk)  # one prompt's tokens a step
+        row_max = min(prefill_chunk, prefill_row_tokens)  # one prompt's tokens a step
         with_mtp = (model.mtp is not None) if with_mtp is None else bool(with_mtp)
         if with_mtp and model.mtp is None:
             raise ValueError("Engine with_mtp=True needs the MTP layer, and this model has none")
