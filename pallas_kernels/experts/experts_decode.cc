@@ -97,13 +97,28 @@ inline void dot_rows(const float* w0, const float* w1, const float* const* x, in
 // time on horizontal sums and activation loads (~90 GFLOP/s of the two cores' ~230 peak); here every
 // weight broadcast feeds NV FMAs and every activation vector MO (~125 GFLOP/s at 64 tokens an expert).
 constexpr int MO = 6, NV = 4;  // 24 accumulators: AVX-512VL's 32 vector registers
+constexpr int64_t TW = NV * L;  // tokens per tile
 
-// out[i * ostride + t] for the mo weight rows w[i * K ...] (read in place: each pass broadcasts every 8th
-// element) and the 8 nv tokens from t0 of xc, the activations transposed by lane class:
-// xc[(l * K8 + j) * Rp + t] = x_t[8j + l], then the tail rows xc[d * Rp + t] = x_t[d] for d >= 8 K8
-// (K8 = K / 8; padding tokens t >= R are zero).
+// The GEMM's activation operand for Rp tokens (a multiple of 8; padding tokens zero) is tile-major:
+// tiles of TW tokens, the last one Rp mod TW wide, each [K][its width] with the K rows in lane-class
+// order (row l K8 + j holds element 8j + l, K8 = K / 8; then the tail elements d >= 8 K8 in order).
+// So a tile's pass reads one contiguous run (with the tokens' rows [K][Rp] interleaved instead, one
+// MoE layer of 512 tokens took 50 ms, tile-major 44; 2,048 tokens 244 -> 208 ms; <= 128 tokens within 2%).
+// put_token writes the K-vector v of token r into it.
+inline void put_token(float* xc, const float* v, int64_t r, int64_t K, int64_t Rp) {
+  const int64_t t0 = r / TW * TW, w = std::min(TW, Rp - t0), K8 = K / L;
+  float* o = xc + t0 * K + (r - t0);
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t j = 0; j < K8; ++j) o[(l * K8 + j) * w] = v[L * j + l];
+  for (int64_t d = L * K8; d < K; ++d) o[d * w] = v[d];
+}
+
+// out[i * ostride + t0 + t] for the mo weight rows w[i * K ...] (read in place: each pass broadcasts
+// every 8th element) and the 8 nv tokens of one tile xc ([K][xs], xs = 8 nv, as put_token lays it out).
+// xs is a runtime argument on purpose: a compile-time stride made GCC 12 schedule the loop worse
+// (128 tokens 16.6 -> 18.9 ms).
 template <int mo, int nv>
-inline void class_tile(const float* w, const float* xc, int64_t K, int64_t Rp, int64_t t0, float* out,
+inline void class_tile(const float* w, const float* xc, int64_t K, int64_t xs, int64_t t0, float* out,
                        int64_t ostride) {
   const int64_t K8 = K / L;
   vf8 S[mo][nv];
@@ -113,13 +128,13 @@ inline void class_tile(const float* w, const float* xc, int64_t K, int64_t Rp, i
     vf8 A[mo][nv];
     for (int i = 0; i < mo; ++i)
       for (int v = 0; v < nv; ++v) A[i][v] = vf8{};
-    const float* xl = xc + l * K8 * Rp + t0;
+    const float* xl = xc + l * K8 * xs;
     const float* wl = w + l;
     for (int64_t j = 0; j < K8; ++j) {
       if (l == 0)  // the next tile's weight rows (one line of each every other j): 128 tokens 20.4 -> 17.9 ms
         for (int i = 0; i < mo; ++i) __builtin_prefetch(w + (mo + i) * K + L * j, 0, 1);
       vf8 xv[nv];
-      for (int v = 0; v < nv; ++v) xv[v] = load8(xl + j * Rp + v * L);
+      for (int v = 0; v < nv; ++v) xv[v] = load8(xl + j * xs + v * L);
       for (int i = 0; i < mo; ++i) {
         const float b = wl[i * K + L * j];
         for (int v = 0; v < nv; ++v) A[i][v] += b * xv[v];
@@ -129,7 +144,7 @@ inline void class_tile(const float* w, const float* xc, int64_t K, int64_t Rp, i
       for (int v = 0; v < nv; ++v) S[i][v] = S[i][v] + A[i][v];
   }
   for (int64_t d = L * K8; d < K; ++d) {
-    const float* xd = xc + d * Rp + t0;
+    const float* xd = xc + d * xs;
     for (int v = 0; v < nv; ++v)
       for (int i = 0; i < mo; ++i)
         for (int q = 0; q < L; ++q) S[i][v][q] = __builtin_fmaf(w[i * K + d], xd[v * L + q], S[i][v][q]);
@@ -141,22 +156,16 @@ inline void class_tile(const float* w, const float* xc, int64_t K, int64_t Rp, i
 template <int mo>
 inline void class_rows(const float* w, const float* xc, int64_t K, int64_t Rp, float* out) {
   int64_t t = 0;
-  for (; t + NV * L <= Rp; t += NV * L) class_tile<mo, NV>(w, xc, K, Rp, t, out, Rp);
+  for (; t + TW <= Rp; t += TW) class_tile<mo, NV>(w, xc + t * K, K, TW, t, out, Rp);
   switch ((Rp - t) / L) {
-    case 3: class_tile<mo, 3>(w, xc, K, Rp, t, out, Rp); break;
-    case 2: class_tile<mo, 2>(w, xc, K, Rp, t, out, Rp); break;
-    case 1: class_tile<mo, 1>(w, xc, K, Rp, t, out, Rp); break;
+    case 3: class_tile<mo, 3>(w, xc + t * K, K, Rp - t, t, out, Rp); break;
+    case 2: class_tile<mo, 2>(w, xc + t * K, K, Rp - t, t, out, Rp); break;
+    case 1: class_tile<mo, 1>(w, xc + t * K, K, Rp - t, t, out, Rp); break;
     default: break;
   }
 }
 
-// The class-order position of element d of a K-vector (the row of xc holding it, above).
-inline int64_t class_pos(int64_t d, int64_t K) {
-  const int64_t K8 = K / L;
-  return d < L * K8 ? (d % L) * K8 + d / L : d;
-}
-
-// out[o * Rp + t] = dot_tile's sum of weight row o of w [O, K] with token t (xc as above), all O rows.
+// out[o * Rp + t] = dot_tile's sum of weight row o of w [O, K] with token t (xc tile-major, above).
 inline void class_gemm(const float* w, int64_t O, int64_t K, const float* xc, int64_t Rp, float* out) {
   for (int64_t o0 = 0; o0 < O; o0 += MO) {
     const int mo = static_cast<int>(std::min<int64_t>(MO, O - o0));
@@ -191,7 +200,7 @@ struct Scratch {
   std::vector<const float*> xr, hr;
   std::vector<float> h;
   std::vector<float> pair;  // [R][2]
-  std::vector<float> xc, g, u, hc, y;  // the GEMM path's operands (run_expert_gemm)
+  std::vector<float> xc, g, u, hc, y, hrow;  // the GEMM path's operands (run_expert_gemm)
 };
 
 // Experts picked by at least this many tokens run the GEMM path: same bits, faster from ~8 on (one
@@ -206,18 +215,16 @@ void run_expert_gemm(const Job& job, const float* x, const float* wg, const floa
   const float* u_e = wu + job.expert * I * D;
   const float* d_e = wd + job.expert * D * I;
   s.xc.assign(static_cast<size_t>(D * Rp), 0.f);
-  for (int64_t r = 0; r < R; ++r) {
-    const float* xr = x + (job.slots[r] / k) * D;
-    for (int64_t d = 0; d < D; ++d) s.xc[class_pos(d, D) * Rp + r] = xr[d];
-  }
+  for (int64_t r = 0; r < R; ++r) put_token(s.xc.data(), x + (job.slots[r] / k) * D, r, D, Rp);
   s.g.resize(static_cast<size_t>(I * Rp));
   s.u.resize(static_cast<size_t>(I * Rp));
   class_gemm(g_e, I, D, s.xc.data(), Rp, s.g.data());
   class_gemm(u_e, I, D, s.xc.data(), Rp, s.u.data());
   s.hc.assign(static_cast<size_t>(I * Rp), 0.f);
-  for (int64_t i = 0; i < I; ++i) {
-    float* h = s.hc.data() + class_pos(i, I) * Rp;
-    for (int64_t r = 0; r < R; ++r) h[r] = swiglu(s.g[i * Rp + r], s.u[i * Rp + r], lim);
+  s.hrow.resize(static_cast<size_t>(I));
+  for (int64_t r = 0; r < R; ++r) {  // token r's hidden vector, then into the down GEMM's operand
+    for (int64_t i = 0; i < I; ++i) s.hrow[i] = swiglu(s.g[i * Rp + r], s.u[i * Rp + r], lim);
+    put_token(s.hc.data(), s.hrow.data(), r, I, Rp);
   }
   s.y.resize(static_cast<size_t>(D * Rp));
   class_gemm(d_e, D, I, s.hc.data(), Rp, s.y.data());
