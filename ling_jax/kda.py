@@ -181,7 +181,8 @@ class KimiDeltaAttention(nnx.Module):
                            return_chunk_states=return_chunk_states)
             return self._per_head(kern, ex, q, k, v, g, beta, s0, chunk_states=return_chunk_states)
 
-        chunk_scan = pallas_chunk_scan if pallas else kda_chunk_scan
+        # the gate is bounded below by kda_lower_bound: the XLA scan may factor its decays (reference.py)
+        chunk_scan = pallas_chunk_scan if pallas else partial(kda_chunk_scan, gate_floor=cfg.kda_lower_bound)
         if mode.kda_states:  # every per-token state is materialised anyway: the reference scan
             o, s, all_states = kda_recurrent_scan(q, k, v, g, beta, state.recurrent, return_all_states=True)
         elif mode.kda_recurrent:

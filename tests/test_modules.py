@@ -33,10 +33,13 @@ def test_norms(dtype):
     assert rel_err(l2_normalize(jnp.asarray(x, jnp.float32)), R.l2_normalize(x)) < 1e-6
 
 
+@pytest.mark.parametrize("gate_floor", [None, -5.0])
 @pytest.mark.parametrize("chunk", [1, 16, 64])
 @pytest.mark.parametrize("T", [1, 37, 130])
-def test_kda_chunked_equals_recurrent(chunk, T):
-    """The chunked WY form equals the token recurrence for any chunk size, incl. T % chunk != 0."""
+def test_kda_chunked_equals_recurrent(chunk, T, gate_floor):
+    """The chunked WY form equals the token recurrence for any chunk size, incl. T % chunk != 0; with
+    the gate's floor given, chunks of up to 16 tokens (5 x 16 <= 80) factor their decays as
+    exp(Γ_r)·exp(−Γ_s) (two matmuls), longer ones keep the materialised pairwise form."""
     rng = np.random.default_rng(T * 100 + chunk)
     B, H, dk, dv = 2, 3, 16, 8
     q = R.l2_normalize(rng.standard_normal((B, T, H, dk))) / 4
@@ -47,12 +50,35 @@ def test_kda_chunked_equals_recurrent(chunk, T):
     s0 = rng.standard_normal((B, H, dk, dv)) * 0.5
     args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, s0)]
     o_r, s_r = kda_recurrent_scan(*args)
-    o_c, s_c = kda_chunk_scan(*args, chunk_size=chunk)
+    o_c, s_c = kda_chunk_scan(*args, chunk_size=chunk, gate_floor=gate_floor)
     # and both against the float64 reference recurrence, sequence by sequence
     for b in range(B):
         o_ref, s_ref = R.kda_recurrent(q[b], k[b], v[b], g[b], beta[b], s0[b], normalize=False)
         assert rel_err(o_c[b], o_ref) < 1e-4 and rel_err(s_c[b], s_ref) < 1e-4
     assert rel_err(o_c, o_r) < 1e-5 and rel_err(s_c, s_r) < 1e-5
+
+
+def test_kda_factored_chunk_at_the_gate_floor():
+    """The factored decays at their limit: every log-decay at the floor -5, 16-token chunks (Γ down to
+    -80, exp(-Γ) ~ 5.5e34): finite, and equal to the materialised form and to float64."""
+    from pallas_kernels.kda.reference import factorable
+    assert factorable(16, -5.0) and not factorable(17, -5.0) and not factorable(16, None)
+    rng = np.random.default_rng(7)
+    B, T, H, dk, dv = 1, 48, 2, 16, 8
+    q = R.l2_normalize(rng.standard_normal((B, T, H, dk))) / 4
+    k = R.l2_normalize(rng.standard_normal((B, T, H, dk)))
+    v = rng.standard_normal((B, T, H, dv))
+    g = np.full((B, T, H, dk), -4.9999)
+    g[:, :, :, :4] = -1e-3  # slow and fast channels side by side
+    beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
+    s0 = rng.standard_normal((B, H, dk, dv)) * 0.5
+    args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, s0)]
+    o_f, s_f = kda_chunk_scan(*args, chunk_size=16, gate_floor=-5.0)
+    o_m, s_m = kda_chunk_scan(*args, chunk_size=16)
+    assert np.isfinite(np.asarray(o_f)).all() and np.isfinite(np.asarray(s_f)).all()
+    o_ref, s_ref = R.kda_recurrent(q[0], k[0], v[0], g[0], beta[0], s0[0], normalize=False)
+    assert rel_err(o_f[0], o_ref) < 1e-4 and rel_err(s_f[0], s_ref) < 1e-4
+    assert rel_err(o_f, o_m) < 1e-5 and rel_err(s_f, s_m) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
