@@ -95,7 +95,7 @@ inline void dot_rows(const float* w0, const float* w1, const float* const* x, in
 // the same order, so the bits equal the dot path's: a token's result still does not depend on how
 // many tokens picked its expert. Why: with many tokens per expert (prefill) the dot form spends its
 // time on horizontal sums and activation loads (~90 GFLOP/s of the two cores' ~230 peak); here every
-// weight broadcast feeds NV FMAs and every activation vector MO (~125 GFLOP/s at 64 tokens an expert).
+// weight broadcast feeds NV FMAs and every activation vector MO (~147 GFLOP/s at 64 tokens an expert).
 constexpr int MO = 6, NV = 4;  // 24 accumulators: AVX-512VL's 32 vector registers
 constexpr int64_t TW = NV * L;  // tokens per tile
 
