@@ -31,7 +31,9 @@ from pallas_kernels.kda.step_kernel import kda_recurrent_scan_pallas
 
 
 class KDAState(NamedTuple):
-    """Per-layer KDA cache. recurrent: [B,H,dk,dv] f32; conv_*: [B,K-1,H*dk] raw pre-conv inputs."""
+    """Per-layer KDA cache. recurrent: [B,H,dk,dv] f32; conv_*: [B,K-1,H*dk] raw pre-conv inputs (a
+    window), or, in the engine's slot pools, the window's K-1 taps as a tuple of [B,H*dk] arrays
+    (`conv_taps`: how the pools store it; `conv_window` gives the window back)."""
     recurrent: jax.Array
     conv_q: jax.Array
     conv_k: jax.Array
@@ -43,10 +45,11 @@ class SlotKDAState(NamedTuple):
     place (`kda_in_place`), with no gather of its rows out of the slot pool and no scatter back.
 
     recurrent: the whole stacked pool [repeats, n, S, H, dk, dv] f32 (S slots; the engine's slot pool,
-    or `generate`'s batch); conv_*: the rows' conv states, stacked [repeats, n, R, K-1, H*dk] (one
-    layer's [R, K-1, H*dk] once `layer` is set); rows [R] int32: the slots of the call's rows
-    (>= S: a padding row); fresh [R] bool or None: rows whose state starts at zero; layer: None, or
-    (g, j) of the layer reading it (`layer_stack._cache_at`, Python or traced ints)."""
+    or `generate`'s batch); conv_*: the rows' conv states, stacked [repeats, n, R, K-1, H*dk] or as
+    taps (`conv_taps`; one layer's window [R, K-1, H*dk] once `layer` is set); rows [R] int32: the
+    slots of the call's rows (>= S: a padding row); fresh [R] bool or None: rows whose state starts at
+    zero; layer: None, or (g, j) of the layer reading it (`layer_stack._cache_at`, Python or traced
+    ints)."""
     recurrent: jax.Array
     conv_q: jax.Array
     conv_k: jax.Array
@@ -66,10 +69,42 @@ def kda_in_place(ex: ExecConfig, mode: CallMode, dtype) -> bool:
             and jnp.dtype(dtype) == jnp.float32 and cpu_kernel.available())
 
 
-def kda_zero_state(cfg: LingConfig, batch: int, dtype) -> KDAState:
+def kda_zero_state(cfg: LingConfig, batch: int, dtype, taps: bool = False) -> KDAState:
+    """Zero KDA cache of `batch` rows; taps: the conv windows stored as taps (`conv_taps`, the engine's
+    pools; a kernel of one tap keeps the empty window)."""
     H, d, K = cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
-    conv = lambda: jnp.zeros((batch, K - 1, H * d), dtype)  # distinct buffers (they may be donated)
+    if taps and K > 1:  # distinct buffers (they may be donated)
+        conv = lambda: tuple(jnp.zeros((batch, H * d), dtype) for _ in range(K - 1))
+    else:
+        conv = lambda: jnp.zeros((batch, K - 1, H * d), dtype)
     return KDAState(jnp.zeros((batch, H, d, d), jnp.float32), conv(), conv(), conv())
+
+
+CONV_FIELDS = ("conv_q", "conv_k", "conv_v")
+
+
+def conv_window(x) -> jax.Array:
+    """A conv state as the window the layer reads, [..., K-1, C]: taps (a tuple of K-1 [..., C]
+    arrays) stacked, a window as it is."""
+    return jnp.stack(x, axis=-2) if isinstance(x, tuple) else x
+
+
+def conv_taps(window: jax.Array, like):
+    """`window` [..., K-1, C] in the form of `like`: its K-1 taps [..., C] when `like` is a tuple of
+    taps, else the window itself.
+
+    Why the pools keep taps: a window's K-1 = 3 rows sit in the second-minor dimension, which XLA:TPU
+    tiles by 8 (16 for bf16): the pool took 5.3x its bytes, and the programs that gather slot rows (a
+    decode of fewer rows than slots, prefill) copied every conv pool into another tiling and back each
+    step (tests/test_aot.py). A tap [S, H*dk] is lane-dense: no program copies it."""
+    if not isinstance(like, tuple):
+        return window
+    return tuple(window[..., k, :] for k in range(len(like)))
+
+
+def conv_like(state, like):
+    """`state` (a KDAState) with each conv state in the form `like`'s has (`conv_taps`)."""
+    return state._replace(**{f: conv_taps(conv_window(getattr(state, f)), getattr(like, f)) for f in CONV_FIELDS})
 
 
 def short_conv(u: jax.Array, taps: jax.Array, conv_state: jax.Array, n_valid: jax.Array, return_cat: bool = False):

@@ -45,7 +45,7 @@ from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.config import KDA, LingConfig
 from ling_jax.decoder_layer import DecoderLayer
 from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
-from ling_jax.kda import KDAState, SlotKDAState, kda_in_place, kda_rollback
+from ling_jax.kda import CONV_FIELDS, KDAState, SlotKDAState, conv_like, conv_window, kda_in_place, kda_rollback
 from ling_jax.mla import MLACache, PagedMLACache
 from ling_jax.placement import model_mesh
 from ling_jax.rows import take_rows
@@ -408,7 +408,8 @@ def _cache_at(cache, g, j, fresh=None, static: bool = False):
     # keeps it one): a slice would be fused into each of the state's readers (the conv states feed q,
     # k and v), leaving the stacked pool read by fusions XLA cannot order before the in-place write,
     # so it copied the whole pool (tests/test_inplace_rows.py).
-    convs = {f: read(getattr(cache, f), False) for f in ("conv_q", "conv_k", "conv_v")}
+    # (pools keep the conv windows as taps, `kda.conv_taps`: each tap read, the layer gets the window)
+    convs = {f: conv_window(jax.tree.map(lambda x: read(x, False), getattr(cache, f))) for f in CONV_FIELDS}
     if isinstance(cache, SlotKDAState):  # the recurrent states stay in their pool: the layer gets (g, j)
         return cache._replace(layer=(g, j), **convs)
     return cache._replace(recurrent=read(cache.recurrent, static), **convs)
@@ -420,11 +421,12 @@ def _cache_put(cache, new, g, j):
         return None
     if _is_mla(cache):
         return new._replace(layer=None)
+    new = conv_like(new, cache)  # the conv windows in the stacked cache's form (taps in the pools)
+    put = lambda buf, x: buf.at[g, j].set(x.astype(buf.dtype))  # noqa: E731
     if isinstance(cache, SlotKDAState):  # the pool came back updated in place; the conv rows go to [g, j]
-        convs = {f: getattr(cache, f).at[g, j].set(getattr(new, f).astype(getattr(cache, f).dtype))
-                 for f in ("conv_q", "conv_k", "conv_v")}
+        convs = {f: jax.tree.map(put, getattr(cache, f), getattr(new, f)) for f in CONV_FIELDS}
         return cache._replace(recurrent=new.recurrent, **convs)
-    return jax.tree.map(lambda buf, x: buf.at[g, j].set(x.astype(buf.dtype)), cache, new)
+    return jax.tree.map(put, cache, new)
 
 
 def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: ExecConfig, mode: CallMode,

@@ -7,8 +7,8 @@ the buffer is read by many fusions the write does not depend on); to keep the or
 then copies the whole buffer (measured: a 1-row decode step on a 32-slot mid-config engine copied
 every KDA pool, 161 ms per token against 35 ms on a 1-slot engine). With two or more indices the
 gather stays a real gather and nothing is copied. So a one-row read is padded with one index past
-the end (clipped on read and sliced off; dropped on write: the same values, no copy). On TPU the writes
-go one row at a time (`put_rows`).
+the end (clipped on read and sliced off; dropped on write: the same values, no copy). On TPU the reads
+and the writes go one row at a time (`take_rows`, `put_rows`).
 """
 from __future__ import annotations
 
@@ -26,9 +26,29 @@ def _at_least_two(idx: jax.Array, size: int) -> jax.Array:
 
 
 def take_rows(x: jax.Array, idx: jax.Array, axis: int = 0) -> jax.Array:
-    """x's rows idx [R] along `axis` (indices past the end read the last row: "clip")."""
+    """x's rows idx [R] along `axis` (indices past the end read the last row: "clip").
+
+    XLA:CPU and GPU get one gather (a one-row index padded to two: module doc). So does TPU along an
+    untiled (major) axis; along one of the two tiled minor axes, one `dynamic_slice` per row
+    (`jax.lax.platform_dependent`, as `put_rows`): for such a gather (the slots of a KDA conv-tap pool
+    [.., S, H·dk] are its second-minor dimension) the TPU compiler relaid out the whole pool first, in
+    and out, in every program that gathers slot rows (tests/test_aot.py); a row slice reads the pool
+    as it lies. (Along a major axis the slices' concatenation would only add a copy of the rows.)"""
+    gathered = functools.partial(_take_rows_gathered, axis=axis)
+    if axis % x.ndim < x.ndim - 2:
+        return gathered(x, idx)
+    return jax.lax.platform_dependent(x, idx, tpu=functools.partial(_take_rows_sliced, axis=axis), default=gathered)
+
+
+def _take_rows_gathered(x, idx, axis):
     got = jnp.take(x, _at_least_two(idx, x.shape[axis]), axis=axis, mode="clip")
     return jax.lax.slice_in_dim(got, 0, idx.shape[0], axis=axis) if idx.shape[0] == 1 else got
+
+
+def _take_rows_sliced(x, idx, axis):
+    # dynamic_slice clamps its start into the array: an index past the end reads the last row ("clip")
+    return jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, idx[r], 1, axis=axis) for r in range(idx.shape[0])],
+                           axis=axis)
 
 
 def put_rows(x: jax.Array, idx: jax.Array, values: jax.Array, axis: int = 0) -> jax.Array:

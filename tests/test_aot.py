@@ -336,7 +336,10 @@ def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu():
     and the kernel use and back, in every engine program (temp memory 2x the k_pe pool, BENCHMARKS.md).
     With `ExecConfig.pool_layout="token_rows"` (the TPU default) the k_pe pools are stored row-major
     and every program is pinned to it: no decode (gathered rows or in place) or prefill program
-    copies a k_pe pool; with "default" they do (so this test would catch the relayout coming back)."""
+    copies a k_pe pool; with "default" they do (so this test would catch the relayout coming back).
+    The same for the KDA conv pools: as windows [.., slots, 3, H·dk] ("default") the programs that
+    gather slot rows (decode[R=1], prefill) copy every one of them; kept as lane-dense taps and read
+    a row slice at a time on TPU ("token_rows": `kda.conv_taps`, `rows.take_rows`) none does."""
     import jax
     from sharding.mesh import make_mesh, parse_mesh_shape
     from sharding.rules import path_str
@@ -348,7 +351,7 @@ def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu():
 
     target = resolve_target("v5e:2x2")
     mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices)
-    found = {}
+    found, conv_found = {}, {}
     for layout in ("default", "token_rows"):
         model = placed_abstract_model(LingConfig.from_dict(small_config_dict()), "bf16", mesh, target.platform,
                                       with_mtp=True)
@@ -359,8 +362,14 @@ def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu():
         pools = progs[0].args[1]
         leaves = jax.tree_util.tree_leaves_with_path(pools)
         kpe = {tuple(x.shape) for p, x in leaves if path_str(p).endswith("kpe_pages")}
-        assert kpe
-        found[layout] = {p.name: _copies_of(p.lower().compile().as_text(), kpe) for p in progs}
+        conv = {tuple(x.shape) for p, x in leaves if "/conv_" in path_str(p)}
+        assert kpe and conv
+        hlo = {p.name: p.lower().compile().as_text() for p in progs}
+        found[layout] = {n: _copies_of(h, kpe) for n, h in hlo.items()}
+        conv_found[layout] = {n: _copies_of(h, conv) for n, h in hlo.items()}
     assert set(found["token_rows"]) == {"decode[R=1,W=16]", "decode[R=8,W=16]", "prefill[R=2,T=64,W=16]"}, found
     assert all(found["default"].values()), found["default"]  # the relayout this layout removes
     assert not any(found["token_rows"].values()), found["token_rows"]
+    # conv pools: windows [1, n, 8, 3, 256] by default, taps [1, n, 8, 256] with token_rows
+    assert conv_found["default"]["decode[R=1,W=16]"] and conv_found["default"]["prefill[R=2,T=64,W=16]"]
+    assert not any(conv_found["token_rows"].values()), conv_found["token_rows"]

@@ -442,7 +442,9 @@ def test_token_rows_pool_layout_gives_the_same_tokens(tiny_model, reference):
     row-major and every program (prefill, decode, snapshot save / restore) is pinned to that layout.
     On CPU row-major is the default, so this checks the plumbing: the k_pe pools carry `Format`s,
     the tokens equal `generate` alone, a prefix-cache hit restores into the pinned pools, and nothing
-    compiles after warm-up. (That it removes the relayout on TPU: tests/test_aot.py.)"""
+    compiles after warm-up; the KDA conv windows are kept as taps [.., slots, H·dk] (`kda.conv_taps`)
+    through prefill, decode, the snapshots inside chunks and their restore. (That it removes the
+    relayouts on TPU: tests/test_aot.py.)"""
     from jax.experimental.layout import Format
     from sharding.rules import path_str
 
@@ -455,6 +457,9 @@ def test_token_rows_pool_layout_gives_the_same_tokens(tiny_model, reference):
     for x, f in zip(jax.tree.leaves(eng.runner.pools), jax.tree.leaves(eng.runner.pool_sharding)):
         if isinstance(f, Format):
             assert x.format.layout.major_to_minor == tuple(range(x.ndim))
+    for tree in (eng.runner.pools, eng.runner.snapshots.snaps):  # the snapshot rows as the slots
+        convs = [x for p, x in jax.tree_util.tree_leaves_with_path(tree) if "/conv_" in path_str(p)]
+        assert convs and all(x.ndim == 4 for x in convs)  # [repeats, n, rows, H·dk]
     eng.warmup()
     picks = [0, 1, 2, 5]
     with xla_compiles() as events:

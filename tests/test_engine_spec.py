@@ -12,6 +12,7 @@ from flax import nnx
 import np_reference as R
 from conftest import is_compile_event, load_from_dict, rel_err, xla_compiles
 from ling_jax.config import KDA
+from ling_jax.kda import CONV_FIELDS, conv_window
 from ling_jax.generate import generate, prefill
 from ling_jax.layer_stack import layer_plan
 from ling_jax.mla import paged_gather
@@ -190,7 +191,8 @@ def _kda_layer_states(pools, cfg, slot):
                 continue
             for g, row in enumerate(block.layer_grid(r)):
                 for i, layer in enumerate(row):
-                    out[layer] = jax.tree.map(lambda x: x[g, i, slot], pools.layers[b_i][r])
+                    st = jax.tree.map(lambda x: x[g, i, slot], pools.layers[b_i][r])
+                    out[layer] = st._replace(**{f: conv_window(getattr(st, f)) for f in CONV_FIELDS})  # taps
     return out
 
 
@@ -198,8 +200,23 @@ def test_kda_state_after_rollback_equals_plain(engine_for, model, tiny_cfg):
     """Step a request until a verify rejects a draft after accepting at least one (rollback into the
     middle of the verify chunk); then the slot's KDA recurrent + conv states, its hidden and its MTP
     pages equal a plain (chunked, contiguous) prefill of exactly the tokens accepted so far."""
-    cfg = tiny_cfg
-    eng = engine_for(2)
+    _check_rollback_equals_plain(engine_for(2), model, tiny_cfg)
+
+
+def test_kda_state_after_rollback_into_conv_taps_equals_plain(model, tiny_cfg):
+    """The same with `pool_layout="token_rows"` (the TPU default), whose pools keep each KDA conv
+    window as lane-dense taps (`kda.conv_taps`): the verify's rollback, a window per row, is written
+    back as taps, and the slot's states still equal the plain prefill's."""
+    eng = Engine(model, exec=model.exec.replace(pool_layout="token_rows"), max_slots=4, page_size=PAGE, num_pages=12,
+                 prefill_chunk=16, prefill_rows=2, max_seq_len=MAX_SEQ, buckets=(16,), widths=(4, 10),
+                 speculative=2, decode_rows=(4,), prefix_cache=False)
+    conv = [x for p, x in jax.tree_util.tree_leaves_with_path(eng.runner.pools) if "conv_q" in jax.tree_util.keystr(p)]
+    assert len(conv) == 3 * sum(1 for b in layer_plan(tiny_cfg) for r in b.runs if r.attn == KDA)  # K-1 = 3 taps
+    assert all(x.ndim == 4 for x in conv)  # [repeats, n, slots, H·dk]
+    _check_rollback_equals_plain(eng, model, tiny_cfg)
+
+
+def _check_rollback_equals_plain(eng, model, cfg):
     prompt = np.random.default_rng(11).integers(0, cfg.vocab_size, 13).tolist()
     h = eng.submit(prompt, RequestParams(max_tokens=60, stop_ids=()))
     req = h._req

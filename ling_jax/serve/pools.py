@@ -3,8 +3,9 @@
 Two kinds of memory, sized once at start-up (nothing is allocated per request):
 
 * **Slots** (`max_slots`): row s of every KDA layer's recurrent state [H,dk,dv] f32 and three conv
-  states [K-1, H·dk], and of `hidden` (the last processed token's final-normed hidden, the MTP
-  layer's next input). KDA memory is length-independent, so a slot is all a sequence needs of it.
+  states [K-1, H·dk] (on TPU as K-1 lane-dense taps [H·dk]: `kda.conv_taps`), and of `hidden` (the
+  last processed token's final-normed hidden, the MTP layer's next input). KDA memory is
+  length-independent, so a slot is all a sequence needs of it.
 * **Pages** (`num_pages` × `page_size` tokens): every MLA layer (and the MTP layer's) keeps its
   latent `c` [kv_lora_rank] and rotated key `k_pe` [rope_dim] in one page pool per layer; a
   sequence owns a list of pages (its block table row), so a short sequence holds few pages and
@@ -31,7 +32,7 @@ from jax.sharding import NamedSharding
 from ling_jax.accounting import cache_bytes
 from ling_jax.checks import check_int
 from ling_jax.config import KDA, LingConfig
-from ling_jax.kda import KDAState, SlotKDAState, kda_zero_state
+from ling_jax.kda import CONV_FIELDS, KDAState, SlotKDAState, conv_like, kda_zero_state
 from ling_jax.kv_quant import FP8, check_kv_cache_dtype
 from ling_jax.layer_stack import map_runs, zeros_by_kind
 from ling_jax.mla import PagedMLACache
@@ -141,8 +142,9 @@ def describe(cfg: LingConfig, sizes: PoolSizes, dtype) -> str:
     ])
 
 
-def init_pools(cfg: LingConfig, sizes: PoolSizes, dtype) -> Pools:
-    """Zero pools (zero pages are finite, so a masked key never turns into NaN)."""
+def init_pools(cfg: LingConfig, sizes: PoolSizes, dtype, conv_taps: bool = False) -> Pools:
+    """Zero pools (zero pages are finite, so a masked key never turns into NaN). conv_taps: the KDA
+    conv windows kept as lane-dense taps (`kda.conv_taps`; `ExecConfig.pool_layout="token_rows"`, TPU)."""
     S, NP, P = sizes.max_slots, sizes.num_pages, sizes.page_size
 
     def paged():
@@ -152,7 +154,7 @@ def init_pools(cfg: LingConfig, sizes: PoolSizes, dtype) -> Pools:
         return PagedMLACache(jnp.zeros((NP, P, cfg.kv_lora_rank), dtype),
                              jnp.zeros((NP, P, cfg.qk_rope_head_dim), dtype), None)
 
-    layers = zeros_by_kind(cfg, lambda: kda_zero_state(cfg, S, dtype), paged)
+    layers = zeros_by_kind(cfg, lambda: kda_zero_state(cfg, S, dtype, taps=conv_taps), paged)
     return Pools(layers, paged() if sizes.with_mtp else None, jnp.zeros((S, cfg.hidden_size), dtype),
                  init_token_stats(S, cfg.vocab_size))
 
@@ -160,7 +162,8 @@ def init_pools(cfg: LingConfig, sizes: PoolSizes, dtype) -> Pools:
 def pool_shardings(cfg: LingConfig, tree, mesh):
     """NamedShardings on `mesh` for `Pools` or `snapshots.Snapshots` (declared where they are made).
 
-    KDA recurrent states [..., rows, H, dk, dv] and conv states [..., rows, K-1, H·dk] are split by
+    KDA recurrent states [..., rows, H, dk, dv] and conv states ([..., rows, K-1, H·dk], or its taps
+    [..., rows, H·dk]) are split by
     head over the mesh's `model` axis, like the KDA projections that compute them (each device
     keeps the states of its own heads: no gather in a step, and 1/model of the bytes). Everything
     else is replicated: the MLA and MTP latent pages (one KV head shared by all heads, read by every
@@ -172,7 +175,7 @@ def pool_shardings(cfg: LingConfig, tree, mesh):
         name = path_str(path)
         if name.endswith("recurrent"):
             axes = (None,) * (x.ndim - 3) + ("heads", None, None)
-        elif re.search(r"conv_[qkv]$", name):
+        elif re.search(r"conv_[qkv](/\d+)?$", name):  # a window [.., K-1, C] or its taps [.., C]
             axes = (None,) * (x.ndim - 1) + ("heads",)
         else:
             axes = (None,) * x.ndim
@@ -307,13 +310,14 @@ def with_cache(cfg: LingConfig, pools: Pools, cache: HybridCache, rows: jax.Arra
     def one(run, old, new):
         if run.attn != KDA:
             return new._replace(block_table=None)
+        new = conv_like(new, old)  # conv windows (a verify's rollback) as the pools' taps
+        put = lambda o, n: put_rows(o, rows, n, axis=2)  # noqa: E731
         if isinstance(new, SlotKDAState):  # the recurrent pool came back updated in place
             new = KDAState(new.recurrent, new.conv_q, new.conv_k, new.conv_v)
             if rows is None:
                 return new
-            return KDAState(new.recurrent, *(put_rows(getattr(old, f), rows, getattr(new, f), axis=2)
-                                             for f in ("conv_q", "conv_k", "conv_v")))
-        return new if rows is None else jax.tree.map(lambda o, n: put_rows(o, rows, n, axis=2), old, new)
+            return KDAState(new.recurrent, *(jax.tree.map(put, getattr(old, f), getattr(new, f)) for f in CONV_FIELDS))
+        return new if rows is None else jax.tree.map(put, old, new)
 
     layers = map_runs(cfg, one, pools.layers, cache.layers)
     mtp = None if cache.mtp is None else cache.mtp._replace(block_table=None)

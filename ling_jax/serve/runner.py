@@ -115,7 +115,9 @@ class ModelRunner:
         # states split by head over `model`, the rest replicated (`pools.pool_shardings`). Every program
         # that returns pools returns them with exactly these shardings (out_shardings), so the first call
         # of each shape and every later call run one compiled program.
-        make = lambda: init_pools(cfg, sizes, model.dtype)  # noqa: E731
+        # "token_rows" (TPU): the KDA conv windows as lane-dense taps too (`kda.conv_taps`)
+        conv_taps = exec.pool_layout == "token_rows"
+        make = lambda: init_pools(cfg, sizes, model.dtype, conv_taps)  # noqa: E731
         placement = lambda pools: placed_like(cfg, pools, self.params)  # noqa: E731
         if exec.pool_layout == "token_rows":
             # the k_pe pages row-major, every program pinned to it (ExecConfig.pool_layout: on TPU the
@@ -128,7 +130,8 @@ class ModelRunner:
         self.slot_sampling = SlotSampling(sizes.max_slots)
         self.snapshots = None if snapshot_rows is None else SnapshotPool(
             cfg, sizes, snapshot_rows, model.dtype, self.prefill_rows,
-            lambda snaps: placed_like(cfg, snaps, self.params), self.pool_sharding, abstract=self.abstract)
+            lambda snaps: placed_like(cfg, snaps, self.params), self.pool_sharding, abstract=self.abstract,
+            conv_taps=conv_taps)
         self.prefill_fn, self.decode_fn = make_step_fns(
             self.graphdef, exec, snapshot_interval if self.snapshots is not None else 0,
             self.snapshots.sharding if self.snapshots is not None else None, self.pool_sharding)

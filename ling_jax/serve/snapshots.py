@@ -1,9 +1,10 @@
 """The prefix cache's device side: a pool of KDA snapshot rows and the two copy programs.
 
 A snapshot row holds what a slot holds (pools.py): per KDA layer the recurrent state [H,dk,dv]
-f32 and the three conv states [K-1, H·dk], and the `hidden` row [D] (the MTP layer's next input),
-so one row costs `PoolSizes.snapshot_bytes`. The arrays are laid out like the slot pools, stacked per
-run of `layer_plan` ([repeats, n, rows, ...]), with `rows` in place of max_slots.
+f32 and the three conv states [K-1, H·dk] (taps where the pools keep taps), and the `hidden` row [D]
+(the MTP layer's next input), so one row costs `PoolSizes.snapshot_bytes`. The arrays are laid out
+like the slot pools, stacked per run of `layer_plan` ([repeats, n, rows, ...]), with `rows` in place
+of max_slots.
 
 Snapshots inside a prefill chunk are written by the prefill program itself (`step._save_boundaries`,
 from the chunked scan's boundary states); the programs here take the others.
@@ -46,8 +47,8 @@ class Snapshots(NamedTuple):
     hidden: jax.Array
 
 
-def init_snapshots(cfg: LingConfig, rows: int, dtype) -> Snapshots:
-    layers = zeros_by_kind(cfg, lambda: kda_zero_state(cfg, rows, dtype), lambda: None)
+def init_snapshots(cfg: LingConfig, rows: int, dtype, conv_taps: bool = False) -> Snapshots:
+    layers = zeros_by_kind(cfg, lambda: kda_zero_state(cfg, rows, dtype, taps=conv_taps), lambda: None)
     return Snapshots(layers, jnp.zeros((rows, cfg.hidden_size), dtype))
 
 
@@ -114,13 +115,15 @@ class SnapshotPool:
     orders (prefix_cache.PrefixCache.after_prefill / take_restores) and run them, padded to R."""
 
     def __init__(self, cfg: LingConfig, sizes: PoolSizes, rows: int, dtype, copies: int, placement,
-                 pool_sharding=None, abstract: bool = False):
+                 pool_sharding=None, abstract: bool = False, conv_taps: bool = False):
         """placement(snaps) -> the rows' shardings (the engine's: split by head like the slot pools);
         pool_sharding: the pools' declared shardings, fixed as the restore program's output (as every
-        step program's, `step.make_step_fns`), so no step sees a new signature after a hit."""
+        step program's, `step.make_step_fns`), so no step sees a new signature after a hit; conv_taps:
+        the conv states as the pools keep them (`pools.init_pools`)."""
         self.sizes, self.rows, self.copies = sizes, rows, copies
         self.link = None  # multi-host: the engine's StepLink; every copy is broadcast before it runs
-        self.snaps, self.sharding = make_placed(lambda: init_snapshots(cfg, rows, dtype), placement, abstract)
+        self.snaps, self.sharding = make_placed(lambda: init_snapshots(cfg, rows, dtype, conv_taps), placement,
+                                                 abstract)
         # fresh function objects per pool: jit caches live on the function, so `compiled_shapes()`
         # counts this engine's programs only (as make_step_fns' lambdas do for the step programs)
         # out_shardings: the rows' own placement, as the prefill program's (step.make_step_fns): every

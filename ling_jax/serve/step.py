@@ -29,7 +29,7 @@ from flax import nnx
 
 from ling_jax.call_mode import CallMode
 from ling_jax.exec_config import ExecConfig
-from ling_jax.kda import kda_in_place
+from ling_jax.kda import conv_like, kda_in_place
 from ling_jax.placement import logits_sharding, model_mesh
 from ling_jax.rows import put_rows, take_rows
 from ling_jax.sampling import MAX_LOGPROBS, RowSampling, token_logprobs
@@ -70,8 +70,8 @@ def _save_boundaries(snaps, bounds: dict, hidden, snap_rows, interval: int):
         flat = src.reshape(src.shape[:2] + (R * J,) + src.shape[4:])
         return put_rows(dst, idx, flat, axis=2)
 
-    layers = tuple(tuple(None if s is None else jax.tree.map(put, s, bounds[(b, r)]) for r, s in enumerate(sb))
-                   for b, sb in enumerate(snaps.layers))
+    layers = tuple(tuple(None if s is None else jax.tree.map(put, s, conv_like(bounds[(b, r)], s))
+                         for r, s in enumerate(sb)) for b, sb in enumerate(snaps.layers))
     h = hidden[:, interval - 1::interval][:, :J].reshape(R * J, -1)
     return snaps._replace(layers=layers, hidden=put_rows(snaps.hidden, idx, h))
 
