@@ -7,8 +7,8 @@ the buffer is read by many fusions the write does not depend on); to keep the or
 then copies the whole buffer (measured: a 1-row decode step on a 32-slot mid-config engine copied
 every KDA pool, 161 ms per token against 35 ms on a 1-slot engine). With two or more indices the
 gather stays a real gather and nothing is copied. So a one-row read is padded with one index past
-the end (clipped on read and sliced off; dropped on write: the same values, no copy). On TPU the reads
-and the writes go one row at a time (`take_rows`, `put_rows`).
+the end (clipped on read and sliced off; dropped on write: the same values, no copy). On TPU the writes,
+and the reads along a tiled axis, go one row at a time (`put_rows`, `take_rows`).
 """
 from __future__ import annotations
 
