@@ -110,10 +110,10 @@ class ExecConfig:
         copied each k_pe pool into the row-major layout and back (temp memory 2x the k_pe pool and
         that traffic per step, BENCHMARKS.md); row-major pads it to 128 lanes instead (+11% of the
         latent pool at the release's widths); and the KDA conv windows [slots, K-1, H·dk] stored as
-        K-1 lane-dense taps [slots, H·dk] (`kda.conv_taps`: the window's 3 rows, tiled by 8 or 16 on
-        TPU, took 5.3x their bytes, and every program gathering slot rows relaid each conv pool out
-        and back). `for_backend`: "token_rows" on TPU, else "default" (where the default is
-        row-major already and a window is not padded).
+        K-1 lane-dense taps [slots, H·dk] (`kda.conv_taps`: with the window's 3 rows in the tiled
+        second-minor dimension every program gathering slot rows relaid each conv pool out and
+        back). `for_backend`: "token_rows" on TPU, else "default" (where the default is row-major
+        already).
     """
     kernels: str = "xla"
     experts: str = "auto"

@@ -32,8 +32,8 @@ from pallas_kernels.kda.step_kernel import kda_recurrent_scan_pallas
 
 class KDAState(NamedTuple):
     """Per-layer KDA cache. recurrent: [B,H,dk,dv] f32; conv_*: [B,K-1,H*dk] raw pre-conv inputs (a
-    window), or, in the engine's slot pools, the window's K-1 taps as a tuple of [B,H*dk] arrays
-    (`conv_taps`: how the pools store it; `conv_window` gives the window back)."""
+    window), or, in the engine's slot pools on TPU (`ExecConfig.pool_layout="token_rows"`), the
+    window's K-1 taps as a tuple of [B,H*dk] arrays (`conv_taps`; `conv_window` gives the window back)."""
     recurrent: jax.Array
     conv_q: jax.Array
     conv_k: jax.Array
@@ -70,8 +70,8 @@ def kda_in_place(ex: ExecConfig, mode: CallMode, dtype) -> bool:
 
 
 def kda_zero_state(cfg: LingConfig, batch: int, dtype, taps: bool = False) -> KDAState:
-    """Zero KDA cache of `batch` rows; taps: the conv windows stored as taps (`conv_taps`, the engine's
-    pools; a kernel of one tap keeps the empty window)."""
+    """Zero KDA cache of `batch` rows; taps: the conv windows stored as taps (`conv_taps`: the engine's
+    pools on TPU; a kernel of one tap keeps the empty window)."""
     H, d, K = cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
     if taps and K > 1:  # distinct buffers (they may be donated)
         conv = lambda: tuple(jnp.zeros((batch, H * d), dtype) for _ in range(K - 1))
@@ -93,10 +93,10 @@ def conv_taps(window: jax.Array, like):
     """`window` [..., K-1, C] in the form of `like`: its K-1 taps [..., C] when `like` is a tuple of
     taps, else the window itself.
 
-    Why the pools keep taps: a window's K-1 = 3 rows sit in the second-minor dimension, which XLA:TPU
-    tiles by 8 (16 for bf16): the pool took 5.3x its bytes, and the programs that gather slot rows (a
-    decode of fewer rows than slots, prefill) copied every conv pool into another tiling and back each
-    step (tests/test_aot.py). A tap [S, H*dk] is lane-dense: no program copies it."""
+    Why the engine's pools keep taps on TPU: a window's K-1 = 3 rows sit in the tiled second-minor
+    dimension, and the programs that gather slot rows (a decode of fewer rows than slots, prefill)
+    copied every conv pool into another tiling and back each step (tests/test_aot.py). A tap
+    [S, H*dk] is lane-dense: no program copies it."""
     if not isinstance(like, tuple):
         return window
     return tuple(window[..., k, :] for k in range(len(like)))
