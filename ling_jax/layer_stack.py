@@ -408,7 +408,7 @@ def _cache_at(cache, g, j, fresh=None, static: bool = False):
     # keeps it one): a slice would be fused into each of the state's readers (the conv states feed q,
     # k and v), leaving the stacked pool read by fusions XLA cannot order before the in-place write,
     # so it copied the whole pool (tests/test_inplace_rows.py).
-    # (pools keep the conv windows as taps, `kda.conv_taps`: each tap read, the layer gets the window)
+    # (the TPU pools keep the conv windows as taps, `kda.conv_taps`: each tap read, the layer gets the window)
     convs = {f: conv_window(jax.tree.map(lambda x: read(x, False), getattr(cache, f))) for f in CONV_FIELDS}
     if isinstance(cache, SlotKDAState):  # the recurrent states stay in their pool: the layer gets (g, j)
         return cache._replace(layer=(g, j), **convs)

@@ -45,6 +45,12 @@ def model(tiny_cfg):
 _ENGINES = {}
 
 
+def _spec_engine(model, k, **kw):
+    """A K-draft speculative engine over a 12-page pool (96 tokens for 4 slots), two block-table widths."""
+    return Engine(model, max_slots=4, page_size=PAGE, num_pages=12, prefill_chunk=16, prefill_rows=2,
+                  max_seq_len=MAX_SEQ, buckets=(16,), widths=(4, 10), speculative=k, **kw)
+
+
 @pytest.fixture(scope="module")
 def engine_for(model):
     """engine_for(K): one warmed-up engine per K for the module, over a 12-page pool (96 tokens for
@@ -53,9 +59,7 @@ def engine_for(model):
     row buckets are the same code for every K, the draft count is what those two check."""
     def get(k):
         if k not in _ENGINES:
-            eng = Engine(model, max_slots=4, page_size=PAGE, num_pages=12, prefill_chunk=16, prefill_rows=2,
-                         max_seq_len=MAX_SEQ, buckets=(16,), widths=(4, 10), speculative=k,
-                         decode_rows=None if k == 2 else (4,))
+            eng = _spec_engine(model, k, decode_rows=None if k == 2 else (4,))
             events = []
             listener = lambda name, *a, **kw: (events.append(name) if is_compile_event(name)
                                                else None)
@@ -207,9 +211,8 @@ def test_kda_state_after_rollback_into_conv_taps_equals_plain(model, tiny_cfg):
     """The same with `pool_layout="token_rows"` (the TPU default), whose pools keep each KDA conv
     window as lane-dense taps (`kda.conv_taps`): the verify's rollback, a window per row, is written
     back as taps, and the slot's states still equal the plain prefill's."""
-    eng = Engine(model, exec=model.exec.replace(pool_layout="token_rows"), max_slots=4, page_size=PAGE, num_pages=12,
-                 prefill_chunk=16, prefill_rows=2, max_seq_len=MAX_SEQ, buckets=(16,), widths=(4, 10),
-                 speculative=2, decode_rows=(4,), prefix_cache=False)
+    eng = _spec_engine(model, 2, exec=model.exec.replace(pool_layout="token_rows"), decode_rows=(4,),
+                       prefix_cache=False)
     conv = [x for p, x in jax.tree_util.tree_leaves_with_path(eng.runner.pools) if "conv_q" in jax.tree_util.keystr(p)]
     assert len(conv) == 3 * sum(1 for b in layer_plan(tiny_cfg) for r in b.runs if r.attn == KDA)  # K-1 = 3 taps
     assert all(x.ndim == 4 for x in conv)  # [repeats, n, slots, H·dk]

@@ -115,11 +115,12 @@ class ModelRunner:
         # states split by head over `model`, the rest replicated (`pools.pool_shardings`). Every program
         # that returns pools returns them with exactly these shardings (out_shardings), so the first call
         # of each shape and every later call run one compiled program.
-        # "token_rows" (TPU): the KDA conv windows as lane-dense taps too (`kda.conv_taps`)
-        conv_taps = exec.pool_layout == "token_rows"
-        make = lambda: init_pools(cfg, sizes, model.dtype, conv_taps)  # noqa: E731
+        # "token_rows" (TPU): the KDA conv windows as lane-dense taps (`kda.conv_taps`) and the k_pe pages
+        # row-major (below)
+        token_rows = exec.pool_layout == "token_rows"
+        make = lambda: init_pools(cfg, sizes, model.dtype, token_rows)  # noqa: E731
         placement = lambda pools: placed_like(cfg, pools, self.params)  # noqa: E731
-        if exec.pool_layout == "token_rows":
+        if token_rows:
             # the k_pe pages row-major, every program pinned to it (ExecConfig.pool_layout: on TPU the
             # default layout made every step relayout each k_pe pool into and out of it)
             shapes, sharding = make_placed(make, placement, abstract=True)
@@ -131,7 +132,7 @@ class ModelRunner:
         self.snapshots = None if snapshot_rows is None else SnapshotPool(
             cfg, sizes, snapshot_rows, model.dtype, self.prefill_rows,
             lambda snaps: placed_like(cfg, snaps, self.params), self.pool_sharding, abstract=self.abstract,
-            conv_taps=conv_taps)
+            conv_taps=token_rows)
         self.prefill_fn, self.decode_fn = make_step_fns(
             self.graphdef, exec, snapshot_interval if self.snapshots is not None else 0,
             self.snapshots.sharding if self.snapshots is not None else None, self.pool_sharding)

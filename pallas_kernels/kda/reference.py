@@ -75,10 +75,11 @@ def _chunk_step(s0, xs, gate_floor: float | None = None):
     causal = jnp.tril(jnp.ones((C, C), bool))
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     eg = jnp.exp(gam)
+    qe = q * eg  # q_r e^{Γ_r}: the read-out of s0 and, factored, the left side of a
     if factorable(C, gate_floor):
         kd = k * jnp.exp(-gam)  # k_s e^{−Γ_s}
         kk = jnp.einsum("bhrd,bhsd->bhrs", eg * k, kd, precision=_HI)
-        a = jnp.where(causal, jnp.einsum("bhrd,bhsd->bhrs", eg * q, kd, precision=_HI), 0.0)
+        a = jnp.where(causal, jnp.einsum("bhrd,bhsd->bhrs", qe, kd, precision=_HI), 0.0)
     else:  # pairwise decays exp(Γ_r − Γ_s) for s ≤ r, computed directly so no exp(−Γ) can overflow
         diff = gam[:, :, :, None, :] - gam[:, :, None, :, :]  # [B,H,C(r),C(s),dk]
         dec = jnp.where(causal[:, :, None], jnp.exp(jnp.where(causal[:, :, None], diff, 0.0)), 0.0)
@@ -91,7 +92,7 @@ def _chunk_step(s0, xs, gate_floor: float | None = None):
     w = jnp.einsum("bhrs,bhsd->bhrd", tm, eg * k, precision=_HI)
     u = jnp.einsum("bhrs,bhsd->bhrd", tm, v, precision=_HI)
     vt = u - jnp.einsum("bhrd,bhdv->bhrv", w, s0, precision=_HI)
-    o = jnp.einsum("bhrd,bhdv->bhrv", q * eg, s0, precision=_HI) + jnp.einsum("bhrs,bhsv->bhrv", a, vt, precision=_HI)
+    o = jnp.einsum("bhrd,bhdv->bhrv", qe, s0, precision=_HI) + jnp.einsum("bhrs,bhsv->bhrv", a, vt, precision=_HI)
     last = gam[:, :, -1:, :]  # Γ_C
     s1 = s0 * jnp.exp(last)[:, :, 0, :, None] + jnp.einsum("bhrd,bhrv->bhdv", jnp.exp(last - gam) * k, vt,
                                                           precision=_HI)
