@@ -9,7 +9,7 @@ from ling_jax.config import KDA, LingConfig
 from ling_jax.exec_config import ExecConfig
 from ling_jax.kda import KimiDeltaAttention
 from ling_jax.mla import MultiheadLatentAttention
-from ling_jax.moe import MoE
+from ling_jax.moe import ExpertTable, MoE
 from ling_jax.norms import RMSNorm
 from ling_jax.swiglu import SwiGLU
 
@@ -27,9 +27,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(cfg, layer, dtype=dtype, rngs=rngs) if self.is_moe
                     else SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
-    def __call__(self, h, cache, lengths, n_valid, ex: ExecConfig, forced_idx=None, mode: CallMode = FORWARD):
+    def __call__(self, h, cache, lengths, n_valid, ex: ExecConfig, forced_idx=None, mode: CallMode = FORWARD,
+                 experts: ExpertTable | None = None):
         """h: [B,T,D] → (h, new layer cache, routed expert ids or None, KDA rollback info or boundary
-        states or None); mode: what the call is for (`CallMode`: the KDA form and what it returns)."""
+        states or None); mode: what the call is for (`CallMode`: the KDA form and what it returns);
+        experts: this layer's routed experts in its scanned run's table (`moe.ExpertTable`)."""
         a_in = self.input_layernorm(h)
         extra = None
         if self.attn_type == KDA:
@@ -40,7 +42,7 @@ class DecoderLayer(nnx.Module):
         m_in = self.post_attention_layernorm(u)
         idx = None
         if self.is_moe:
-            m, idx = self.mlp(m_in, ex, forced_idx, n_valid)
+            m, idx = self.mlp(m_in, ex, forced_idx, n_valid, experts)
         else:
             m = self.mlp(m_in, ex)
         return u + m, cache, idx, extra

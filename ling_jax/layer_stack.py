@@ -47,6 +47,7 @@ from ling_jax.decoder_layer import DecoderLayer
 from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
 from ling_jax.kda import CONV_FIELDS, KDAState, SlotKDAState, conv_like, conv_window, kda_in_place, kda_rollback
 from ling_jax.mla import MLACache, PagedMLACache
+from ling_jax.moe import ExpertTable
 from ling_jax.placement import model_mesh
 from ling_jax.rows import take_rows
 
@@ -366,8 +367,8 @@ class LayerStack(nnx.Module):
 def _layer_fn(gdef, ex: ExecConfig, mode: CallMode):
     """`(params, h, cache, forced, lengths, n_valid) -> (h, cache, expert ids, extra)` of one layer
     structure, rematerialised in the backward pass under `ex.remat` when set (training)."""
-    def call(p, h, c, f, lengths, n_valid):
-        return nnx.merge(gdef, p)(h, c, lengths, n_valid, ex, f, mode)
+    def call(p, h, c, f, lengths, n_valid, experts=None):
+        return nnx.merge(gdef, p)(h, c, lengths, n_valid, ex, f, mode, experts)
     if ex.remat is None:
         return call
     return jax.checkpoint(call, policy=getattr(jax.checkpoint_policies, ex.remat))
@@ -429,6 +430,23 @@ def _cache_put(cache, new, g, j):
     return jax.tree.map(put, cache, new)
 
 
+def _expert_table(stack, g, j, ex: ExecConfig) -> ExpertTable | None:
+    """Layer (g, j)'s routed experts as rows of the run's stacked float weights (`moe.ExpertTable`)
+    for the native CPU kernel, which reads them in place; None where it cannot run them (another
+    platform, the kernel off, quantised experts, a run without experts). The layer's own slices stay
+    in `p` for every other path; whichever goes unused is dropped by XLA, so a slice is copied only
+    where it is read."""
+    if not (ex.native_experts and ex.platform == "cpu" and "mlp" in stack and "experts" in stack["mlp"]):
+        return None
+    ws = tuple(stack["mlp"]["experts"][k] for k in ("gate_proj", "up_proj", "down_proj"))
+    ws = tuple(w.get_value() if isinstance(w, nnx.Variable) else w for w in ws)
+    if not all(isinstance(w, jax.Array) and w.ndim == 5 for w in ws):  # kept quantised: BlockFP8 / MXFP4
+        return None
+    m, n, E = ws[0].shape[:3]
+    return ExpertTable(tuple(w.reshape((m * n * E,) + w.shape[3:]) for w in ws),
+                       ((g * n + j) * E).astype(jnp.int32))
+
+
 def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: ExecConfig, mode: CallMode,
                  fresh=None):
     """The block as a scan over its repeats of a scan per run over the run's layers. The stored
@@ -447,7 +465,8 @@ def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: Ex
                 h, c = carry
                 j, f = ys
                 p = jax.tree.map(lambda x: x[g, j], stack)
-                h, new, idx, extra = fn(p, h, _cache_at(c, g, j, fresh), f, lengths, n_valid)
+                h, new, idx, extra = fn(p, h, _cache_at(c, g, j, fresh), f, lengths, n_valid,
+                                        _expert_table(stack, g, j, ex))
                 return (h, _cache_put(c, new, g, j)), (idx, extra)
             n = block.runs[r].n
             (h, cs[r]), (idx, extra) = jax.lax.scan(layer_body, (h, cs[r]), (jnp.arange(n, dtype=jnp.int32), forced_g[r]))

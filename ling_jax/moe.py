@@ -17,6 +17,8 @@ the gather path dequantises the picked experts only, the grouped "ragged" path a
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -221,6 +223,27 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
                       precision=jax.lax.Precision.HIGHEST)
 
 
+class ExpertTable(NamedTuple):
+    """A scanned run's routed experts as one table per weight, for the native CPU kernel to read a
+    layer's experts in place: gate/up [L·E,I,D], down [L·E,D,I] (the run's stacks `[repeats, n, E,
+    ...]` with their leading axes merged: a reshape, no copy) and `base` (int32 scalar) = the first row
+    of this layer's experts. Why: inside a scan a layer's weights are slices of the stacks, and XLA:CPU
+    copies a dynamic slice before the custom call that reads it (the mid config scanned: 247 of a
+    381 ms 8-row decode step copying experts; BENCHMARKS.md "Experts read in place in a scan")."""
+    weights: tuple
+    base: jax.Array
+
+
+def experts_from_table(x, idx, wts, table: ExpertTable, n_experts: int, limit):
+    """`experts_local` over one layer's `n_experts` experts read from `table` by the native kernel:
+    ids outside [0, n_experts) (padding) become the table's out-of-range id, which adds nothing.
+    x [N,D] f32, idx / wts [N,k]. Returns [N,D] float32."""
+    mine = (idx >= 0) & (idx < n_experts)
+    rows = table.weights[0].shape[0]
+    return experts_for_tokens(x, jnp.where(mine, idx + table.base, rows), jnp.where(mine, wts, 0.0),
+                              *table.weights, limit, True)
+
+
 def experts_ep(x, idx, wts, weights, specs, limit, mesh, path: str, grouped_matmul: str, native: bool = False):
     """Expert-parallel routed experts: `experts_local` per device inside `jax.shard_map`, then psum.
 
@@ -267,14 +290,16 @@ class MoE(nnx.Module):
                                       dtype=dtype, rngs=rngs, limit=shared_limit)
                                if cfg.num_shared_experts else None)
 
-    def __call__(self, x, ex: ExecConfig, forced_idx=None, n_valid=None):
+    def __call__(self, x, ex: ExecConfig, forced_idx=None, n_valid=None, table: ExpertTable | None = None):
         """x: [B,T,D] → (y [B,T,D], expert ids [B,T,k]). `forced_idx` pins the routing decisions
         (k distinct experts per token, as the router picks them). n_valid: [B] real tokens per row
         (right padding after) or None (all real): padding tokens are sent to no routed expert (id E,
         which every path drops), so an idle row of a batched step or a prefill row's padding costs
         no expert work where the path does work per assignment (the native CPU kernel, the XLA loop,
         the gather path); their outputs are never read (attention is causal, KDA ignores padding).
-        The ids returned are the router's, padding included.
+        The ids returned are the router's, padding included. table: this layer's experts as rows of
+        its scanned run's table (`ExpertTable`), read in place when the native kernel runs them
+        (one device, float32; otherwise the layer's own weights, and the table goes unused).
 
         ex: `experts` path (auto | gather | grouped), `grouped_matmul`, `mesh` (expert-parallel when
         set), `kernels` (the shared expert's quantised projections). Quantised routed experts
@@ -299,7 +324,10 @@ class MoE(nnx.Module):
         if n_valid is not None:
             ids = jnp.where(real_tokens(n_valid, T).reshape(B * T, 1), idx, self.cfg.num_experts)
         mesh = param_mesh(self.experts.gate_proj)  # where the experts were placed (static under jit)
-        if mesh is not None:
+        if (table is not None and mesh is None and path == "grouped" and ex.grouped_matmul == "capacity"
+                and native_applies(ex.native_experts, xf, *table.weights)):
+            y = experts_from_table(xf, ids, wts, table, self.cfg.num_experts, limit)
+        elif mesh is not None:
             specs = weight_specs(self.experts, names, mesh, self.cfg.num_attention_heads)
             y = experts_ep(xf, ids, wts, weights, specs, limit, mesh, path, ex.grouped_matmul, ex.native_experts)
         else:  # one device holds every expert: the local kernel with all of them

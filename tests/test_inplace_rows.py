@@ -97,6 +97,22 @@ def _materialised(hlo: str, pools, weights, relayout_ok: bool = False) -> list[s
     return out
 
 
+def _expert_slices(hlo: str, model) -> list[str]:
+    """Instructions of `hlo` that build one layer's routed-expert weight ([E, I, D] gate/up, [E, D, I]
+    down) by slicing or copying: on XLA:CPU a scanned layer's weight slice is copied before the
+    custom call that reads it, unless the native kernel reads the run's table in place
+    (`moe.ExpertTable`)."""
+    cfg = model.cfg
+    E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    shapes = {f"f32[{E},{I},{D}]", f"f32[{E},{D},{I}]"}
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (\w+\[[\d,]*\])(\{[\d,]*\})?\S* ([\w-]+)\(", line)
+        if m and m.group(1) in shapes and m.group(3) in ("fusion", "dynamic-slice", "copy", "gather"):
+            out.append(line.strip()[:160])
+    return out
+
+
 def _stacked_weights(eng) -> list:
     """The parameters of the runs stored stacked [repeats, n, ...] (none when unrolled)."""
     runs = nnx.merge(eng.runner.graphdef, eng.runner.params).model.layers.runs
@@ -111,7 +127,8 @@ def test_no_engine_program_copies_a_pool_or_a_weight_stack(tiny_model, loop):
     donated pools in place, the MLA page pools included (carried through the layer scan, written at
     [layer, page, offset]), and reads the stored parameter stacks without restacking them: no copy,
     concatenation or broadcast of a pool-, snapshot- or weight-stack-sized array in the compiled HLO;
-    on a scanned and an unrolled layer loop."""
+    on a scanned and an unrolled layer loop. And no layer's routed experts are sliced out of their
+    stack: the native CPU kernel reads them in place (`moe.ExpertTable`)."""
     model = tiny_model if loop == "scan" else nnx.clone(tiny_model).set_layer_loop("unroll")
     assert model.model.layers.loop == loop
     for spec in (0, 1):
@@ -126,9 +143,12 @@ def test_no_engine_program_copies_a_pool_or_a_weight_stack(tiny_model, loop):
         names = []
         for name, program, args in eng.program_calls():
             names.append(name)
-            bad = _materialised(program.lower(*args).compile().as_text(), pools, _stacked_weights(eng),
+            hlo = program.lower(*args).compile().as_text()
+            bad = _materialised(hlo, pools, _stacked_weights(eng),
                                 relayout_ok=name.startswith("verify"))
             assert not bad, f"{loop}: {name} materialises a pool or weight stack:\n" + "\n".join(bad[:5])
+            sliced = _expert_slices(hlo, model)
+            assert not sliced, f"{loop}: {name} copies a layer's experts:\n" + "\n".join(sliced[:5])
         kind = "verify" if spec else "decode"
         assert {f"{kind}[R=1,W=4]", f"{kind}[R=4,W=4]", "prefill[R=1,T=8,W=4]", "prefill[R=2,T=8,W=4]"} <= set(names), \
             names

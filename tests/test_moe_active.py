@@ -183,3 +183,24 @@ def test_training_forward_does_not_run_the_native_kernel(tiny_model):
     ids = jnp.ones((2, 6), jnp.int32)
     assert cpu_kernel.TARGET not in str(jax.make_jaxpr(lambda i: train_forward(tiny_model, i, mtp=False)[0])(ids))
     assert cpu_kernel.TARGET in str(jax.make_jaxpr(lambda i: tiny_model(i)["logits"])(ids))
+
+
+@pytest.mark.parametrize("N", [3, 40])
+def test_expert_table_reads_one_layers_experts(N):
+    """`moe.ExpertTable`: a scanned run's experts as one table of 3 layers x E rows; layer 1's experts
+    read from it at base E equal that layer alone (float64), padding ids (E, -1) add nothing (E would
+    be the next layer's first expert in the table), and bit for bit the kernel over that layer's own
+    arrays. 40 tokens (~15 an expert) take the kernel's GEMM path, 3 its dot path."""
+    from ling_jax.moe import ExpertTable, experts_from_table
+    E, k, L = 8, 3, 3
+    rng = np.random.default_rng(N)
+    x, idx, wts, _ = _case(rng, N, E, k)
+    idx[0, -1] = E
+    idx[1, 0] = -1
+    layers = [rng.standard_normal(s) for s in ((L, E, 10, 24), (L, E, 10, 24), (L, E, 24, 10))]
+    table = ExpertTable(tuple(f32(w.reshape((L * E,) + w.shape[2:])) for w in layers), jnp.int32(E))
+    ref = _reference(x, idx, wts, *(w[1] for w in layers), 0.7, E)
+    got = jax.jit(lambda *a: experts_from_table(*a, table, E, 0.7))(f32(x), jnp.asarray(idx), f32(wts))
+    assert rel_err(got, ref) < 1e-5
+    alone = experts_decode_cpu(f32(x), jnp.asarray(idx), f32(wts), *(f32(w[1]) for w in layers), 0.7)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(alone))  # the same sums in the same order
