@@ -14,7 +14,9 @@ when the model is built or loaded): "scan" stores each run's parameters stacked 
 (`LayerStack.runs[block][run]`, a DecoderLayer whose every array has two leading axes
 `[repeats, n]`, logical axis "layers", never split), "unroll" stores one DecoderLayer per layer
 (`LayerStack.per_layer[i]`: on XLA:CPU a scanned weight slice is copied before its matmul, so
-shallow wide models read their weights in place unrolled). `set_loop` converts between the two
+shallow wide models read their weights in place unrolled; the routed experts, the largest, are read in
+place when scanned too: the native kernel gets the run's stacks as one table and this layer's first
+row, `moe.ExpertTable`). `set_loop` converts between the two
 outside any program. Checkpoints stay per layer: the loader, the converter, the exporter and the
 trainer's saved names see per-layer paths `model/layers/{i}/...` (`canonical_path`,
 `stacked_layer_paths`).
