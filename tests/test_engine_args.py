@@ -26,7 +26,8 @@ def flags(*argv):
 
 def test_defaults():
     a = flags()
-    assert (a.max_slots, a.page_size, a.prefill_chunk, a.speculative, a.warmup) == (8, 16, 64, 0, "full")
+    assert (a.max_slots, a.page_size, a.speculative, a.warmup) == (8, 16, 0, "full")
+    assert a.prefill_chunk is a.prefill_rows is a.prefill_row_tokens is a.prefill_row_buckets is None  # the platform's
     assert a.cache_memory is a.max_seq_len is a.prefix_cache_memory is None and not a.no_prefix_cache
     assert flags("--no-warmup").warmup == flags("--warmup", "off").warmup == "off"
     assert flags("--warmup").warmup == "full" and flags("--warmup", "lazy").warmup == "lazy"
@@ -36,6 +37,8 @@ def test_defaults():
     (["--max-slots", "0"], "argument --max-slots: expected a positive integer, got '0'"),
     (["--page-size", "x"], "argument --page-size: expected a positive integer"),
     (["--prefill-chunk", "-4"], "argument --prefill-chunk: expected a positive integer"),
+    (["--prefill-row-buckets", "2,1"], "argument --prefill-row-buckets: expected ascending positive integers"),
+    (["--prefill-row-buckets", "0,2"], "argument --prefill-row-buckets: expected ascending positive integers"),
     (["--cache-memory", "0"], "argument --cache-memory: expected a size in GiB > 0, got '0'"),
     (["--cache-memory", "inf"], "argument --cache-memory: expected a finite number"),
     (["--prefix-cache-memory", "-1"], "argument --prefix-cache-memory: expected a size in GiB > 0"),
@@ -106,7 +109,8 @@ def test_page_arithmetic(tiny_model, tiny_cfg):
 
 
 def test_engine_options_from_the_flags():
-    auto = {"kv_cache_dtype": "auto", "prefill_rows": 2, "prefill_row_tokens": None}
+    auto = {"kv_cache_dtype": "auto", "prefill_chunk": 512, "prefill_rows": 8, "prefill_row_tokens": 64,
+            "prefill_row_buckets": (1, 2, 4, 8)}  # no --prefill-* flag on CPU: 8 rows x 64 tokens
     assert engine_options(flags()) == {"prefix_cache": True, "prefix_cache_memory_gib": None,
                                        "snapshot_interval": None, "speculative": 0, **auto}  # the Engine's defaults
     assert engine_options(flags("--no-prefix-cache", "--speculative", "2")) == \
@@ -114,8 +118,34 @@ def test_engine_options_from_the_flags():
     assert engine_options(flags("--prefix-cache-memory", "0.5", "--snapshot-interval", "32")) == \
         {"prefix_cache": True, "prefix_cache_memory_gib": 0.5, "snapshot_interval": 32, "speculative": 0, **auto}
     assert engine_options(flags("--kv-cache-dtype", "fp8"))["kv_cache_dtype"] == "fp8"
-    assert engine_options(flags("--prefill-rows", "4"))["prefill_rows"] == 4
-    assert engine_options(flags("--prefill-row-tokens", "32"))["prefill_row_tokens"] == 32
+    steady = {"prefill_chunk": 64, "prefill_rows": 2, "prefill_row_tokens": None, "prefill_row_buckets": None}
+    assert {k: engine_options(flags("--prefill-rows", "4"))[k] for k in steady} == {**steady, "prefill_rows": 4}
+    assert {k: engine_options(flags("--prefill-row-tokens", "32"))[k] for k in steady} == \
+        {**steady, "prefill_row_tokens": 32}
+    assert {k: engine_options(flags("--prefill-row-buckets", "1,4"))[k] for k in steady} == \
+        {**steady, "prefill_rows": 4, "prefill_row_buckets": (1, 4)}  # rows: the largest bucket
+    assert {k: engine_options(flags(), platform="tpu")[k] for k in steady} == steady  # accelerators: 64 over 2
+    assert {k: engine_options(flags("--max-slots", "2"))[k] for k in steady} == \
+        {"prefill_chunk": 128, "prefill_rows": 2, "prefill_row_tokens": 64, "prefill_row_buckets": (1, 2)}
+    with pytest.raises(ArgumentValueError, match="--prefill-row-buckets: 1,2 must end at --prefill-rows 4"):
+        check_engine_args(flags("--prefill-rows", "4", "--prefill-row-buckets", "1,2"), types.SimpleNamespace(
+            mtp=None, cfg=types.SimpleNamespace(max_position_embeddings=64)))
+
+
+def test_default_cpu_policy_builds_its_engine(tiny_model):
+    """No --prefill-* flag on CPU: the engine feeds min(8, slots) rows of at most 64 tokens, one program
+    per row bucket (serve/prefill_policy.py), and a backlog of prompts gets one batched step."""
+    from ling_jax.serve import RequestParams
+    args = flags("--max-slots", "4", "--page-size", "8", "--max-seq-len", "40", "--no-warmup", "--no-prefix-cache")
+    out = io.StringIO()
+    eng = engine_from_args(args, tiny_model, report=out, budget=(GIB, "test budget"))
+    assert (eng.prefill_chunk, eng.prefill_row_tokens, eng.runner.prefill_row_buckets) == (256, 64, (1, 2, 4))
+    assert "prefill 256 tokens over 4 row(s) a step, at most 64 a prompt, row buckets 1,2,4 (cpu default)" in \
+        out.getvalue()
+    for n in (20, 21, 22):
+        eng.submit(list(range(1, n + 1)), RequestParams(max_tokens=2))
+    plan = eng.sched.schedule()
+    assert sorted(n for _, n in plan.prefill) == [20, 21, 22]  # three prompts, one step
 
 
 def test_engine_from_args_reports_on_stderr(tiny_model):
@@ -127,6 +157,7 @@ def test_engine_from_args_reports_on_stderr(tiny_model):
     assert (eng.sizes.max_slots, eng.sizes.page_size, eng.sizes.num_pages, eng.sizes.max_seq_len) == (2, 8, 10, 40)
     assert eng.prefill_chunk == 16 and eng.compiled_shapes() == 0  # --no-warmup: nothing compiled
     assert text.startswith("engine memory: 10 pages x 8 tokens") and "from default: test budget" in text
+    assert "\nprefill 16 tokens over 2 row(s) a step (the flags)\n" in text
     assert eng.describe() in text and "warm-up" not in text
 
 

@@ -25,6 +25,8 @@ bandwidth; prefill = FLOPs per token / measured float32 matmul rate (the rooflin
 BENCHMARKS.md).
 
   python tools/bench_serve.py [--quick] [--concurrency 1,8,32] [--json tools/results/bench_serve_mid_cpu.json]
+  python tools/bench_serve.py --rows load --concurrency 8,32 --repeat 2 --compilation-cache /tmp/jcc
+      # issue 21's ratio: c=8, c=32, c=8, c=32 in one process (this machine's run-to-run spread is ~±10%)
   python tools/bench_serve.py --http http://127.0.0.1:8000 --concurrency 1,8,32
   /work/hfvenv/bin/python tools/bench_serve_hf.py --workload tools/results/serve_workload_full.json
 """
@@ -54,6 +56,7 @@ from ling_jax.commands.compilation_cache import enable_compilation_cache  # noqa
 from ling_jax.config import LingConfig  # noqa: E402
 from ling_jax.loader import load_model  # noqa: E402
 from ling_jax.serve import Engine, RequestParams  # noqa: E402
+from ling_jax.serve.prefill_policy import resolve_prefill_policy  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 
@@ -68,9 +71,15 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="the small preset (a few minutes): checks the tool")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     ap.add_argument("--rows", default="load,decode,prefix", help="which parts: load, decode, prefix")
+    ap.add_argument("--repeat", type=int, default=1, help="load rows: run the concurrency levels this many rounds, "
+                    "alternating (a fresh engine each run: pass --compilation-cache so later warm-ups load), and "
+                    "report each round's ratio and the medians'")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--prefill-chunk", type=int, default=128)
-    ap.add_argument("--prefill-rows", type=int, default=2)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="with none of the four --prefill-* flags: the engine's default policy for this platform "
+                         "(ling_jax/serve/prefill_policy.py; `ling-jax serve`'s default); with any, the others "
+                         "default to 64 tokens over 2 rows")
+    ap.add_argument("--prefill-rows", type=int, default=None)
     ap.add_argument("--prefill-row-tokens", type=int, default=None,
                     help="tokens one prompt is fed a step at most (Engine prefill_row_tokens; default the chunk)")
     ap.add_argument("--prefill-row-buckets", default=None,
@@ -134,14 +143,18 @@ def prefill_limit_s(model, rates, n_tokens: int) -> float:
 # ------------------------------------------------------------------------------------------------
 # In-process runs
 # ------------------------------------------------------------------------------------------------
+def prefill_policy(a, max_slots: int):
+    """The --prefill-* flags' policy for an engine of `max_slots` (the platform's default when none is given)."""
+    rb = [int(x) for x in a.prefill_row_buckets.split(",")] if a.prefill_row_buckets else None
+    return resolve_prefill_policy(jax.default_backend(), max_slots, a.prefill_chunk, a.prefill_rows,
+                                  a.prefill_row_tokens, rb)
+
+
 def make_engine(model, c: int, max_seq_len: int, a, prefix_cache: bool = False):
     pages_per_seq = -(-max_seq_len // a.page_size)
     eng = Engine(model, max_slots=c, page_size=a.page_size, num_pages=c * pages_per_seq + 2 * pages_per_seq,
-                 prefill_chunk=a.prefill_chunk, prefill_rows=a.prefill_rows, max_seq_len=max_seq_len,
-                 prefill_row_tokens=a.prefill_row_tokens,
-                 prefill_row_buckets=([int(x) for x in a.prefill_row_buckets.split(",")]
-                                      if a.prefill_row_buckets else None),
-                 prefix_cache=prefix_cache, prefix_cache_memory_gib=a.prefix_cache_memory if prefix_cache else None)
+                 max_seq_len=max_seq_len, **prefill_policy(a, c).engine_kwargs(), prefix_cache=prefix_cache,
+                 prefix_cache_memory_gib=a.prefix_cache_memory if prefix_cache else None)
     t = time.perf_counter()
     eng.warmup()
     return eng, time.perf_counter() - t
@@ -208,12 +221,14 @@ def load_rows(model, wl, levels, a, rates, costs, R):
     max_seq = max(len(q["prompt"]) + q["max_tokens"] for q in reqs)
     mean_prompt = statistics.mean(len(q["prompt"]) for q in reqs)
     ctx = mean_prompt + statistics.mean(q["max_tokens"] for q in reqs) / 2
-    for c in levels:
+    for rnd, c in [(r, c) for r in range(a.repeat) for c in levels]:
+        # one engine at a time (two warm engines' executables exhausted XLA:CPU's mapped memory); with
+        # --repeat, --compilation-cache makes the later rounds' warm-ups loads instead of compiles
         eng, warm_s = make_engine(model, c, max_seq, a)
-        run = run_closed_loop(eng, reqs, c, f"concurrency {c}")
+        run = run_closed_loop(eng, reqs, c, f"concurrency {c}" + (f", round {rnd + 1}" if a.repeat > 1 else ""))
         s = summarize(run, reqs)
         lim = decode_limit(costs, rates, model, c, ctx)
-        s.update(concurrency=c, warmup_s=warm_s, compiled_shapes=eng.compiled_shapes(),
+        s.update(concurrency=c, round=rnd + 1, warmup_s=warm_s, compiled_shapes=eng.compiled_shapes(),
                  decode_limit_tok_s=lim["tok_s"], decode_limit_bound=lim["bound"],
                  tpot_limit_s=lim["step_s"], ttft_limit_s=prefill_limit_s(model, rates, int(mean_prompt)),
                  preemptions=eng.stats()["preemptions"])
@@ -223,6 +238,14 @@ def load_rows(model, wl, levels, a, rates, costs, R):
               f"{s['ttft_limit_s']:.2f} | {1e3 * s['tpot_p50_s']:.0f} / {1e3 * s['tpot_p99_s']:.0f} | "
               f"{1e3 * lim['step_s']:.0f} | {s['pure_decode_tok_s'] or float('nan'):.2f} | {warm_s:.0f} |", flush=True)
         del eng
+    if a.repeat > 1 and len(levels) > 1:  # the ratio of each round (same engines, one sitting) and of the medians
+        by = {c: [r["output_tok_s"] for r in R["load"] if r["concurrency"] == c] for c in levels}
+        lo, hi = levels[0], levels[-1]
+        per = [h / l for l, h in zip(by[lo], by[hi])]
+        R["load_ratio"] = {"levels": [lo, hi], "per_round": per,
+                           "of_medians": statistics.median(by[hi]) / statistics.median(by[lo])}
+        print(f"# c={hi} / c={lo}: per round {', '.join(f'{x:.2f}x' for x in per)}; "
+              f"medians {R['load_ratio']['of_medians']:.2f}x", flush=True)
 
 
 def decode_pair(model, a, rates, costs, R, batch: int = 8):
@@ -369,7 +392,9 @@ def main(argv=None):
     out = a.json or os.path.join(RESULTS, f"bench_serve_mid_cpu{'_quick' if a.quick else ''}"
                                           f"{'_http' if a.http else ''}.json")
     R = {"workload": os.path.abspath(wpath), "workload_name": wl["name"], "load": [], "decode_pair": [],
-         "prefix": None, "http": [], "args": vars(a), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+         "prefix": None, "http": [], "args": vars(a),
+         "prefill_policy": {c: prefill_policy(a, int(c)).describe() for c in a.concurrency.split(",")},
+         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     if a.http:
         http_rows(a.http, wl, levels, a, R)
         return _write(R, out)

@@ -92,7 +92,7 @@ def aot_report(args, progress=None) -> dict:
     from ling_jax.aot.abstract import placed_abstract_model
     from ling_jax.aot.programs import ENGINE_FAMILIES, engine_programs, forward_program, generate_programs, parse_families
     from ling_jax.commands.common import ArgumentValueError
-    from ling_jax.commands.engine_args import check_engine_args, engine_options, plan_engine_memory
+    from ling_jax.commands.engine_args import check_engine_args, engine_options, plan_engine_memory, prefill_policy
     from ling_jax.config import LingConfig
 
     weights = str(args.weights).lower()
@@ -120,6 +120,7 @@ def aot_report(args, progress=None) -> dict:
     engine_fams = [f for f in families if f in ENGINE_FAMILIES]
     memory = None
     if engine_fams or any(f.startswith("generate") for f in families):
+        prefill_policy(args, target.platform)  # the target's default policy, not this host's
         check_engine_args(args, model)
         memory, _ = plan_engine_memory(args, model)
     if any(f.startswith("generate") for f in families):
@@ -130,8 +131,8 @@ def aot_report(args, progress=None) -> dict:
         fams = set(engine_fams) | ({"decode"} if "verify" in engine_fams else set())
         programs += engine_programs(model, fams, plan=plan, shapes=args.shapes, rows=args.decode_rows,
                                     max_slots=args.max_slots,
-                                    page_size=args.page_size, prefill_chunk=args.prefill_chunk, **memory,
-                                    **engine_options(args))
+                                    page_size=args.page_size, **memory,
+                                    **engine_options(args, target.platform))
     build_s = time.perf_counter() - t
     results = [_compile(p, target, progress, i + 1, len(programs)) for i, p in enumerate(programs)]
     return {"target": target.name, "platform": target.platform, "device_kind": target.device_kind,

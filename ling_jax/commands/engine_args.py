@@ -1,6 +1,8 @@
 """The serving engine's command-line flags (`ling-jax batch`, `ling-jax serve`) and the Engine they build.
 
     add_engine_flags(parser)              # --max-slots --page-size --cache-memory --prefill-chunk --prefill-rows
+                                          # --prefill-row-tokens --prefill-row-buckets (default: the platform's
+                                          # policy, serve/prefill_policy.py)
                                           # --max-seq-len --warmup/--no-warmup --prefix-cache-memory
                                           # --no-prefix-cache --speculative
     engine = engine_from_args(args, model)  # checks, defaults, start-up report on stderr, warm-up
@@ -40,6 +42,7 @@ from ling_jax.kv_quant import KV_CACHE_DTYPES
 from ling_jax.rope import context_limit
 from ling_jax.serve import Engine
 from ling_jax.serve.pools import GIB, plan_pools, stored_kpe_values
+from ling_jax.serve.prefill_policy import PrefillPolicy, resolve_prefill_policy
 from ling_jax.speculation import MAX_SPECULATIVE
 
 ACCEL_FREE_FRACTION = 0.5
@@ -63,15 +66,21 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-memory", type=gib, default=None, metavar="GIB",
                    help="bytes for the KV pages and KDA state slots, per device (default: from the device's free "
                         "memory, on CPU at most 4 GiB; see `describe` in the start-up report)")
-    g.add_argument("--prefill-chunk", type=positive_int, default=64, metavar="N",
-                   help="prompt tokens fed per engine step at most (a running decode waits at most one chunk)")
-    g.add_argument("--prefill-rows", type=positive_int, default=2, metavar="N",
+    g.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
+                   help="prompt tokens fed per engine step at most (a running decode waits at most one chunk). "
+                        "With none of the four --prefill-* flags: the platform's policy (CPU: 8 rows x 64 "
+                        "tokens, chunk 512, row buckets 1,2,4,8, rows at most --max-slots; TPU/GPU: 64 tokens "
+                        "over 2 rows); with any of them the others default to 64 tokens over 2 rows")
+    g.add_argument("--prefill-rows", type=positive_int, default=None, metavar="N",
                    help="prompts fed side by side in one prefill step at most (each gets its share of "
                         "--prefill-chunk, at most --prefill-row-tokens)")
     g.add_argument("--prefill-row-tokens", type=positive_int, default=None, metavar="N",
                    help="prompt tokens one prompt is fed per step at most (default: --prefill-chunk): a lone "
                         "prompt is fed in chunks this short, a backlog of prompts in steps of up to "
                         "--prefill-chunk tokens over --prefill-rows rows")
+    g.add_argument("--prefill-row-buckets", type=positive_int_list, default=None, metavar="N,N,...",
+                   help="prefill row counts compiled, ascending, ending at --prefill-rows (default: just "
+                        "--prefill-rows): a step of m prompts runs the smallest that holds them")
     g.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N",
                    help="prompt + new tokens of one request (default: the model's context, cut to the pool)")
     g.add_argument("--allow-long-context", action="store_true",
@@ -154,9 +163,35 @@ def _param_bytes(model) -> int:
 
 
 # ---- the engine -------------------------------------------------------------------------------
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """argparse type: a comma list of positive integers, ascending."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1 or list(out) != sorted(set(out)):
+        raise argparse.ArgumentTypeError(f"expected ascending positive integers separated by commas, got {text!r}")
+    return out
+
+
+def prefill_policy(args, platform: Optional[str] = None) -> PrefillPolicy:
+    """The prefill policy of the four --prefill-* flags (serve/prefill_policy.py: the platform's
+    default when none is given), written back into `args` so every later reader sees the resolved
+    values (idempotent). platform: where the engine runs (default jax's default backend; `aot`
+    passes its target's)."""
+    pol = resolve_prefill_policy(platform or jax.default_backend(), args.max_slots, args.prefill_chunk,
+                                 args.prefill_rows, args.prefill_row_tokens, args.prefill_row_buckets)
+    args.prefill_chunk, args.prefill_rows = pol.chunk, pol.rows
+    args.prefill_row_tokens, args.prefill_row_buckets = pol.row_tokens, pol.row_buckets
+    return pol
+
+
 def check_engine_flags(args) -> None:
     """Refusals that need no model (call it before loading one): --speculative's range, flags that
     contradict each other."""
+    rb, rows = args.prefill_row_buckets, args.prefill_rows
+    if rb and rows is not None and rb[-1] != rows:
+        raise ArgumentValueError(f"--prefill-row-buckets: {','.join(map(str, rb))} must end at --prefill-rows {rows}")
     k = args.speculative
     if not 0 <= k <= MAX_SPECULATIVE:
         raise ArgumentValueError(f"--speculative: expected 0..{MAX_SPECULATIVE} MTP draft tokens, got {k}")
@@ -220,12 +255,12 @@ def plan_engine_memory(args, model, budget: Optional[tuple[int, str]] = None) ->
     return {"num_pages": int(pages), "max_seq_len": seq_default}, line
 
 
-def engine_options(args) -> dict:
-    """The Engine keywords of the prefill-rows, prefill-row-tokens, prefix-cache, speculative and cache-dtype
-    flags (the sizes are the caller's, the memory `plan_engine_memory`'s): prefill_rows, prefill_row_tokens,
-    prefix_cache,
-    prefix_cache_memory_gib, snapshot_interval, speculative, kv_cache_dtype."""
-    return {"prefill_rows": args.prefill_rows, "prefill_row_tokens": args.prefill_row_tokens,
+def engine_options(args, platform: Optional[str] = None) -> dict:
+    """The Engine keywords of the prefill (`prefill_policy`, for `platform`), prefix-cache, speculative
+    and cache-dtype flags (the sizes are the caller's, the memory `plan_engine_memory`'s): prefill_chunk,
+    prefill_rows, prefill_row_tokens, prefill_row_buckets, prefix_cache, prefix_cache_memory_gib,
+    snapshot_interval, speculative, kv_cache_dtype."""
+    return {**prefill_policy(args, platform).engine_kwargs(),
             "prefix_cache": not args.no_prefix_cache,
             "prefix_cache_memory_gib": args.prefix_cache_memory,
             "snapshot_interval": args.snapshot_interval, "speculative": args.speculative,
@@ -238,13 +273,17 @@ def engine_from_args(args, model, report=sys.stderr, budget: Optional[tuple[int,
     ExecConfig, `common.exec_for_args`), warmed up unless --no-warmup. Prints the start-up report
     (memory sizing, `Engine.describe()`, warm-up time) to `report` on process 0. Every process of
     a multi-host run calls it; processes > 0 then call `engine.follow()` (their warm-up runs there)."""
+    given = any(getattr(args, f) is not None for f in ("prefill_chunk", "prefill_rows", "prefill_row_tokens",
+                                                       "prefill_row_buckets"))
+    policy = prefill_policy(args)
     check_engine_args(args, model)
     memory, line = plan_engine_memory(args, model, budget)
-    engine = Engine(model, max_slots=args.max_slots, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
-                    exec=exec, **memory, **engine_options(args))
+    engine = Engine(model, max_slots=args.max_slots, page_size=args.page_size, exec=exec, **memory,
+                    **engine_options(args))
     primary = jax.process_index() == 0
     if primary and report is not None:
         print(line, file=report)
+        print(f"{policy.describe()} ({'the flags' if given else jax.default_backend() + ' default'})", file=report)
         print(engine.describe(), file=report, flush=True)
     if args.warmup == "full":
         t = time.perf_counter()

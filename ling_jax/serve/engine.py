@@ -102,6 +102,9 @@ class Engine:
     tokens fed per step at most (a running decode waits at most one chunk); prefill_rows:
     prompts fed side by side in one chunk (at most max_slots: a prefill row no slot can fill would only
     double the chunk's work, e.g. one long prompt on a 1-slot server); max_seq_len: prompt + new tokens of one request;
+    (These keyword defaults, 64 tokens over 2 rows, are the explicit API's; the commands and the
+    serving benchmark default to the platform's policy, `prefill_policy.default_prefill_policy`:
+    on CPU 8 rows x 64 tokens.)
     prefill_row_tokens: prompt tokens one prompt is fed per step at most (default prefill_chunk; at
     most prefill_chunk): with many prompts waiting a step feeds up to prefill_chunk tokens over
     prefill_rows rows, a lone prompt at most this many, so a decoding request waits for at most a

@@ -1,0 +1,81 @@
+"""How many prompt tokens a serving step feeds, over how many rows: the prefill policy and its
+default per platform (host only: no jax).
+
+A step runs one prefill program `[R, T]` beside its decode (runner.py); the scheduler (scheduler.py,
+item 3) splits at most `chunk` prompt tokens over at most `rows` waiting prompts, no prompt more than
+`row_tokens`, and runs the smallest compiled row count in `row_buckets` that holds them.
+
+Why the default differs by platform:
+* CPU: `8 rows x 64 tokens` (chunk 512, row buckets 1, 2, 4, 8). A backlog of prompts is fed in
+  large batched steps (on the mid config a `[8, 64]` step costs 3.1 ms a prompt token against 4.1
+  for `[2, 64]`: every weight is streamed once for 512 tokens instead of 128), a lone prompt in
+  `[1, <= 64]` steps, so a running decode waits beside a 64-token chunk when few prompts wait. Measured
+  on the serving benchmark against `128 over 2 rows`: faster at concurrency 8 and 32 (+9% / +15%
+  output tokens/s), TTFT p50 at concurrency 32 3.3 s shorter, TPOT p50 no longer, for ~2.5x the
+  warm-up's programs (BENCHMARKS.md, "Concurrency 8 vs 32"; `--warmup lazy` serves before they are
+  compiled, and the persistent compilation cache makes a restart cheap).
+* TPU and GPU: `64 over 2 rows` (one row bucket). The compile-only checks of the real config
+  (`ling-jax aot`, BENCHMARKS.md) size a pod's memory with `[2, 64]` prefill programs: an
+  `[8, 64]` one holds 4x their activations, and each program compiles for minutes at full scale.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+#: The Engine's own keyword defaults, and every accelerator's: 64 prompt tokens over 2 rows.
+STEADY_CHUNK, STEADY_ROWS = 64, 2
+#: CPU: prompts fed side by side at most, and each prompt's tokens a step at most.
+CPU_ROWS, CPU_ROW_TOKENS = 8, 64
+
+
+@dataclass(frozen=True)
+class PrefillPolicy:
+    """chunk: prompt tokens a step at most; rows: prompts a step at most; row_tokens: one prompt's
+    tokens a step at most (None = chunk); row_buckets: prefill row counts compiled (None = just
+    `rows`). Field for field the Engine's prefill_chunk / prefill_rows / prefill_row_tokens /
+    prefill_row_buckets."""
+    chunk: int
+    rows: int
+    row_tokens: Optional[int] = None
+    row_buckets: Optional[tuple[int, ...]] = None
+
+    def engine_kwargs(self) -> dict:
+        return {"prefill_chunk": self.chunk, "prefill_rows": self.rows, "prefill_row_tokens": self.row_tokens,
+                "prefill_row_buckets": self.row_buckets}
+
+    def describe(self) -> str:
+        per_row = f", at most {self.row_tokens} a prompt" if self.row_tokens else ""
+        rb = f", row buckets {','.join(map(str, self.row_buckets))}" if self.row_buckets else ""
+        return f"prefill {self.chunk} tokens over {self.rows} row(s) a step{per_row}{rb}"
+
+
+def _powers_up_to(n: int) -> tuple[int, ...]:
+    out, r = [], 1
+    while r < n:
+        out.append(r)
+        r *= 2
+    return tuple(out) + (n,)
+
+
+def default_prefill_policy(platform: str, max_slots: int) -> PrefillPolicy:
+    """The platform's policy (module docstring) for an engine of `max_slots` slots: on CPU
+    min(8, max_slots) rows of at most 64 tokens, row buckets the powers of two below it and it."""
+    if platform != "cpu":
+        return PrefillPolicy(STEADY_CHUNK, STEADY_ROWS)
+    rows = max(1, min(CPU_ROWS, max_slots))
+    return PrefillPolicy(rows * CPU_ROW_TOKENS, rows, CPU_ROW_TOKENS, _powers_up_to(rows))
+
+
+def resolve_prefill_policy(platform: str, max_slots: int, chunk: Optional[int] = None, rows: Optional[int] = None,
+                           row_tokens: Optional[int] = None,
+                           row_buckets: Optional[Sequence[int]] = None) -> PrefillPolicy:
+    """The platform's default when none of the four is given; otherwise the given ones with the
+    Engine's keyword defaults for the rest (64 tokens, 2 rows or the largest row bucket given, row
+    tokens = chunk, one row bucket), so a flag never mixes with half of another policy."""
+    if chunk is None and rows is None and row_tokens is None and not row_buckets:
+        return default_prefill_policy(platform, max_slots)
+    if rows is None:
+        rows = max(row_buckets) if row_buckets else STEADY_ROWS
+    return PrefillPolicy(STEADY_CHUNK if chunk is None else chunk, rows, row_tokens,
+                         tuple(row_buckets) if row_buckets else None)
