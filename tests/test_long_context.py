@@ -72,7 +72,7 @@ def test_chunked_generate_prefill_with_speculation_equals_one_call(tiny_model, t
 
 
 PEAK_RSS_SCRIPT = textwrap.dedent("""
-    import sys, resource, numpy as np, jax, jax.numpy as jnp
+    import sys, numpy as np, jax, jax.numpy as jnp
     from flax import nnx
     from ling_jax.checkpoint.synthetic_config import synthetic_config
     from ling_jax.model import LingForCausalLM
@@ -86,14 +86,17 @@ PEAK_RSS_SCRIPT = textwrap.dedent("""
     out = forward(model, ids, exec=model.exec.replace(prefill_chunk=chunk))
     lg = np.asarray(out["logits"])
     assert lg.shape == (1, T, cfg.vocab_size) and np.isfinite(lg).all()
-    print("peak_rss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    # VmHWM, this process's own high-water mark: ru_maxrss keeps the parent's peak across the spawn
+    # (Linux records the old address space's at exec), so it read the pytest worker's RSS, not this run's
+    print("peak_rss_kib", [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")][0])
 """)
 
 
 def peak_rss_gib(T: int, chunk: int) -> float:
     """Peak resident memory (GiB) of a fresh process running `forward` over T tokens of the
-    hidden-256 real-pattern model (measured by the process itself: ru_maxrss, not an address-space
-    limit, since XLA reserves much more virtual memory than it touches)."""
+    hidden-256 real-pattern model (measured by the process itself: its VmHWM, not an address-space
+    limit, since XLA reserves much more virtual memory than it touches; not ru_maxrss, which a spawned
+    process inherits from its parent)."""
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one host device, as `ling-jax logits` runs
     r = subprocess.run([sys.executable, "-c", PEAK_RSS_SCRIPT, str(T), str(chunk)], env=env, capture_output=True,

@@ -7,8 +7,8 @@ shortest length.
 
 Model: the real layer pattern at small width (`checkpoint.synthetic_config` with hidden 256, 4 heads,
 8 layers = 7 KDA + 1 MLA, 8 experts; random weights, float32, max_position_embeddings 2^20), or the
-config.json given by `--model-config` (the mid config: 16 layers, 2 MLA), one sequence. Each length and path runs in a fresh process (its own peak RSS: `ru_maxrss`, or the server
-process's VmHWM), and times a second request after a first one that compiled the same programs:
+config.json given by `--model-config` (the mid config: 16 layers, 2 MLA), one sequence. Each length and path runs in a fresh process (its own peak RSS:
+its VmHWM, or the server process's; not `ru_maxrss`, which keeps the spawning parent's peak), and times a second request after a first one that compiled the same programs:
   generate  `generate` twice with the same compiled shapes (first on a two-chunk prefix of the prompt
             with the same cache length), timed through its stream callback;
   engine    an `Engine` (1 slot, pages of 16, prefill chunks of 2,048 tokens like `generate`, no prefix
@@ -45,7 +45,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = textwrap.dedent("""
-    import json, resource, sys, time
+    import json, sys, time
+    def peak_rss_gib():  # this process's VmHWM (ru_maxrss would keep the spawning parent's peak)
+        return [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")][0] / 2**20
     import numpy as np, jax.numpy as jnp
     from flax import nnx
     from ling_jax.checkpoint.synthetic_config import synthetic_config
@@ -74,11 +76,13 @@ CHILD = textwrap.dedent("""
     gaps = [(b[0] - a[0]) / b[1] for a, b in zip(stamps, stamps[1:]) if b[1] > 0]  # a call streams n tokens
     print(json.dumps({"tokens": L, "prefill_s": first - t0, "decode_tokens": n_dec, "decode_s": stamps[-1][0] - first,
                       "decode_step_median_s": float(np.median(gaps)),
-                      "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+                      "peak_rss_gib": peak_rss_gib()}))
 """)
 
 ENGINE_CHILD = textwrap.dedent("""
-    import json, resource, sys, time
+    import json, sys, time
+    def peak_rss_gib():  # this process's VmHWM (ru_maxrss would keep the spawning parent's peak)
+        return [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")][0] / 2**20
     import numpy as np, jax.numpy as jnp
     from flax import nnx
     from ling_jax.checkpoint.synthetic_config import synthetic_config
@@ -111,7 +115,7 @@ ENGINE_CHILD = textwrap.dedent("""
     t0, times = timed()
     print(json.dumps({"tokens": L, "prefill_s": times[0] - t0, "decode_tokens": len(times) - 1,
                       "decode_s": times[-1] - times[0], "decode_step_median_s": float(np.median(np.diff(times))),
-                      "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+                      "peak_rss_gib": peak_rss_gib()}))
 """)
 
 SERVE_CHILD = textwrap.dedent("""

@@ -189,7 +189,7 @@ def prefill_policy(args, platform: Optional[str] = None) -> PrefillPolicy:
 def check_engine_flags(args) -> None:
     """Refusals that need no model (call it before loading one): --speculative's range, flags that
     contradict each other."""
-    rb, rows = args.prefill_row_buckets, args.prefill_rows
+    rb, rows = getattr(args, "prefill_row_buckets", None), getattr(args, "prefill_rows", None)
     if rb and rows is not None and rb[-1] != rows:
         raise ArgumentValueError(f"--prefill-row-buckets: {','.join(map(str, rb))} must end at --prefill-rows {rows}")
     k = args.speculative

@@ -10,10 +10,11 @@ Why the default differs by platform:
   large batched steps (on the mid config a `[8, 64]` step costs 3.1 ms a prompt token against 4.1
   for `[2, 64]`: every weight is streamed once for 512 tokens instead of 128), a lone prompt in
   `[1, <= 64]` steps, so a running decode waits beside a 64-token chunk when few prompts wait. Measured
-  on the serving benchmark against `128 over 2 rows`: faster at concurrency 8 and 32 (+9% / +15%
-  output tokens/s), TTFT p50 at concurrency 32 3.3 s shorter, TPOT p50 no longer, for ~2.5x the
-  warm-up's programs (BENCHMARKS.md, "Concurrency 8 vs 32"; `--warmup lazy` serves before they are
-  compiled, and the persistent compilation cache makes a restart cheap).
+  on the serving benchmark against `128 over 2 rows` (the benchmark's earlier default): output
+  tokens/s +9% at concurrency 8 and +26% at 32 (medians), TTFT p50 at concurrency 32 9.7 s against
+  16.0, TPOT p50 lower at both, for ~2.6x the warm-up's compile time (BENCHMARKS.md, "Concurrency 8
+  vs 32, twenty-seventh session"; `serve --warmup lazy` answers before they are compiled, and the
+  persistent compilation cache makes a restart load them).
 * TPU and GPU: `64 over 2 rows` (one row bucket). The compile-only checks of the real config
   (`ling-jax aot`, BENCHMARKS.md) size a pod's memory with `[2, 64]` prefill programs: an
   `[8, 64]` one holds 4x their activations, and each program compiles for minutes at full scale.
