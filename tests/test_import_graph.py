@@ -26,7 +26,7 @@ PACKAGES = ("ling_jax", "pallas_kernels", "sharding")
 ROOT = Path(__file__).resolve().parents[1]
 HOST_ONLY = ("ling_jax.checks", "ling_jax.sampling_params", "ling_jax.serve.allocator", "ling_jax.serve.request",
              "ling_jax.serve.scheduler", "ling_jax.serve.prefix_cache", "ling_jax.serve.slot_sampling",
-             "ling_jax.serve.prefill_policy")
+             "ling_jax.serve.prefill_policy", "ling_jax.serve.buckets")
 DEVICE_LIBRARIES = frozenset({"jax", "jaxlib", "flax", "orbax", "optax"})
 
 

@@ -44,10 +44,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CHILD = textwrap.dedent("""
-    import json, sys, time
-    def peak_rss_gib():  # this process's VmHWM (ru_maxrss would keep the spawning parent's peak)
+# prepended to each child script: this process's own peak RSS (its VmHWM; ru_maxrss keeps the spawning
+# parent's peak across exec)
+PEAK_RSS = textwrap.dedent("""
+    def peak_rss_gib():
         return [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")][0] / 2**20
+""")
+
+CHILD = PEAK_RSS + textwrap.dedent("""
+    import json, sys, time
     import numpy as np, jax.numpy as jnp
     from flax import nnx
     from ling_jax.checkpoint.synthetic_config import synthetic_config
@@ -79,10 +84,8 @@ CHILD = textwrap.dedent("""
                       "peak_rss_gib": peak_rss_gib()}))
 """)
 
-ENGINE_CHILD = textwrap.dedent("""
+ENGINE_CHILD = PEAK_RSS + textwrap.dedent("""
     import json, sys, time
-    def peak_rss_gib():  # this process's VmHWM (ru_maxrss would keep the spawning parent's peak)
-        return [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")][0] / 2**20
     import numpy as np, jax.numpy as jnp
     from flax import nnx
     from ling_jax.checkpoint.synthetic_config import synthetic_config

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ling_jax.serve.buckets import row_buckets
+
 #: The Engine's own keyword defaults, and every accelerator's: 64 prompt tokens over 2 rows.
 STEADY_CHUNK, STEADY_ROWS = 64, 2
 #: CPU: prompts fed side by side at most, and each prompt's tokens a step at most.
@@ -51,21 +53,13 @@ class PrefillPolicy:
         return f"prefill {self.chunk} tokens over {self.rows} row(s) a step{per_row}{rb}"
 
 
-def _powers_up_to(n: int) -> tuple[int, ...]:
-    out, r = [], 1
-    while r < n:
-        out.append(r)
-        r *= 2
-    return tuple(out) + (n,)
-
-
 def default_prefill_policy(platform: str, max_slots: int) -> PrefillPolicy:
     """The platform's policy (module docstring) for an engine of `max_slots` slots: on CPU
-    min(8, max_slots) rows of at most 64 tokens, row buckets the powers of two below it and it."""
+    min(8, max_slots) rows of at most 64 tokens, row buckets `row_buckets(rows)` (1, 2, 4, 8)."""
     if platform != "cpu":
         return PrefillPolicy(STEADY_CHUNK, STEADY_ROWS)
     rows = max(1, min(CPU_ROWS, max_slots))
-    return PrefillPolicy(rows * CPU_ROW_TOKENS, rows, CPU_ROW_TOKENS, _powers_up_to(rows))
+    return PrefillPolicy(rows * CPU_ROW_TOKENS, rows, CPU_ROW_TOKENS, row_buckets(rows))
 
 
 def resolve_prefill_policy(platform: str, max_slots: int, chunk: Optional[int] = None, rows: Optional[int] = None,

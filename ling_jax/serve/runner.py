@@ -25,6 +25,7 @@ from flax import nnx
 from ling_jax.checks import FieldError, is_int
 from ling_jax.exec_config import ExecConfig
 from ling_jax.serve.allocator import PageAllocator, PoolSizes
+from ling_jax.serve.buckets import row_buckets, token_buckets  # noqa: F401  (importable from here too)
 from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_RESTORE, OP_SAVE, OP_SPEC, ProgramShape, make_link
 from ling_jax.serve.pools import (GIB, describe, init_pools, is_abstract, make_placed, per_device_bytes, placed_like,
                                   shardings_of, token_row_formats)
@@ -44,31 +45,6 @@ def decode_widths(max_blocks: int, smallest: int) -> tuple[int, ...]:
         out.append(w)
         w *= 2
     return tuple(out) + (max_blocks,)
-
-
-def row_buckets(max_slots: int) -> tuple[int, ...]:
-    """Decode row counts compiled: 1, 2, 4, 8, then every power of two and 1.5x it (12, 16, 24, 32, 48,
-    ...) below max_slots, and max_slots. Why: a decode step's cost is its rows' (every row streams the
-    weights through the same GEMMs and reads and writes its KDA state), so 3 requests on a 32-slot
-    engine should run 4 rows, not 32; and 17 should run 24, not 32 (padding at most a third of a step
-    from 8 rows on, for two more programs per octave; `tools/simulate_load.py`: concurrency 32 over
-    the load workload 3-4% faster than with powers of two alone)."""
-    out, r = [], 1
-    while r < max_slots:
-        out.append(r)
-        if r >= 8 and r * 3 // 2 < max_slots:
-            out.append(r * 3 // 2)
-        r *= 2
-    return tuple(out) + (max_slots,)
-
-
-def token_buckets(prefill_chunk: int, smallest: int = 8) -> tuple[int, ...]:
-    """Prefill widths compiled: powers of two from `smallest` below `prefill_chunk`, and the chunk."""
-    out, t = [], min(smallest, prefill_chunk)
-    while t < prefill_chunk:
-        out.append(t)
-        t *= 2
-    return tuple(out) + (prefill_chunk,)
 
 
 def check_row_buckets(rows, top: int, field: str, top_name: str, default=None) -> tuple[int, ...]:
