@@ -19,7 +19,7 @@ from ling_jax.checkpoint.synthetic_config import synthetic_config
 from ling_jax.cli import main
 
 KEYS = {"name", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "total_bytes", "plan_bytes",
-        "collectives", "flops", "bytes_accessed", "roofline_seconds", "compile_seconds"}
+        "collectives", "flops", "bytes_accessed", "roofline_seconds", "compile_seconds", "copies"}
 
 
 def small_config_dict():
@@ -373,3 +373,67 @@ def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu():
     # conv pools: windows [1, n, 8, 3, 256] by default, taps [1, n, 8, 256] with token_rows
     assert conv_found["default"]["decode[R=1,W=16]"] and conv_found["default"]["prefill[R=2,T=64,W=16]"]
     assert not any(conv_found["token_rows"].values()), conv_found["token_rows"]
+
+
+def test_token_rows_pool_layout_removes_the_kpe_relayout_from_the_verify_on_tpu():
+    """The same for the speculative verify (one row and every slot), which also reads and writes the
+    MTP layer's k_pe pool: with "default" each verify program copies the main and the MTP k_pe pools,
+    with "token_rows" none does. (Its conv pools are not checked here: on this small config the
+    compiler stages them, a few KB, in VMEM and relays them out there; on the real config verify[R=1]
+    copies no conv pool and verify[R=8] only stores its rolled-back taps from VMEM into the pools,
+    BENCHMARKS.md "Twenty-eighth session".)"""
+    import jax
+    from sharding.mesh import make_mesh, parse_mesh_shape
+    from sharding.rules import path_str
+
+    from ling_jax.aot.abstract import placed_abstract_model
+    from ling_jax.aot.programs import engine_programs
+    from ling_jax.aot.targets import resolve_target
+    from ling_jax.config import LingConfig
+
+    target = resolve_target("v5e:2x2")
+    mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices)
+    found = {}
+    for layout in ("default", "token_rows"):
+        model = placed_abstract_model(LingConfig.from_dict(small_config_dict()), "bf16", mesh, target.platform,
+                                      with_mtp=True)
+        model.exec = model.exec.replace(pool_layout=layout)
+        progs = engine_programs(model, {"verify"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16, speculative=1,
+                                rows=(1, 8), num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
+        kpe = {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(progs[0].args[1])
+               if path_str(p).endswith("kpe_pages")}
+        assert "mtp/kpe_pages" in kpe and len(kpe) == 2, kpe  # the main run's pool and the MTP layer's
+        found[layout] = {p.name: _copies_of(p.lower().compile().as_text(), set(kpe.values())) for p in progs}
+    assert set(found["token_rows"]) == {"verify[R=1,W=16]", "verify[R=8,W=16]"}, found
+    assert all(found["default"].values()), found["default"]  # the relayout this layout removes
+    assert not any(found["token_rows"].values()), found["token_rows"]
+
+
+def test_copies_parser_reads_what_a_call_runs():
+    """`analysis.copies`: copies and transposes of at least 1 MiB in the computations that run, loop
+    sites times their trip count; not a fusion's own instructions (one step of a fused loop), not an
+    async copy-start (a move between memory spaces), not a smaller copy."""
+    from ling_jax.aot.analysis import copies
+    mib = 1 << 20
+    hlo = "\n".join([
+        "%fused_copy (p: f32[1024,1024]) -> f32[1024,1024] {",
+        "  ROOT %c0 = f32[1024,1024]{0,1} copy(%p)",
+        "}",
+        "%body (p: (s32[], bf16[8,7,64,4096])) -> (s32[], bf16[8,7,64,4096]) {",
+        "  %c1 = f32[512,1024]{1,0} transpose(%w), dimensions={1,0}",
+        "}",
+        "ENTRY %main (x: bf16[8,7,64,4096]) -> f32[8] {",
+        "  %c2 = bf16[8,7,64,4096]{3,2,1,0:T(16,128)(2,1)} copy(%param.453), metadata={}",
+        "  %c3 = (bf16[1,4,64,4096]{3,2,1,0}, bf16[1,4,64,4096]{3,2,1,0:S(1)}, u32[]) copy-start(%param.7)",
+        "  %c4 = f32[8,256]{0,1} copy(%small)",
+        '  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}',
+        "  %f = f32[1024,1024]{0,1} fusion(%a), kind=kLoop, calls=%fused_copy",
+        "}",
+    ])
+    c = copies(hlo)
+    big = 8 * 7 * 64 * 4096 * 2
+    assert c["count"] == 2 and c["bytes"] == big + 2 * mib, c
+    assert c["per_step_bytes"] == big + 7 * 2 * mib, c
+    top = c["largest"][0]
+    assert (top["op"], top["operand"], top["computation"], top["per_step"]) == ("copy", "param.453", "main", big)
+    assert [x["op"] for x in c["largest"]] == ["copy", "transpose"], c["largest"]

@@ -122,6 +122,49 @@ def collectives(hlo_text: str) -> dict:
     return out
 
 
+#: `%name = <result type> copy(<operand>` (or transpose): XLA spells a layout change as a copy. Not the
+#: async copy-start / copy-done pairs: those move an array between memory spaces (a TPU prefetch into
+#: VMEM), its layout unchanged; a relayout after such a move is a `copy` of the copy-done.
+_COPY = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(copy|transpose)\(%?([\w.\-]+)")
+_FUSED = re.compile(r"\bfusion\(.*?calls=%?([\w.\-]+)")
+COPY_MIN_BYTES = 1 << 20
+
+
+def copies(hlo_text: str, min_bytes: int = COPY_MIN_BYTES, top: int = 5) -> dict:
+    """The copies a program runs: `copy` / `transpose` instructions of at least `min_bytes`
+    (their result's bytes, per device) in the computations that execute as such (the entry, loop bodies,
+    branches, called computations), not inside a fusion, where such an instruction is one step of a
+    fused loop that writes nothing of its own. Why report them: a relayout of a pool or a weight stack
+    (a layout a consumer prefers that the stored array lacks) costs its bytes in temp memory and twice
+    its bytes in traffic on every call, and the memory totals do not say which array it is. Returns
+    {"count", "bytes", "per_step_bytes" (each site times the trip counts of the loops around it),
+    "largest": [{"shape", "op", "operand", "computation", "per_step"}] (the `top` largest per step)}."""
+    lines = hlo_text.splitlines()
+    mult, _ = _multipliers(lines)
+    fused = set(_FUSED.findall(hlo_text))
+    sites, comp = [], None
+    for line in lines:
+        cm = _COMP.match(line)
+        if cm and not line.startswith(" "):
+            comp = cm.group(1)
+            continue
+        if comp in fused:
+            continue
+        m = _COPY.match(line)
+        if not m:
+            continue
+        rtype, op, operand = m.groups()
+        n = _shape_bytes(rtype)
+        if n >= min_bytes:
+            k = mult.get(comp, 1)
+            sites.append({"shape": rtype, "op": op, "operand": operand, "computation": comp, "bytes": n,
+                          "per_step": k * n})
+    sites.sort(key=lambda x: -x["per_step"])
+    return {"count": len(sites), "bytes": sum(x["bytes"] for x in sites),
+            "per_step_bytes": sum(x["per_step"] for x in sites),
+            "largest": [{k: v for k, v in x.items() if k != "bytes"} for x in sites[:top]]}
+
+
 _KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
 
 
@@ -159,13 +202,15 @@ def cost(compiled, platform: str) -> dict:
 
 
 def analyse(compiled, platform: str, hbm_bandwidth: float, peak_flops: float, tokens: int) -> dict:
-    """memory + cost + collectives of a compiled program, with its roofline time max(bytes accessed /
-    HBM bandwidth, flops / peak) and the tokens/s that time implies for a call producing `tokens` tokens."""
+    """memory + cost + collectives + copies (of at least 1 MiB) of a compiled program, with its roofline
+    time max(bytes accessed / HBM bandwidth, flops / peak) and the tokens/s that time implies for a call
+    producing `tokens` tokens."""
     r = memory(compiled)
     r.update(cost(compiled, platform))
     text = compiled.as_text()
     r["collectives"] = collectives(text)
     r["kernel_calls"] = kernel_calls(text)
+    r["copies"] = copies(text)
     r["hbm_seconds"] = r["bytes_accessed"] / hbm_bandwidth
     r["roofline_seconds"] = max(r["hbm_seconds"], r["flops"] / peak_flops)
     r["tokens_per_step"] = tokens

@@ -3,7 +3,9 @@
 The report (`--json`, the contract checked from outside): {"target", "mesh": {axis: size}, "devices",
 "hbm_bytes" (per device), "programs": [{"name", "argument_bytes", "output_bytes", "temp_bytes",
 "alias_bytes", "total_bytes", "plan_bytes", "collectives": {kind: {"count", "bytes"}}, "flops",
-"bytes_accessed", "roofline_seconds", "compile_seconds", ...}]}, every byte figure per device.
+"bytes_accessed", "roofline_seconds", "compile_seconds", "copies": {"count", "bytes", "per_step_bytes",
+"largest"} (`analysis.copies`: the relayouts and copies of at least 1 MiB a call runs), ...}]}, every
+byte figure per device.
 """
 from __future__ import annotations
 
@@ -147,6 +149,12 @@ def aot_report(args, progress=None) -> dict:
             "build_seconds": round(build_s, 2), "programs": results}
 
 
+def _copies_text(c: dict | None) -> str:
+    if not c:
+        return ""
+    return f"; copies >= 1 MiB: {c['count']} ({c['per_step_bytes'] / 2**20:.1f} MiB)"
+
+
 def format_text(r: dict) -> str:
     g = lambda b: "-" if b is None else f"{b / GIB:8.3f}"  # noqa: E731
     mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
@@ -166,5 +174,6 @@ def format_text(r: dict) -> str:
         lines.append(f"{p['name']:28s} {g(p['argument_bytes'])} {g(p['plan_bytes'])} {g(p['temp_bytes'])} "
                      f"{g(p['output_bytes'] - p['alias_bytes'])} {g(p['total_bytes'])}              "
                      f"{rt * 1e3:8.3f}ms {p['roofline_tokens_per_second'] or 0:10.1f} {p['compile_seconds']:7.1f}s  {coll}"
+                     + _copies_text(p.get("copies"))
                      + ("" if p["fits"] else "  -- DOES NOT FIT"))
     return "\n".join(lines)

@@ -20,7 +20,9 @@ compile-only compilers with `pip install -e ".[aot]"` (libtpu, the CUDA 12 plugi
 Per program, per device: the compiler's argument / output / temp / alias bytes and total (argument +
 output - alias + temp) against the target's HBM; `plan_bytes`, `ling-jax plan`'s arithmetic for the
 arguments (resident weights + the pools or cache), beside the compiler's argument bytes; the
-collectives of the optimised HLO (count and result bytes per kind); flops and bytes accessed (TPU: the
+collectives of the optimised HLO (count and result bytes per kind); its copies and relayouts of at least
+1 MiB (count, bytes, the largest with their shapes and operands: a pool or weight stack relaid out every
+call shows here); flops and bytes accessed (TPU: the
 compiler's cost analysis; GPU: XLA's HLO cost analysis of the optimised module); the roofline time of
 one call, max(bytes accessed / HBM bandwidth, flops / bf16 peak), the compiler's own estimate on TPU,
 and the tokens/s the roofline implies. A program that does not fit is reported with the compiler's
