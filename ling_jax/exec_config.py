@@ -114,6 +114,12 @@ class ExecConfig:
         second-minor dimension every program gathering slot rows relaid each conv pool out and
         back). `for_backend`: "token_rows" on TPU, else "default" (where the default is row-major
         already).
+    mxfp4_columns: routed experts kept MXFP4 are stored by columns (`quantized.MXFP4Blocks.columns`:
+        the input axis second-minor, what the grouped matmul reads), converted at load; else as the
+        checkpoint stores them (by rows). Why: stored by rows, the TPU compiler relaid every expert
+        code stack out once per prefill call (the real config: 26 of the prefill's 30.6 GiB of
+        temporaries, 173 -> 26 GB a call stored by columns; BENCHMARKS.md "A faster host, and what
+        the compiled programs copy"). `for_backend`: True on TPU/GPU; CPU keeps rows.
     """
     kernels: str = "xla"
     experts: str = "auto"
@@ -130,6 +136,7 @@ class ExecConfig:
     remat: Optional[str] = None
     platform: Optional[str] = None
     pool_layout: str = "default"
+    mxfp4_columns: bool = False
 
     def __post_init__(self):
         _choice("kernels", self.kernels, KERNELS)
@@ -140,7 +147,7 @@ class ExecConfig:
         _choice("pool_layout", self.pool_layout, POOL_LAYOUTS)
         for name, low in (("kda_chunk", 1), ("attn_block", 1), ("prefill_chunk", 1), ("weights_first_rows", 0)):
             check_int(getattr(self, name), f"ExecConfig.{name}", field=name, low=low)
-        for name in ("native_experts", "native_attention", "native_kda"):
+        for name in ("native_experts", "native_attention", "native_kda", "mxfp4_columns"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExecConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.platform is not None:
@@ -168,6 +175,7 @@ class ExecConfig:
                     native_kda=not accel,
                     layer_loop="unroll" if unroll else "scan",
                     pool_layout="token_rows" if platform == "tpu" else "default",
+                    mxfp4_columns=accel,
                     platform=platform)
         base.update({k: v for k, v in overrides.items() if v is not None or k == "remat"})
         if base.get("platform") is not None:

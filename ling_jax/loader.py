@@ -252,7 +252,11 @@ def converted_entries(path, value) -> dict:
     MXFP4Blocks is two: values / packed codes under the key, scales under `scale_key`)."""
     if isinstance(value, BlockFP8):
         return {O.key_of(path): value.values, O.scale_key(path): value.scales}
-    if isinstance(value, MXFP4Blocks):
+    if isinstance(value, MXFP4Blocks):  # a converted checkpoint keeps the checkpoint's layout (by rows)
+        if value.columns:
+            value = value.as_rows() if not isinstance(value.packed, jax.ShapeDtypeStruct) else MXFP4Blocks(
+                jax.ShapeDtypeStruct(value.packed.shape[:-2] + value.packed.shape[:-3:-1], value.packed.dtype),
+                jax.ShapeDtypeStruct(value.scales.shape[:-2] + value.scales.shape[:-3:-1], value.scales.dtype))
         return {O.key_of(path): value.packed, O.scale_key(path): value.scales}
     return {O.key_of(path): value}
 
@@ -289,8 +293,25 @@ def _finish(graphdef, flat, mesh, cfg: LingConfig, layer_loop: str | None) -> Li
     "scan", each layer's arrays freed once stacked: device memory peaks at the model plus one
     stacked parameter), on `mesh`."""
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))  # its exec: this backend's, layer loop "unroll"
+    if model.exec.mxfp4_columns:
+        store_mxfp4_by_columns(model, mesh)
     model.set_layer_loop(default_layer_loop(cfg, layer_loop), free=True)
     return attach_mesh(model, mesh)
+
+
+def store_mxfp4_by_columns(model, mesh) -> None:
+    """Every routed-expert weight kept MXFP4 stored by columns (`MXFP4Blocks.as_columns`, in place on
+    its devices, one parameter at a time: `ExecConfig.mxfp4_columns`), placed by the rules."""
+    heads = model.cfg.num_attention_heads
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        v = var.get_value()
+        if isinstance(v, MXFP4Blocks) and not v.columns:
+            want = MXFP4Blocks(jax.ShapeDtypeStruct(v.packed.shape[:-2] + v.packed.shape[:-3:-1], v.packed.dtype),
+                               jax.ShapeDtypeStruct(v.scales.shape[:-2] + v.scales.shape[:-3:-1], v.scales.dtype),
+                               True)
+            var.set_value(want)
+            sh = variable_sharding(path, var, mesh, heads)
+            var.set_value(jax.jit(MXFP4Blocks.as_columns, out_shardings=sh)(v))
 
 
 def load_from_reader(reader, cfg: LingConfig, *, mesh=None, dtype=jnp.float32, with_mtp: bool = True,

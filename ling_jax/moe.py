@@ -30,7 +30,7 @@ from ling_jax.linear import init_normal
 from ling_jax.moe_active import experts_for_tokens, native_applies, uses_active_loop
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision, real_tokens
-from ling_jax.quantized import dequantize, is_quantized
+from ling_jax.quantized import MXFP4Blocks, dequantize, is_quantized
 from ling_jax.swiglu import SwiGLU, SwiGLULimit, swiglu_act
 from ling_jax.placement import param_mesh, value_specs
 
@@ -69,14 +69,20 @@ _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
 
 def experts_ragged(x, flat, k: int, wg, wu, wd, limit):
     """Same contract as `experts_capacity`, via one sort + `ragged_dot_general` per projection (a
-    native grouped GEMM on TPU/GPU; weights `[E, out, in]` contracted on their last axis)."""
+    native grouped GEMM on TPU/GPU; weights `[E, out, in]` contracted on their last axis, or an MXFP4
+    weight stored by columns as its (even, odd) input halves `[E, in/2, out]`, each contracted with the
+    activations' even / odd inputs)."""
     M = flat.shape[0]
-    E = wg.shape[0]
+    E = (wg[0] if isinstance(wg, tuple) else wg).shape[0]
     order = jnp.argsort(flat, stable=True)
     xs = x[order // k]
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # rows past sum(sizes) (ids ≥ E) come out 0
 
     def rd(a, w):
+        if isinstance(w, tuple):  # an MXFP4 weight by columns: its (even, odd) inputs, [E, in/2, out] each
+            return sum(jax.lax.ragged_dot(h, wi.astype(a.dtype), sizes, precision=precision(a.dtype),
+                                          preferred_element_type=jnp.float32)
+                       for h, wi in ((a[:, 0::2], w[0]), (a[:, 1::2], w[1]))).astype(a.dtype)
         return jax.lax.ragged_dot_general(a, w.astype(a.dtype), sizes, _RAGGED_DN, precision=precision(a.dtype),
                                           preferred_element_type=jnp.float32).astype(a.dtype)
     ys = rd(swiglu_act(rd(xs, wg), rd(xs, wu), limit), wd)
@@ -95,6 +101,17 @@ def experts_grouped(x, idx, wg, wu, wd, limit, grouped_matmul: str = "ragged"):
     return y.reshape(N, k, -1)
 
 
+def _gathered_token_halves(xn, wg, wu, wd, limit):
+    """`_gathered_token` over MXFP4 weights stored by columns, each given as its (even, odd) input
+    halves: wg, wu ([k, D/2, I] each), wd ([k, I/2, D] each)."""
+    def proj(w, v):  # Σ over the even and the odd inputs: [k, in/2, out] x [.., in/2]
+        spec = "kmo,m->ko" if v.ndim == 1 else "kmo,km->ko"
+        return einsum(spec, w[0].astype(xn.dtype), v[..., 0::2], dtype=jnp.float32) + \
+            einsum(spec, w[1].astype(xn.dtype), v[..., 1::2], dtype=jnp.float32)
+    h = swiglu_act(proj(wg, xn).astype(xn.dtype), proj(wu, xn).astype(xn.dtype), limit)
+    return proj(wd, h).astype(xn.dtype)
+
+
 def _gathered_token(xn, wg, wu, wd, limit):
     """One token's k experts: xn [D]; wg, wu [k,I,D]; wd [k,D,I] → [k,D]. The gate/up blocks are
     contracted as one `[k·I, D]` matrix-vector product (XLA:CPU's fastest form for them)."""
@@ -105,7 +122,10 @@ def _gathered_token(xn, wg, wu, wd, limit):
 
 
 def _picked(w, ids, dtype):
-    """Rows `ids` of an expert stack, dequantised when it is kept quantised (BlockFP8 / MXFP4Blocks)."""
+    """Rows `ids` of an expert stack, dequantised when it is kept quantised (BlockFP8 / MXFP4Blocks; an
+    MXFP4 weight stored by columns as its (even, odd) input halves)."""
+    if isinstance(w, MXFP4Blocks) and w.columns:
+        return w.take(ids).halves(dtype)
     return dequantize(w.take(ids), dtype) if is_quantized(w) else w[ids]
 
 
@@ -118,9 +138,11 @@ def experts_gathered(x, idx, wg, wu, wd, limit):
     dequantised for all N tokens at once they were the TPU decode's largest temporaries (int32 unpacking
     of [N, k, I, D/2] codes, BENCHMARKS.md fifteenth session).
     """
+    token = _gathered_token_halves if isinstance(wg, MXFP4Blocks) and wg.columns else _gathered_token
+
     def one(a):
         xn, ids = a
-        return _gathered_token(xn, *(_picked(w, ids, xn.dtype) for w in (wg, wu, wd)), limit)
+        return token(xn, *(_picked(w, ids, xn.dtype) for w in (wg, wu, wd)), limit)
 
     if x.shape[0] == 1:  # batch-1 decode: no loop at all
         return one((x[0], idx[0]))[None]
@@ -145,7 +167,8 @@ def experts_ragged_in_chunks(x, idx, weights, limit, chunk: int = EXPERT_CHUNK):
     c = max(d for d in range(1, min(chunk, E_l) + 1) if E_l % d == 0)
 
     def one(acc, start):
-        ws = tuple(dequantize(w.experts(start, c), x.dtype) if is_quantized(w)
+        ws = tuple(w.experts(start, c).halves(x.dtype) if isinstance(w, MXFP4Blocks) and w.columns
+                   else dequantize(w.experts(start, c), x.dtype) if is_quantized(w)
                    else jax.lax.dynamic_slice_in_dim(w, start, c).astype(x.dtype) for w in weights)
         rel = idx - start
         inside = (rel >= 0) & (rel < c)
@@ -256,6 +279,9 @@ def experts_ep(x, idx, wts, weights, specs, limit, mesh, path: str, grouped_matm
     n_data = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("data", 1)
     tok = "data" if n_data > 1 and N % n_data == 0 else None
     gate_spec = specs[0].primary if is_quantized(specs[0]) else specs[0]
+    if isinstance(specs[0], MXFP4Blocks) and specs[0].columns:  # stored [E, D/2, I]: back to [E, I, D]
+        full = tuple(gate_spec) + (None,) * (3 - len(gate_spec))
+        gate_spec = P(full[0], full[2], full[1])
     e_ax = gate_spec[0]
     sum_axes = tuple(a for a in (e_ax, gate_spec[1]) if a is not None)  # gate [E, I, D]: expert, I axes
 

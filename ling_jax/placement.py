@@ -71,7 +71,10 @@ def value_specs(path, var, mesh, heads: int | None):
         return BlockFP8(vs, block_fp8_specs(vs, v.block, v.ndim), v.block)
     if isinstance(v, MXFP4Blocks):
         s = mxfp4_spec(axes, v.shape, mesh, heads, where)
-        return MXFP4Blocks(s, s)
+        if v.columns:  # stored [..., C/2, R]: the spec of the last two axes swapped
+            full = tuple(s) + (None,) * (v.ndim - len(s))
+            s = P(*full[:-2], full[-1], full[-2])
+        return MXFP4Blocks(s, s, v.columns)
     return spec(axes, v.shape, mesh, heads, where=where)
 
 
@@ -79,7 +82,7 @@ def _named(mesh, s):
     if isinstance(s, BlockFP8):
         return BlockFP8(NamedSharding(mesh, s.values), NamedSharding(mesh, s.scales), s.block)
     if isinstance(s, MXFP4Blocks):
-        return MXFP4Blocks(NamedSharding(mesh, s.packed), NamedSharding(mesh, s.scales))
+        return MXFP4Blocks(NamedSharding(mesh, s.packed), NamedSharding(mesh, s.scales), s.columns)
     return NamedSharding(mesh, s)
 
 

@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ling_jax.checkpoint.mxfp4 import GROUP as MXFP4_GROUP, dequantize_mxfp4_jax
+from ling_jax.checkpoint.mxfp4 import GROUP as MXFP4_GROUP, dequantize_mxfp4_columns, dequantize_mxfp4_jax
 from pallas_kernels.fp8.reference import block_dequant_fp8_jax
 
 
@@ -72,16 +72,20 @@ class BlockFP8:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MXFP4Blocks:
-    """MXFP4 weight `[..., R, C]`: uint8 `packed` [..., R, C/2] (element 2j in the low nibble of byte j)
-    and uint8 E8M0 `scales` [..., R, C/32] (one per 32 consecutive inputs along C)."""
+    """MXFP4 weight `[..., R, C]` (R outputs, C inputs). Stored by rows (the checkpoint's layout):
+    uint8 `packed` [..., R, C/2] (input 2j in the low nibble of byte j) and uint8 E8M0 `scales`
+    [..., R, C/32] (one per 32 consecutive inputs). Stored by columns (`columns=True`, what the
+    TPU/GPU expert matmuls read, `ExecConfig.mxfp4_columns`): the same bytes with the last two axes
+    swapped, packed [..., C/2, R], scales [..., C/32, R] (`dequantize_mxfp4_columns`)."""
     packed: jax.Array
     scales: jax.Array
+    columns: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple:
         """The logical (decoded) shape [..., R, C]."""
         p = tuple(self.packed.shape)
-        return p[:-1] + (2 * p[-1],)
+        return p[:-2] + (p[-1], 2 * p[-2]) if self.columns else p[:-1] + (2 * p[-1],)
 
     @property
     def ndim(self) -> int:
@@ -96,17 +100,40 @@ class MXFP4Blocks:
         return self.packed
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """E2M1 code × 2^(scale − 127), exact in float32 (`dequantize_mxfp4_jax`), then `dtype`."""
+        """E2M1 code × 2^(scale − 127), exact in float32 (`dequantize_mxfp4_jax`), then `dtype`: [..., R, C]."""
+        if self.columns:
+            even, odd = self.halves(dtype)
+            lead, (c2, r) = even.shape[:-2], even.shape[-2:]
+            return jnp.swapaxes(jnp.stack([even, odd], axis=-2).reshape(lead + (2 * c2, r)), -1, -2)
         return dequantize_mxfp4_jax(self.packed, self.scales, dtype)
+
+    def halves(self, dtype) -> tuple:
+        """(even, odd) inputs of a weight stored by columns, [..., C/2, R] each:
+        W·x = evenᵀ·x[0::2] + oddᵀ·x[1::2]."""
+        if not self.columns:
+            raise ValueError("MXFP4Blocks.halves: the weight is stored by rows (as_columns() first)")
+        return dequantize_mxfp4_columns(self.packed, self.scales, dtype)
+
+    def as_columns(self) -> "MXFP4Blocks":
+        """The same weight stored by columns (a transpose of the last two axes of both arrays)."""
+        if self.columns:
+            return self
+        return MXFP4Blocks(jnp.swapaxes(self.packed, -1, -2), jnp.swapaxes(self.scales, -1, -2), True)
+
+    def as_rows(self) -> "MXFP4Blocks":
+        """The same weight stored by rows, the checkpoint's layout (what a converted checkpoint keeps)."""
+        if not self.columns:
+            return self
+        return MXFP4Blocks(jnp.swapaxes(self.packed, -1, -2), jnp.swapaxes(self.scales, -1, -2), False)
 
     def experts(self, start, n: int) -> "MXFP4Blocks":
         """Experts start .. start+n-1 of the leading axis (start may be traced)."""
         return MXFP4Blocks(jax.lax.dynamic_slice_in_dim(self.packed, start, n),
-                           jax.lax.dynamic_slice_in_dim(self.scales, start, n))
+                           jax.lax.dynamic_slice_in_dim(self.scales, start, n), self.columns)
 
     def take(self, idx) -> "MXFP4Blocks":
         """Rows of the leading (expert) axis (the gathered decode path)."""
-        return MXFP4Blocks(self.packed[idx], self.scales[idx])
+        return MXFP4Blocks(self.packed[idx], self.scales[idx], self.columns)
 
 
 QUANTIZED = (BlockFP8, MXFP4Blocks)

@@ -437,3 +437,37 @@ def test_copies_parser_reads_what_a_call_runs():
     top = c["largest"][0]
     assert (top["op"], top["operand"], top["computation"], top["per_step"]) == ("copy", "param.453", "main", big)
     assert [x["op"] for x in c["largest"]] == ["copy", "transpose"], c["largest"]
+
+
+def test_mxfp4_experts_stored_by_columns_are_not_relaid_out_on_tpu():
+    """`ExecConfig.mxfp4_columns` (the TPU/GPU default): stored by rows, the MXFP4 expert codes are
+    relaid out with their byte axis off the minor position (the real config's prefill: every code
+    stack, 26 GiB a call, BENCHMARKS.md "A faster host, and what the compiled programs copy"); stored by
+    columns no decode or prefill program relays a code array out so."""
+    from sharding.mesh import make_mesh, parse_mesh_shape
+
+    from ling_jax.aot.abstract import placed_abstract_model
+    from ling_jax.aot.programs import engine_programs
+    from ling_jax.aot.targets import resolve_target
+    from ling_jax.config import LingConfig
+
+    target = resolve_target("v5e:2x2")
+    mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices)
+    relaid = {}
+    for columns in (False, True):
+        model = placed_abstract_model(LingConfig.from_dict(small_config_dict()), "mxfp4", mesh, target.platform,
+                                      with_mtp=True, exec_overrides=dict(mxfp4_columns=columns))
+        assert model.exec.mxfp4_columns == columns
+        gate = model.model.layers.runs[1][0].mlp.experts.gate_proj.get_value()
+        assert gate.columns == columns
+        progs = engine_programs(model, {"decode", "prefill"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16,
+                                rows=(8,), num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
+        found = []
+        for p in progs:
+            for m in re.finditer(r"= u8\[([\d,]*)\]\{([\d,]*)[:}]\S* copy\(", p.lower().compile().as_text()):
+                dims, layout = m.group(1).split(","), [int(d) for d in m.group(2).split(",")]
+                if len(dims) >= 2 and layout[0] != len(dims) - 1:  # the byte axis no longer minor
+                    found.append((p.name, m.group(0)))
+        relaid[columns] = found
+    assert relaid[False], "expected the row-stored codes' relayout (if XLA stops, the columns layout is moot)"
+    assert not relaid[True], relaid[True]

@@ -178,6 +178,39 @@ def test_jax_decode_equals_numpy_bit_for_bit():
         M.dequantize_mxfp4_jax(jnp.zeros((4, 16), jnp.uint8), jnp.zeros((4, 2), jnp.uint8))
 
 
+def test_columns_decode_is_the_row_decode_transposed_bit_for_bit():
+    """`dequantize_mxfp4_columns` (codes stored [..., K/2, N]) gives the even and the odd inputs of the
+    weight, each exactly the row decode's columns 0::2 / 1::2 transposed (float32 and bfloat16), and
+    `MXFP4Blocks` stored by columns decodes, slices and converts back to the same bytes."""
+    from ling_jax.quantized import MXFP4Blocks
+    rng = np.random.default_rng(5)
+    p = rng.integers(0, 256, (2, 6, 64), dtype=np.uint8)
+    s = rng.integers(0, 255, (2, 6, 4), dtype=np.uint8)
+    s[0, 0, :] = [0, 1, 253, 254]
+    rows = M.dequantize_mxfp4(p, s, "w")                                       # [2, 6, 128]
+    pc, sc = jnp.asarray(np.swapaxes(p, -1, -2)), jnp.asarray(np.swapaxes(s, -1, -2))
+    for dt in (jnp.float32, jnp.bfloat16):
+        even, odd = jax.jit(lambda a, b: M.dequantize_mxfp4_columns(a, b, dt))(pc, sc)
+        assert even.shape == odd.shape == (2, 64, 6) and even.dtype == dt
+        want = jnp.asarray(rows, jnp.float32).astype(dt)
+        for got, j in ((even, 0), (odd, 1)):
+            assert np.array_equal(bits(np.asarray(got, np.float32)),
+                                  bits(np.asarray(jnp.swapaxes(want[..., j::2], 1, 2), np.float32)))
+    w = MXFP4Blocks(jnp.asarray(p), jnp.asarray(s))
+    c = w.as_columns()
+    assert c.columns and c.shape == w.shape == (2, 6, 128) and c.packed.shape == (2, 64, 6)
+    assert np.array_equal(bits(np.asarray(c.dequantize())), bits(rows))
+    assert np.array_equal(bits(np.asarray(c.take(jnp.array([1])).dequantize())), bits(rows[1:]))
+    assert np.array_equal(bits(np.asarray(c.experts(1, 1).dequantize())), bits(rows[1:]))
+    back = c.as_rows()
+    assert not back.columns and np.array_equal(np.asarray(back.packed), p)
+    assert np.array_equal(np.asarray(back.scales), s)
+    with pytest.raises(ValueError, match="stored by rows"):
+        w.halves(jnp.float32)
+    with pytest.raises(ValueError, match="not an MXFP4 pair by columns"):
+        M.dequantize_mxfp4_columns(jnp.zeros((16, 4), jnp.uint8), jnp.zeros((2, 4), jnp.uint8))
+
+
 def test_gaussian_relative_error():
     """Stated accuracy: N(0, 1) weights [256, 4096] -> relative Frobenius error 0.1150 (±0.002),
     i.e. ~11.5% (MXFP4's 1 mantissa bit; the spec's floor-scale rule saturates a block's few largest

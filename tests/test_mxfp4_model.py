@@ -145,6 +145,41 @@ MESHES = {"expert=4": ({"data": 1, "expert": 4, "model": 1}, 4),
           "data=2,expert=2,model=2": ({"data": 2, "expert": 2, "model": 2}, 8)}
 
 
+@pytest.mark.parametrize("name", ["one device"] + list(MESHES))
+def test_experts_stored_by_columns_give_the_same_logits(mx_ck, reference, name):
+    """`ExecConfig.mxfp4_columns` (TPU/GPU default): the loader stores every MXFP4 expert weight by
+    columns (`loader.store_mxfp4_by_columns`, run here on CPU), placed with the last two axes' specs
+    swapped; the grouped path (ragged, even/odd halves; and the capacity path's dequantise) and the
+    gathered path give the dequantising load's logits, on one device and expert-parallel; a converted
+    checkpoint written from it keeps the checkpoint's layout (by rows)."""
+    from ling_jax.loader import converted_entries, store_mxfp4_by_columns
+    shape, n = MESHES.get(name, ({"data": 1, "expert": 1, "model": 1}, 1))
+    mesh = make_mesh(shape, jax.devices()[:n])
+    model = load_model(mx_ck, "float32", mesh=mesh, progress=False, keep_quantized=True)
+    rows = model.model.layers[2].mlp.experts.down_proj.get_value()
+    store_mxfp4_by_columns(model, mesh)
+    e = "expert" if shape["expert"] > 1 else None
+    m = "model" if shape["model"] > 1 else None
+    gate = model.model.layers[1].mlp.experts.gate_proj.get_value()
+    down = model.model.layers[2].mlp.experts.down_proj.get_value()
+    assert gate.columns and down.columns and gate.shape == (8, 64, model.cfg.hidden_size)  # logical [E, I, D]
+    D = model.cfg.hidden_size
+    assert gate.packed.shape == (8, D // 2, 64) and down.packed.shape == (8, 32, D)
+    assert spec_of(gate.packed) == spec_of(gate.scales) == (e, None, m)     # [E, D/2, I]
+    assert spec_of(down.packed) == spec_of(down.scales) == (e, m, None)     # [E, I/2, D]
+    assert np.array_equal(np.asarray(down.as_rows().packed), np.asarray(rows.packed))
+    path = ("model", "layers", 2, "mlp", "experts", "down_proj")
+    got = converted_entries(path, down)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got.values(), (rows.packed, rows.scales)))
+    assert len(got) == 2
+    for ex in (model.exec, model.exec.replace(grouped_matmul="ragged")):
+        out = forward(model, IDS, mtp=True, exec=ex)
+        assert rel_err(out["logits"], reference[0]) < TOL, ex.grouped_matmul
+        assert rel_err(out["mtp_logits"], reference[1]) < TOL
+    g = forward(model, IDS[:1, :3], exec=model.exec.replace(experts="gather"))["logits"]
+    assert rel_err(g, reference[0][:1, :3]) < TOL
+
+
 @pytest.mark.parametrize("name", list(MESHES))
 def test_sharded_keep_quantized_equals_unsharded(mx_ck, reference, name):
     shape, n = MESHES[name]

@@ -40,15 +40,21 @@ def placed_abstract_model(cfg: LingConfig, weights: str, mesh, platform: str, *,
     mx = release_mxfp4(cfg) if weights == "mxfp4" else None
     model = abstract_model(cfg, dtype, with_mtp and cfg.has_mtp, f8, mx)
     heads = cfg.num_attention_heads
+    ex = ExecConfig.for_backend(platform, cfg, **(exec_overrides or {}))
     for path, var in nnx.to_flat_state(nnx.state(model)):  # Variables are shared with the model
-        v, sh = var.get_value(), variable_sharding(path, var, mesh, heads)
+        v = var.get_value()
+        if isinstance(v, MXFP4Blocks) and ex.mxfp4_columns:  # stored as the loader stores them for the target
+            swap = lambda a: jax.ShapeDtypeStruct(a.shape[:-2] + a.shape[:-3:-1], a.dtype)  # noqa: E731
+            v = MXFP4Blocks(swap(v.packed), swap(v.scales), True)
+            var.set_value(v)
+        sh = variable_sharding(path, var, mesh, heads)
         if isinstance(v, BlockFP8):
             var.set_value(BlockFP8(_placed(v.values, sh.values), _placed(v.scales, sh.scales), v.block))
         elif isinstance(v, MXFP4Blocks):
-            var.set_value(MXFP4Blocks(_placed(v.packed, sh.packed), _placed(v.scales, sh.scales)))
+            var.set_value(MXFP4Blocks(_placed(v.packed, sh.packed), _placed(v.scales, sh.scales), v.columns))
         else:
             var.set_value(_placed(v, sh))
-    model.exec = ExecConfig.for_backend(platform, cfg, **(exec_overrides or {}))
+    model.exec = ex
     return attach_mesh(model, mesh)
 
 

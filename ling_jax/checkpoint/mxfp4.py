@@ -300,6 +300,29 @@ def dequantize_mxfp4(packed: np.ndarray, scales: np.ndarray, name: str = "tensor
 _N_OF_INDEX = np.array([0, 1, 2, 3, 4, 6, 8, 12], np.int32)
 
 
+def _e2m1_times_scale(codes, e, dtype):
+    """float32 of the E2M1 `codes` (int32, 0..15) times 2^(e - 127) (`e` int32, broadcast against
+    codes), by integer operations on the bits (see `dequantize_mxfp4_jax`), then `dtype` (None: f32)."""
+    import jax
+    import jax.numpy as jnp
+
+    idx = codes & 0x7
+    # n = _N_OF_INDEX[idx] computed, not looked up: a table lookup is a gather, which XLA does not
+    # fuse with the elementwise rest, so it materialised an int32 copy of every decoded expert weight
+    e2, m = idx >> 1, idx & 1
+    n = jnp.where(e2 == 0, m, (2 + m) << jnp.maximum(e2 - 1, 0))
+    nbits = jax.lax.bitcast_convert_type(n.astype(jnp.float32), jnp.int32)
+    exp_field = (nbits >> 23) + e - 128                          # biased exponent of the result
+    normal = nbits + ((e - 128) << 23)
+    sub = n << jnp.clip(e + 21, 0, 30)                           # only used where exp_field <= 0 (e <= 1)
+    mag = jnp.where(exp_field >= 1, normal, sub)
+    mag = jnp.where(exp_field >= 255, 0x7F800000, mag)
+    mag = jnp.where(n == 0, 0, mag)
+    mag = jnp.where(e == E8M0_NAN, 0x7FC00000, mag)
+    out = jax.lax.bitcast_convert_type(mag | ((codes >> 3) << 31), jnp.float32)
+    return out if dtype is None else out.astype(dtype)
+
+
 def dequantize_mxfp4_jax(packed, scales, dtype=None):
     """jax.numpy decode of `packed [..., K/2]` uint8 + `scales [..., K/32]` uint8 -> `[..., K]`.
 
@@ -311,9 +334,6 @@ def dequantize_mxfp4_jax(packed, scales, dtype=None):
     the host's job (`check_scale_bytes`) since a traced value cannot raise. `dtype`: output dtype
     (default float32; bfloat16 is exact for every normal result).
     """
-    # jax is imported here, not at module level, so the host-only users of this module (layout,
-    # `ling-jax plan` / `inspect` / `quantize`) do not pay for importing it
-    import jax
     import jax.numpy as jnp
 
     if packed.ndim == 0 or scales.shape != packed.shape[:-1] + (2 * packed.shape[-1] // GROUP,) \
@@ -325,25 +345,28 @@ def dequantize_mxfp4_jax(packed, scales, dtype=None):
     k = 2 * packed.shape[-1]
     p = packed.astype(jnp.int32).reshape(lead + (k // GROUP, GROUP // 2))  # 16 bytes = one 32-group
     e = scales.astype(jnp.int32)[..., None]                          # [..., K/32, 1]
-
-    def value(codes):
-        """float32 of the E2M1 codes [..., K/32, 16] times 2^(e - 127), by integer ops on the bits."""
-        idx = codes & 0x7
-        # n = _N_OF_INDEX[idx] computed, not looked up: a table lookup is a gather, which XLA does not
-        # fuse with the elementwise rest, so it materialised an int32 copy of every decoded expert weight
-        e2, m = idx >> 1, idx & 1
-        n = jnp.where(e2 == 0, m, (2 + m) << jnp.maximum(e2 - 1, 0))
-        nbits = jax.lax.bitcast_convert_type(n.astype(jnp.float32), jnp.int32)
-        exp_field = (nbits >> 23) + e - 128                          # biased exponent of the result
-        normal = nbits + ((e - 128) << 23)
-        sub = n << jnp.clip(e + 21, 0, 30)                           # only used where exp_field <= 0 (e <= 1)
-        mag = jnp.where(exp_field >= 1, normal, sub)
-        mag = jnp.where(exp_field >= 255, 0x7F800000, mag)
-        mag = jnp.where(n == 0, 0, mag)
-        mag = jnp.where(e == E8M0_NAN, 0x7FC00000, mag)
-        out = jax.lax.bitcast_convert_type(mag | ((codes >> 3) << 31), jnp.float32)
-        return out if dtype is None else out.astype(dtype)
-
     # low nibble = even element, high = odd: both decoded elementwise from the packed bytes and
     # interleaved last, so XLA fuses the whole decode into the one array it returns
-    return jnp.stack([value(p & 0x0F), value(p >> 4)], axis=-1).reshape(lead + (k,))
+    return jnp.stack([_e2m1_times_scale(p & 0x0F, e, dtype), _e2m1_times_scale(p >> 4, e, dtype)],
+                     axis=-1).reshape(lead + (k,))
+
+
+def dequantize_mxfp4_columns(packed, scales, dtype=None):
+    """The even and the odd inputs of an MXFP4 weight stored by columns: `packed [..., K/2, N]` uint8
+    (byte (m, n) = inputs 2m (low nibble) and 2m+1 (high) of output n), `scales [..., K/32, N]` ->
+    (even, odd), each `[..., K/2, N]` (rows 2m and 2m+1 of the weight transposed), bit-exact with
+    `dequantize_mxfp4_jax` of the row-stored weight. Why: a matmul contracts K, and on TPU it reads the
+    contracted axis second-minor; stored by rows the codes were relaid out to that, the whole expert
+    stack once per call (BENCHMARKS.md "A faster host, and what the compiled programs copy"), and
+    decoding the two nibbles apart needs no interleave: y = x_even · even + x_odd · odd."""
+    import jax.numpy as jnp
+
+    if packed.ndim < 2 or scales.shape != packed.shape[:-2] + (2 * packed.shape[-2] // GROUP, packed.shape[-1]) \
+            or packed.shape[-2] % (GROUP // 2):
+        raise ValueError(f"dequantize_mxfp4_columns: packed {tuple(packed.shape)} and scales "
+                         f"{tuple(scales.shape)} are not an MXFP4 pair by columns (packed [..., K/2, N], "
+                         f"scales [..., K/32, N], K a multiple of {GROUP})")
+    lead, (k2, n) = packed.shape[:-2], packed.shape[-2:]
+    p = packed.astype(jnp.int32).reshape(lead + (k2 // (GROUP // 2), GROUP // 2, n))
+    e = scales.astype(jnp.int32)[..., None, :]                        # [..., K/32, 1, N]
+    return tuple(_e2m1_times_scale(c, e, dtype).reshape(lead + (k2, n)) for c in (p & 0x0F, p >> 4))
