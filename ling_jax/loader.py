@@ -253,10 +253,7 @@ def converted_entries(path, value) -> dict:
     if isinstance(value, BlockFP8):
         return {O.key_of(path): value.values, O.scale_key(path): value.scales}
     if isinstance(value, MXFP4Blocks):  # a converted checkpoint keeps the checkpoint's layout (by rows)
-        if value.columns:
-            value = value.as_rows() if not isinstance(value.packed, jax.ShapeDtypeStruct) else MXFP4Blocks(
-                jax.ShapeDtypeStruct(value.packed.shape[:-2] + value.packed.shape[:-3:-1], value.packed.dtype),
-                jax.ShapeDtypeStruct(value.scales.shape[:-2] + value.scales.shape[:-3:-1], value.scales.dtype))
+        value = value.as_rows()
         return {O.key_of(path): value.packed, O.scale_key(path): value.scales}
     return {O.key_of(path): value}
 
@@ -306,10 +303,7 @@ def store_mxfp4_by_columns(model, mesh) -> None:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         v = var.get_value()
         if isinstance(v, MXFP4Blocks) and not v.columns:
-            want = MXFP4Blocks(jax.ShapeDtypeStruct(v.packed.shape[:-2] + v.packed.shape[:-3:-1], v.packed.dtype),
-                               jax.ShapeDtypeStruct(v.scales.shape[:-2] + v.scales.shape[:-3:-1], v.scales.dtype),
-                               True)
-            var.set_value(want)
+            var.set_value(jax.eval_shape(MXFP4Blocks.as_columns, v))  # its shape, to place it by the rules
             sh = variable_sharding(path, var, mesh, heads)
             var.set_value(jax.jit(MXFP4Blocks.as_columns, out_shardings=sh)(v))
 

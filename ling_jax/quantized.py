@@ -115,16 +115,13 @@ class MXFP4Blocks:
         return dequantize_mxfp4_columns(self.packed, self.scales, dtype)
 
     def as_columns(self) -> "MXFP4Blocks":
-        """The same weight stored by columns (a transpose of the last two axes of both arrays)."""
-        if self.columns:
-            return self
-        return MXFP4Blocks(jnp.swapaxes(self.packed, -1, -2), jnp.swapaxes(self.scales, -1, -2), True)
+        """The same weight stored by columns (a transpose of the last two axes of both arrays; of the
+        shapes, for a shape-only weight)."""
+        return self if self.columns else MXFP4Blocks(_swap_minor(self.packed), _swap_minor(self.scales), True)
 
     def as_rows(self) -> "MXFP4Blocks":
         """The same weight stored by rows, the checkpoint's layout (what a converted checkpoint keeps)."""
-        if not self.columns:
-            return self
-        return MXFP4Blocks(jnp.swapaxes(self.packed, -1, -2), jnp.swapaxes(self.scales, -1, -2), False)
+        return self if not self.columns else MXFP4Blocks(_swap_minor(self.packed), _swap_minor(self.scales), False)
 
     def experts(self, start, n: int) -> "MXFP4Blocks":
         """Experts start .. start+n-1 of the leading axis (start may be traced)."""
@@ -134,6 +131,14 @@ class MXFP4Blocks:
     def take(self, idx) -> "MXFP4Blocks":
         """Rows of the leading (expert) axis (the gathered decode path)."""
         return MXFP4Blocks(self.packed[idx], self.scales[idx], self.columns)
+
+
+def _swap_minor(x):
+    """x with its last two axes swapped; a ShapeDtypeStruct's shape (its sharding dropped: the caller
+    places the result)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[:-2] + x.shape[:-3:-1], x.dtype)
+    return jnp.swapaxes(x, -1, -2)
 
 
 QUANTIZED = (BlockFP8, MXFP4Blocks)

@@ -44,8 +44,7 @@ def placed_abstract_model(cfg: LingConfig, weights: str, mesh, platform: str, *,
     for path, var in nnx.to_flat_state(nnx.state(model)):  # Variables are shared with the model
         v = var.get_value()
         if isinstance(v, MXFP4Blocks) and ex.mxfp4_columns:  # stored as the loader stores them for the target
-            swap = lambda a: jax.ShapeDtypeStruct(a.shape[:-2] + a.shape[:-3:-1], a.dtype)  # noqa: E731
-            v = MXFP4Blocks(swap(v.packed), swap(v.scales), True)
+            v = v.as_columns()
             var.set_value(v)
         sh = variable_sharding(path, var, mesh, heads)
         if isinstance(v, BlockFP8):
