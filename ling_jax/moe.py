@@ -32,7 +32,7 @@ from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision, real_tokens
 from ling_jax.quantized import MXFP4Blocks, dequantize, is_quantized
 from ling_jax.swiglu import SwiGLU, SwiGLULimit, swiglu_act
-from ling_jax.placement import param_mesh, value_specs
+from ling_jax.placement import param_mesh, swap_minor_spec, value_specs
 
 
 def route(x: jax.Array, w: jax.Array, bias: jax.Array, cfg: LingConfig):
@@ -280,8 +280,7 @@ def experts_ep(x, idx, wts, weights, specs, limit, mesh, path: str, grouped_matm
     tok = "data" if n_data > 1 and N % n_data == 0 else None
     gate_spec = specs[0].primary if is_quantized(specs[0]) else specs[0]
     if isinstance(specs[0], MXFP4Blocks) and specs[0].columns:  # stored [E, D/2, I]: back to [E, I, D]
-        full = tuple(gate_spec) + (None,) * (3 - len(gate_spec))
-        gate_spec = P(full[0], full[2], full[1])
+        gate_spec = swap_minor_spec(gate_spec, 3)
     e_ax = gate_spec[0]
     sum_axes = tuple(a for a in (e_ax, gate_spec[1]) if a is not None)  # gate [E, I, D]: expert, I axes
 

@@ -61,6 +61,13 @@ def variable_axes(path, var) -> tuple:
     return tuple(axes)
 
 
+def swap_minor_spec(s: P, ndim: int) -> P:
+    """PartitionSpec `s` (over `ndim` axes, short specs padded with None) with its last two entries
+    swapped: the spec of an MXFP4 weight stored by columns from its logical one, and back."""
+    full = tuple(s) + (None,) * (ndim - len(s))
+    return P(*full[:-2], full[-1], full[-2])
+
+
 def value_specs(path, var, mesh, heads: int | None):
     """PartitionSpec of the Variable's value, or BlockFP8(values spec, scales spec) / MXFP4Blocks(spec, spec)
     for a quantised one."""
@@ -72,8 +79,7 @@ def value_specs(path, var, mesh, heads: int | None):
     if isinstance(v, MXFP4Blocks):
         s = mxfp4_spec(axes, v.shape, mesh, heads, where)
         if v.columns:  # stored [..., C/2, R]: the spec of the last two axes swapped
-            full = tuple(s) + (None,) * (v.ndim - len(s))
-            s = P(*full[:-2], full[-1], full[-2])
+            s = swap_minor_spec(s, v.ndim)
         return MXFP4Blocks(s, s, v.columns)
     return spec(axes, v.shape, mesh, heads, where=where)
 

@@ -303,6 +303,8 @@ _N_OF_INDEX = np.array([0, 1, 2, 3, 4, 6, 8, 12], np.int32)
 def _e2m1_times_scale(codes, e, dtype):
     """float32 of the E2M1 `codes` (int32, 0..15) times 2^(e - 127) (`e` int32, broadcast against
     codes), by integer operations on the bits (see `dequantize_mxfp4_jax`), then `dtype` (None: f32)."""
+    # jax is imported here, not at module level, so the host-only users of this module (layout,
+    # `ling-jax plan` / `inspect` / `quantize`) do not pay for importing it
     import jax
     import jax.numpy as jnp
 
