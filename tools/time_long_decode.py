@@ -2,7 +2,7 @@
 """The engine's one-row decode program at a long context, timed without prefilling the context
 (issue 22: what a 256K decode step costs, and where, in a minute instead of a 6-minute prefill).
 
-    python tools/time_long_decode.py [--tokens 262144] [--steps 100] [--profile]
+    python tools/time_long_decode.py [--tokens 262144] [--steps 100] [--profile] [--layer-loop scan|unroll]
 
 Builds `tools/bench_long_context.py`'s small model of the real layer pattern (random weights,
 float32) and a 1-slot `Engine` sized for the context (pages of 16), then calls the runner's decode
@@ -31,6 +31,7 @@ from flax import nnx  # noqa: E402
 from bench_long_context import MODEL  # noqa: E402
 from profile_serve_step import op_names, trace_calls  # noqa: E402
 from ling_jax.checkpoint.synthetic_config import synthetic_config  # noqa: E402
+from ling_jax.exec_config import ExecConfig  # noqa: E402
 from ling_jax.model import LingForCausalLM  # noqa: E402
 from ling_jax.serve import Engine  # noqa: E402
 from ling_jax.serve.multihost import OP_DECODE  # noqa: E402
@@ -41,10 +42,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=262144)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--layer-loop", choices=("scan", "unroll"), default=None,
+                    help="the model's layer loop (default: ExecConfig.for_backend's choice for the model)")
     a = ap.parse_args(argv)
     L, P = a.tokens, 16
     cfg = synthetic_config(**MODEL)
-    model = LingForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), with_mtp=False)
+    model = LingForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), with_mtp=False,
+                            exec=ExecConfig.for_backend(None, cfg, layer_loop=a.layer_loop))
     chunk = model.exec.prefill_chunk
     eng = Engine(model, max_slots=1, page_size=P, num_pages=-(-(L + 64) // P) + 1, prefill_chunk=chunk,
                  prefill_rows=1, max_seq_len=L + 64, decode_rows=(1,), buckets=(chunk,), prefix_cache=False)
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    print(f"decode step over {L:,} cached tokens (block table {width} pages): median {1e3 * np.median(times):.2f} ms, "
+    print(f"layer loop {model.exec.layer_loop}: decode step over {L:,} cached tokens (block table {width} pages): median {1e3 * np.median(times):.2f} ms, "
           f"min {1e3 * min(times):.2f} ms ({a.steps} steps; load {os.getloadavg()[0]:.1f})")
     if a.profile:
         per = trace_calls(step, 10)

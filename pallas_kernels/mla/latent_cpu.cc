@@ -189,6 +189,7 @@ inline void pv_tile(const float* p, const float* const* crow, int64_t nk, int64_
 void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t r, float* acc) {
   for (int64_t i = 0; i < R; i += 4) {
     int64_t col = 0;
+    for (; col + 4 * L <= r; col += 4 * L) pv_tile<4>(p, crow, nk, i, col, r, acc);  // 4 rows x 32 lanes
     for (; col + 2 * L <= r; col += 2 * L) pv_tile<2>(p, crow, nk, i, col, r, acc);
     for (; col + L <= r; col += L) pv_tile<1>(p, crow, nk, i, col, r, acc);
     for (; col < r; ++col)
@@ -227,6 +228,11 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
     for (int64_t e = 0; e < g.dr; ++e) s.qs[i * d + g.r + e] = qp[e] * g.scale;
   }
   float* sc = s.s.data();
+  // the keys PREFETCH_L2 and PREFETCH_L1 ahead of the current one, as (page, offset) advanced with it
+  // (two integer divisions per key cost ~4% of a 256K decode call)
+  int64_t pg2 = (it.k0 + PREFETCH_L2) / g.P, off2 = (it.k0 + PREFETCH_L2) % g.P;
+  int64_t pg1 = (it.k0 + PREFETCH_L1) / g.P, off1 = (it.k0 + PREFETCH_L1) % g.P;
+  const int32_t* bt = g.bt + it.b * g.nb;
   for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += KB) {
     const int64_t nk = std::min(KB, it.k1 - kb0);
     {  // where this block's keys lie: page by page through the block table (no division per key).
@@ -237,7 +243,7 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
        // runs (BENCHMARKS.md): contiguous 4.6-5.9 -> 3.7-4.6 ms, pages shuffled 7.3-8.4 -> 4.4-5.3 ms.
       int64_t pg = kb0 / g.P, off = kb0 % g.P;
       for (int64_t j = 0; j < nk; ++j) {
-        const int64_t slot = static_cast<int64_t>(g.bt[it.b * g.nb + pg]) * g.P + off;
+        const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
         s.crow[j] = g.c + slot * g.r;
         s.krow[j] = g.kpe + slot * g.dr;
         if (++off == g.P) {
@@ -246,16 +252,22 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
         }
         // (written out here: GCC 12 emitted no prefetch at all when this was a helper function)
         if (kb0 + j + PREFETCH_L2 < it.k1) {
-          const int64_t k = kb0 + j + PREFETCH_L2;
-          const int64_t ahead = static_cast<int64_t>(g.bt[it.b * g.nb + k / g.P]) * g.P + k % g.P;
+          const int64_t ahead = static_cast<int64_t>(bt[pg2]) * g.P + off2;
           for (int64_t e = 0; e < g.r; e += 16) __builtin_prefetch(g.c + ahead * g.r + e, 0, 1);
           for (int64_t e = 0; e < g.dr; e += 16) __builtin_prefetch(g.kpe + ahead * g.dr + e, 0, 1);
         }
         if (kb0 + j + PREFETCH_L1 < it.k1) {
-          const int64_t k = kb0 + j + PREFETCH_L1;
-          const int64_t ahead = static_cast<int64_t>(g.bt[it.b * g.nb + k / g.P]) * g.P + k % g.P;
+          const int64_t ahead = static_cast<int64_t>(bt[pg1]) * g.P + off1;
           for (int64_t e = 0; e < g.r; e += 16) __builtin_prefetch(g.c + ahead * g.r + e, 0, 3);
           for (int64_t e = 0; e < g.dr; e += 16) __builtin_prefetch(g.kpe + ahead * g.dr + e, 0, 3);
+        }
+        if (++off2 == g.P) {
+          off2 = 0;
+          ++pg2;
+        }
+        if (++off1 == g.P) {
+          off1 = 0;
+          ++pg1;
         }
       }
     }
