@@ -10,7 +10,9 @@ with its path.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ling_jax.quantized import BlockFP8, MXFP4Blocks, mxfp4_scale_shape
@@ -100,6 +102,31 @@ def param_specs(model_or_state, mesh, heads: int | None = None) -> dict[tuple, o
         heads = heads if heads is not None else state.cfg.num_attention_heads
         state = nnx.state(state)
     return {tuple(p): value_specs(p, v, mesh, heads) for p, v in nnx.to_flat_state(state)}
+
+
+#: The tiles XLA:TPU compiles a scanned layer loop's bfloat16 weight operands for, by device kind,
+#: where they differ from jax's default entry layout of a bfloat16 array ((8, 128) tiles, two rows
+#: packed per 32-bit word). Measured with the compile-only targets (tests/test_aot.py): TPU7x
+#: relays such stacks out into (16, 128) tiles once per call; v5e, v5p and v6e use the default in
+#: the loop and override (jax refuses) a (16, 128) input layout.
+LOOP_BF16_TILES = {"TPU7x": ((16, 128), (2, 1))}
+
+
+def bf16_stack_format(shape, dtype, sharding):
+    """Where a stacked weight ([repeats, n, rows, cols], `layer_stack`) goes under
+    `ExecConfig.tile_bf16_stacks`: a bfloat16 stack on a TPU listed in `LOOP_BF16_TILES` whose
+    per-device shard is whole tiles, as a row-major `Format` in those tiles (no padding: the same
+    bytes); anything else `sharding` unchanged. Why: placed in jax's default tiles, every scanned
+    program on such a chip copied each bfloat16 stack into the loop's tiles once per call (the
+    real config on TPU7x: the KDA b_proj and MLA kv_a_proj_with_mqa stacks, 67 MB per device a
+    decode call)."""
+    if not isinstance(sharding, NamedSharding) or jnp.dtype(dtype) != jnp.bfloat16 or len(shape) < 4:
+        return sharding
+    tiles = LOOP_BF16_TILES.get(next(iter(sharding.device_set)).device_kind)
+    shard = sharding.shard_shape(tuple(shape))
+    if tiles is None or shard[-2] % tiles[0][0] or shard[-1] % tiles[0][1]:
+        return sharding
+    return Format(Layout(major_to_minor=tuple(range(len(shape))), tiling=tiles), sharding)
 
 
 def variable_sharding(path, var, mesh, heads: int | None):

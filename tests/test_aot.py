@@ -22,12 +22,13 @@ KEYS = {"name", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "
         "collectives", "flops", "bytes_accessed", "roofline_seconds", "compile_seconds", "copies"}
 
 
-def small_config_dict():
-    """4 layers [KDA KDA KDA MLA] (layer 0 dense), 2 heads of 128, 8 experts top-2, vocab 1024, MTP."""
+def small_config_dict(num_hidden_layers: int = 4):
+    """4 layers [KDA KDA KDA MLA] (layer 0 dense), 2 heads of 128, 8 experts top-2, vocab 1024, MTP
+    (more layers: more such groups, the repeated ones scanned)."""
     return synthetic_config(
         hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128, intermediate_size=256,
         q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        vocab_size=1024, pad_token_id=1022, eos_token_id=1023, num_hidden_layers=4, layer_group_size=4,
+        vocab_size=1024, pad_token_id=1022, eos_token_id=1023, num_hidden_layers=num_hidden_layers, layer_group_size=4,
         first_k_dense_replace=1, moe_intermediate_size=128, moe_shared_expert_intermediate_size=128,
         num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2).to_dict()
 
@@ -471,3 +472,51 @@ def test_mxfp4_experts_stored_by_columns_are_not_relaid_out_on_tpu():
         relaid[columns] = found
     assert relaid[False], "expected the row-stored codes' relayout (if XLA stops, the columns layout is moot)"
     assert not relaid[True], relaid[True]
+
+
+def test_bf16_weight_stacks_are_stored_in_the_tiles_the_tpu7x_loop_reads():
+    """`ExecConfig.tile_bf16_stacks` (the TPU default): on TPU7x a scanned program relaid each
+    bfloat16 weight stack (the MLA kv_a_proj_with_mqa here; on the real config also the KDA b_proj)
+    out from jax's default (8, 128) tiles into the (16, 128) tiles its loop reads, once per call, in
+    every decode and prefill program; stored in those tiles (`placement.bf16_stack_format`) none
+    does. On v5e XLA keeps the default in the loop (no copy) and the rule leaves the layout alone (a
+    (16, 128) input layout would be overridden there, and jax refuses that)."""
+    import jax
+    from jax.experimental.layout import Format
+    from sharding.mesh import make_mesh, parse_mesh_shape
+    from sharding.rules import path_str
+
+    from ling_jax.aot.abstract import placed_abstract_model
+    from ling_jax.aot.analysis import copies
+    from ling_jax.aot.programs import engine_programs
+    from ling_jax.aot.targets import resolve_target
+    from ling_jax.config import LingConfig
+
+    import jax.numpy as jnp
+
+    cfg = LingConfig.from_dict(small_config_dict(12))  # 3 groups of [KDA KDA KDA MLA]: the MLA layers scanned
+    found = {}
+    for name, tile in (("tpu7x:2x2x1", False), ("tpu7x:2x2x1", True), ("v5e:2x2", True)):
+        target = resolve_target(name)
+        mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices[:4])
+        model = placed_abstract_model(cfg, "fp8", mesh, target.platform, with_mtp=True,
+                                      exec_overrides=dict(tile_bf16_stacks=tile))
+        assert model.exec.layer_loop == "scan" and model.exec.tile_bf16_stacks == tile
+        progs = engine_programs(model, {"decode", "prefill"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16,
+                                rows=(1, 8), num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
+        stacks = {p: x for p, x in ((path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(progs[0].args[0]))
+                  if p.startswith("model/layers/runs") and x.dtype == jnp.bfloat16 and x.ndim == 4}
+        kv_a = [x for p, x in stacks.items() if "kv_a_proj_with_mqa" in p and x.shape[0] > 1]
+        assert kv_a, sorted(stacks)
+        fmt = kv_a[0].format
+        tiled = isinstance(fmt, Format) and fmt.layout is not None and fmt.layout.tiling == ((16, 128), (2, 1))
+        assert tiled == (tile and name.startswith("tpu7x")), fmt
+        shapes = {tuple(x.shape) for x in stacks.values()}
+        found[(name, tile)] = {}
+        for p in progs:
+            sites = copies(p.lower().compile().as_text(), min_bytes=1, top=10_000)["largest"]
+            found[(name, tile)][p.name] = [s["shape"] for s in sites if tuple(
+                int(v) for v in re.match(r"\w+\[([\d,]*)\]", s["shape"]).group(1).split(",") if v) in shapes]
+    assert len(found[("tpu7x:2x2x1", False)]) == 3 and all(found[("tpu7x:2x2x1", False)].values()), found
+    assert not any(found[("tpu7x:2x2x1", True)].values()), found
+    assert not any(found[("v5e:2x2", True)].values()), found

@@ -22,6 +22,8 @@ def test_backend_defaults():
     assert (cpu.platform, tpu.platform, gpu.platform) == ("cpu", "tpu", "gpu")
     # the k_pe page pools stored row-major on TPU only (elsewhere that is the default layout already)
     assert (cpu.pool_layout, tpu.pool_layout, gpu.pool_layout) == ("default", "token_rows", "default")
+    # bfloat16 weight stacks in the TPU loop's tiles: a TPU layout only
+    assert (cpu.tile_bf16_stacks, tpu.tile_bf16_stacks, gpu.tile_bf16_stacks) == (False, True, False)
     assert ExecConfig.for_backend("cuda").platform == "gpu"
     with pytest.raises(ValueError, match="platform"):
         ExecConfig(platform="metal")
@@ -67,3 +69,38 @@ def test_frozen_hashable_and_static_under_jit():
 
 def test_model_carries_its_exec_config(tiny_model):
     assert tiny_model.exec == ExecConfig.for_backend(None, tiny_model.cfg)
+
+
+def test_tile_bf16_stacks_places_each_bfloat16_stack_by_the_rule_and_changes_no_value(tiny_cfg, tiny_params,
+                                                                                    monkeypatch):
+    """`ExecConfig.tile_bf16_stacks` at load time: stacking the layers for the scan places every
+    bfloat16 stack as `placement.bf16_stack_format` says (on a TPU7x, (16, 128) tiles: the TPU side is
+    tests/test_aot.py), the arrays stacked by a program whose outputs carry that Format. On CPU the
+    rule leaves every layout alone, so here a stand-in rule (row-major, CPU's own layout) records its
+    calls: each 4-dim bfloat16 stack goes through it, nothing else does, and the logits are the
+    untiled model's bit for bit."""
+    from jax.experimental.layout import Format, Layout
+    from flax import nnx
+
+    from conftest import load_from_dict
+    import ling_jax.layer_stack as LS
+
+    model = load_from_dict(tiny_cfg, tiny_params, dtype="bfloat16").set_layer_loop("unroll")
+    plain = nnx.clone(model).set_layer_loop("scan")
+    seen = []
+
+    def rule(shape, dtype, sharding):
+        seen.append((tuple(shape), jnp.dtype(dtype)))
+        if jnp.dtype(dtype) != jnp.bfloat16 or len(shape) < 4:
+            return sharding
+        return Format(Layout(major_to_minor=tuple(range(len(shape)))), sharding)
+
+    monkeypatch.setattr(LS, "bf16_stack_format", rule)
+    model.exec = model.exec.replace(tile_bf16_stacks=True)
+    model.set_layer_loop("scan")
+    stacks = [v.get_value() for p, v in nnx.to_flat_state(nnx.state(model.model.layers))]
+    assert seen and len(seen) == len([x for x in stacks if hasattr(x, "shape")])  # every stacked leaf asked
+    bf16 = [x for x in stacks if getattr(x, "dtype", None) == jnp.bfloat16 and x.ndim >= 4]
+    assert bf16 and all(x.format.layout.major_to_minor == tuple(range(x.ndim)) for x in bf16)
+    ids = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
+    assert jnp.array_equal(model(ids)["logits"], plain(ids)["logits"])
