@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=262144)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--random-pools", action="store_true",
+                    help="fill the pools with random values first (every page a written page of its own; zero "
+                         "pages as allocated)")
     ap.add_argument("--layer-loop", choices=("scan", "unroll"), default=None,
                     help="the model's layer loop (default: ExecConfig.for_backend's choice for the model)")
     a = ap.parse_args(argv)
@@ -59,6 +62,13 @@ def main(argv=None) -> int:
     table[0, :pages] = np.arange(pages)
     inp = r.padding_inputs(OP_DECODE, 1, 1, width)._replace(
         rows=np.zeros(1, np.int32), lengths=np.full(1, L, np.int32), block_table=table, n_valid=np.ones(1, np.int32))
+
+    if a.random_pools:
+        import jax
+        rng = np.random.default_rng(0)
+        r.pools = jax.tree.map(lambda x: jax.device_put(rng.standard_normal(x.shape).astype(x.dtype) * 0.1,
+                                                        x.sharding)
+                               if jnp.issubdtype(x.dtype, jnp.floating) else x, r.pools)
 
     def step():
         r.pools, tok, _ = r.decode_fn(r.params, r.pools, inp)
