@@ -81,7 +81,8 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    print(f"layer loop {model.exec.layer_loop}: decode step over {L:,} cached tokens (block table {width} pages): median {1e3 * np.median(times):.2f} ms, "
+    print(f"layer loop {model.exec.layer_loop}:", end=" ")
+    print(f"decode step over {L:,} cached tokens (block table {width} pages): median {1e3 * np.median(times):.2f} ms, "
           f"min {1e3 * min(times):.2f} ms ({a.steps} steps; load {os.getloadavg()[0]:.1f})")
     if a.profile:
         per = trace_calls(step, 10)
