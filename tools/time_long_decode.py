@@ -2,7 +2,8 @@
 """The engine's one-row decode program at a long context, timed without prefilling the context
 (issue 22: what a 256K decode step costs, and where, in a minute instead of a 6-minute prefill).
 
-    python tools/time_long_decode.py [--tokens 262144] [--steps 100] [--profile] [--layer-loop scan|unroll]
+    python tools/time_long_decode.py [--tokens 262144] [--steps 100] [--profile] [--random-pools]
+                                      [--layer-loop scan|unroll]
 
 Builds `tools/bench_long_context.py`'s small model of the real layer pattern (random weights,
 float32) and a 1-slot `Engine` sized for the context (pages of 16), then calls the runner's decode
