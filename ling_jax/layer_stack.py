@@ -201,7 +201,7 @@ def _stack_leaves(xs: list, repeats: int, n: int, free: bool, tile_bf16: bool = 
     x0, sh = xs[0], _placed_spec(xs[0])
     out_sh = None if sh is None else NamedSharding(sh.mesh, P(None, None, *sh.spec))
     shape = (repeats, n) + tuple(x0.shape)
-    if tile_bf16 and out_sh is not None:
+    if tile_bf16:
         out_sh = bf16_stack_format(shape, x0.dtype, out_sh)
     if isinstance(x0, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(shape, x0.dtype, sharding=out_sh)

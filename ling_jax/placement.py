@@ -123,8 +123,10 @@ def bf16_stack_format(shape, dtype, sharding):
     if not isinstance(sharding, NamedSharding) or jnp.dtype(dtype) != jnp.bfloat16 or len(shape) < 4:
         return sharding
     tiles = LOOP_BF16_TILES.get(next(iter(sharding.device_set)).device_kind)
+    if tiles is None:
+        return sharding
     shard = sharding.shard_shape(tuple(shape))
-    if tiles is None or shard[-2] % tiles[0][0] or shard[-1] % tiles[0][1]:
+    if shard[-2] % tiles[0][0] or shard[-1] % tiles[0][1]:
         return sharding
     return Format(Layout(major_to_minor=tuple(range(len(shape))), tiling=tiles), sharding)
 

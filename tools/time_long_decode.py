@@ -25,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -65,7 +66,6 @@ def main(argv=None) -> int:
         rows=np.zeros(1, np.int32), lengths=np.full(1, L, np.int32), block_table=table, n_valid=np.ones(1, np.int32))
 
     if a.random_pools:
-        import jax
         rng = np.random.default_rng(0)
         r.pools = jax.tree.map(lambda x: jax.device_put(rng.standard_normal(x.shape).astype(x.dtype) * 0.1,
                                                         x.sharding)

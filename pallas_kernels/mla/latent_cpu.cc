@@ -50,6 +50,14 @@ inline void store8(float* p, vf8 v) { std::memcpy(p, &v, sizeof v); }
 
 inline vf8 splat(float x) { return vf8{x, x, x, x, x, x, x, x}; }
 
+// (page, offset) of the next key: keys walk a sequence's pages P at a time
+inline void next_key(int64_t& pg, int64_t& off, int64_t P) {
+  if (++off == P) {
+    off = 0;
+    ++pg;
+  }
+}
+
 // exp on eight lanes: x = n·ln2 + f, |f| ≤ ln2/2, e^f by the Cephes degree-5 minimax polynomial
 // (≈1 ulp), 2^n through the exponent bits. Inputs below -87 give ~1e-38 (masked lanes are zeroed by
 // the caller, not by underflow).
@@ -246,10 +254,7 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
         const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
         s.crow[j] = g.c + slot * g.r;
         s.krow[j] = g.kpe + slot * g.dr;
-        if (++off == g.P) {
-          off = 0;
-          ++pg;
-        }
+        next_key(pg, off, g.P);
         // (written out here: GCC 12 emitted no prefetch at all when this was a helper function)
         if (kb0 + j + PREFETCH_L2 < it.k1) {
           const int64_t ahead = static_cast<int64_t>(bt[pg2]) * g.P + off2;
@@ -261,14 +266,8 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
           for (int64_t e = 0; e < g.r; e += 16) __builtin_prefetch(g.c + ahead * g.r + e, 0, 3);
           for (int64_t e = 0; e < g.dr; e += 16) __builtin_prefetch(g.kpe + ahead * g.dr + e, 0, 3);
         }
-        if (++off2 == g.P) {
-          off2 = 0;
-          ++pg2;
-        }
-        if (++off1 == g.P) {
-          off1 = 0;
-          ++pg1;
-        }
+        next_key(pg2, off2, g.P);
+        next_key(pg1, off1, g.P);
       }
     }
     if (few) {  // decode / verify: dot products straight from the pages
