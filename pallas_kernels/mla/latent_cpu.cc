@@ -10,7 +10,7 @@
 // 64K-token cache) and its blockwise prefill loop at a fraction of its GEMM rate; here the keys are
 // read once, in place (no gathered copy of the pages), in blocks of KB keys, with an online softmax
 // (one block of scores at a time), a vectorised exp, and register tiles of four query rows by
-// sixteen lanes for both products; keys past a row's limit are never visited.
+// two to four vectors for both products; keys past a row's limit are never visited.
 //
 // Work items: (sequence, block of QB query rows t·H + h, key split). Decode-sized calls (T ≤
 // SPLIT_MAX_T) split the keys into fixed spans of SPLIT keys so that one sequence's long cache keeps
@@ -31,9 +31,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float vf8 __attribute__((vector_size(32)));
-typedef int32_t vi8 __attribute__((vector_size(32)));
+// One vector of L float lanes: 16 (a 512-bit register) where the compiler targets AVX-512 (`-march=native`
+// on such a host), 8 (256 bits) elsewhere. The arithmetic of a row still depends only on its own query
+// and keys (batch invariance holds on every host); its bits differ between the two widths.
+#if defined(__AVX512F__)
+constexpr int64_t L = 16;
+#else
 constexpr int64_t L = 8;
+#endif
+typedef float vf8 __attribute__((vector_size(4 * L)));
+typedef int32_t vi8 __attribute__((vector_size(4 * L)));
 constexpr int64_t KB = 64;           // keys per block (one block of scores per row at a time)
 constexpr int64_t SPLIT = 4096;      // keys per split of a decode-sized call
 constexpr int64_t SPLIT_MAX_T = 8;   // calls with at most this many queries per sequence split keys
@@ -48,17 +55,9 @@ inline vf8 load8(const float* p) {
 
 inline void store8(float* p, vf8 v) { std::memcpy(p, &v, sizeof v); }
 
-inline vf8 splat(float x) { return vf8{x, x, x, x, x, x, x, x}; }
+inline vf8 splat(float x) { return x - vf8{}; }
 
-// (page, offset) of the next key: keys walk a sequence's pages P at a time
-inline void next_key(int64_t& pg, int64_t& off, int64_t P) {
-  if (++off == P) {
-    off = 0;
-    ++pg;
-  }
-}
-
-// exp on eight lanes: x = n·ln2 + f, |f| ≤ ln2/2, e^f by the Cephes degree-5 minimax polynomial
+// exp on L lanes: x = n·ln2 + f, |f| ≤ ln2/2, e^f by the Cephes degree-5 minimax polynomial
 // (≈1 ulp), 2^n through the exponent bits. Inputs below -87 give ~1e-38 (masked lanes are zeroed by
 // the caller, not by underflow).
 inline vf8 vexp(vf8 x) {
@@ -107,11 +106,11 @@ struct Scratch {
 // s[i][0:KB] = qs[i] · kT[:, 0:KB] for i < R (R a multiple of 4): four rows by two 8-key vectors.
 void scores(const float* qs, const float* kt, int64_t R, int64_t d, float* s) {
   for (int64_t i = 0; i < R; i += 4)
-    for (int64_t j = 0; j < KB; j += 16) {
+    for (int64_t j = 0; j < KB; j += 2 * L) {
       vf8 a[4][2];
       for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = vf8{};
       for (int64_t e = 0; e < d; ++e) {
-        const vf8 k0 = load8(kt + e * KB + j), k1 = load8(kt + e * KB + j + 8);
+        const vf8 k0 = load8(kt + e * KB + j), k1 = load8(kt + e * KB + j + L);
         for (int u = 0; u < 4; ++u) {
           const vf8 q = splat(qs[(i + u) * d + e]);
           a[u][0] += q * k0;
@@ -120,7 +119,7 @@ void scores(const float* qs, const float* kt, int64_t R, int64_t d, float* s) {
       }
       for (int u = 0; u < 4; ++u) {
         store8(s + (i + u) * KB + j, a[u][0]);
-        store8(s + (i + u) * KB + j + 8, a[u][1]);
+        store8(s + (i + u) * KB + j + L, a[u][1]);
       }
     }
 }
@@ -131,7 +130,24 @@ void scores(const float* qs, const float* kt, int64_t R, int64_t d, float* s) {
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, vi8{__VA_ARGS__})
 #endif
 
-// {Σ v[0], ..., Σ v[7]}: eight horizontal sums as one vector (three rounds of shuffles and adds).
+// {Σ v[0], ..., Σ v[L-1]}: L horizontal sums as one vector. Round s (s = 1, 2, 4, ...) adds lanes s
+// apart and interleaves two vectors' sums in blocks of s lanes; log2(L) rounds of shuffles and adds.
+#if defined(__AVX512F__)
+inline vf8 hsum8(const vf8* v) {
+  vf8 t[8], u[4], w[2];
+  for (int a = 0; a < 8; ++a)
+    t[a] = SHUF(v[2 * a], v[2 * a + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           SHUF(v[2 * a], v[2 * a + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  for (int a = 0; a < 4; ++a)
+    u[a] = SHUF(t[2 * a], t[2 * a + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SHUF(t[2 * a], t[2 * a + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int a = 0; a < 2; ++a)
+    w[a] = SHUF(u[2 * a], u[2 * a + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SHUF(u[2 * a], u[2 * a + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return SHUF(w[0], w[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         SHUF(w[0], w[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+#else
 inline vf8 hsum8(const vf8* v) {
   vf8 t[4], u[2];
   for (int a = 0; a < 4; ++a)
@@ -140,9 +156,10 @@ inline vf8 hsum8(const vf8* v) {
     u[a] = SHUF(t[2 * a], t[2 * a + 1], 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(t[2 * a], t[2 * a + 1], 2, 3, 10, 11, 6, 7, 14, 15);
   return SHUF(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
+#endif
 
 // The few-row form of `scores` (decode / verify: R ≤ 8 rows), with no transposed copy of the keys:
-// s[i][j] = qs[i] · key_j for j < nk (key_j = [crow[j] ; krow[j]], d = r + dr a multiple of 8), eight
+// s[i][j] = qs[i] · key_j for j < nk (key_j = [crow[j] ; krow[j]], r and dr multiples of L), L
 // keys at a time, each key's products over d in its own vector, summed by `hsum8`; zeros past nk.
 void scores_few(const float* qs, const float* const* crow, const float* const* krow, int64_t nk, int64_t R,
                 int64_t r, int64_t dr, float* s) {
@@ -158,7 +175,7 @@ void scores_few(const float* qs, const float* const* crow, const float* const* k
       cr[u] = crow[j0 + (u < n ? u : 0)];
       kr[u] = krow[j0 + (u < n ? u : 0)];
     }
-    for (int64_t i = 0; i < R; ++i) {  // each query vector loaded once per eight keys
+    for (int64_t i = 0; i < R; ++i) {  // each query vector loaded once per L keys
       const float* q = qs + i * (r + dr);
       vf8 a[L];
       for (int u = 0; u < L; ++u) a[u] = vf8{};
@@ -197,8 +214,15 @@ inline void pv_tile(const float* p, const float* const* crow, int64_t nk, int64_
 void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t r, float* acc) {
   for (int64_t i = 0; i < R; i += 4) {
     int64_t col = 0;
-    for (; col + 4 * L <= r; col += 4 * L) pv_tile<4>(p, crow, nk, i, col, r, acc);  // 4 rows x 32 lanes
-    for (; col + 2 * L <= r; col += 2 * L) pv_tile<2>(p, crow, nk, i, col, r, acc);
+    for (; col + 4 * L <= r; col += 4 * L) pv_tile<4>(p, crow, nk, i, col, r, acc);  // 4 rows x 4 vectors
+    // the rest in one pass over the keys (r = 48 with 16 lanes: one 3-vector tile, not 2 + 1)
+    if (col + 3 * L <= r) {
+      pv_tile<3>(p, crow, nk, i, col, r, acc);
+      col += 3 * L;
+    } else if (col + 2 * L <= r) {
+      pv_tile<2>(p, crow, nk, i, col, r, acc);
+      col += 2 * L;
+    }
     for (; col + L <= r; col += L) pv_tile<1>(p, crow, nk, i, col, r, acc);
     for (; col < r; ++col)
       for (int u = 0; u < 4; ++u) {
@@ -206,6 +230,21 @@ void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t
         for (int64_t j = 0; j < nk; ++j) a += p[(i + u) * KB + j] * crow[j][col];
         acc[(i + u) * r + col] = a;
       }
+  }
+}
+
+// Prefetches (locality LOC, `__builtin_prefetch`) every cache line of keys [a, b) of one sequence
+// (block table `bt`): each page's run of keys is contiguous in both pools.
+template <int LOC>
+inline void prefetch_keys(const Geometry& g, const int32_t* bt, int64_t a, int64_t b) {
+  for (int64_t pg = a / g.P, off = a % g.P; a < b; ++pg, off = 0) {
+    const int64_t n = std::min(g.P - off, b - a);
+    const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
+    const float* c = g.c + slot * g.r;
+    const float* k = g.kpe + slot * g.dr;
+    for (int64_t e = 0; e < n * g.r; e += 16) __builtin_prefetch(c + e, 0, LOC);
+    for (int64_t e = 0; e < n * g.dr; e += 16) __builtin_prefetch(k + e, 0, LOC);
+    a += n;
   }
 }
 
@@ -219,7 +258,7 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
   s.s.resize(static_cast<size_t>(R * KB));
   s.crow.resize(KB);
   s.krow.resize(KB);
-  // the few-row form needs r and dr in whole 8-lane vectors
+  // the few-row form needs r and dr in whole L-lane vectors
   const bool few = R <= 8 && g.r % L == 0 && g.dr % L == 0;
   std::vector<int64_t> lim(static_cast<size_t>(R), 0);
   for (int64_t i = 0; i < R; ++i) {
@@ -236,40 +275,28 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
     for (int64_t e = 0; e < g.dr; ++e) s.qs[i * d + g.r + e] = qp[e] * g.scale;
   }
   float* sc = s.s.data();
-  // the keys PREFETCH_L2 and PREFETCH_L1 ahead of the current one, as (page, offset) advanced with it
-  // (two integer divisions per key cost ~4% of a 256K decode call)
-  int64_t pg2 = (it.k0 + PREFETCH_L2) / g.P, off2 = (it.k0 + PREFETCH_L2) % g.P;
-  int64_t pg1 = (it.k0 + PREFETCH_L1) / g.P, off1 = (it.k0 + PREFETCH_L1) % g.P;
   const int32_t* bt = g.bt + it.b * g.nb;
   for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += KB) {
     const int64_t nk = std::min(KB, it.k1 - kb0);
-    {  // where this block's keys lie: page by page through the block table (no division per key).
-       // Each key also prefetches two keys ahead: PREFETCH_L2 keys ahead into L2 (not L1: the block
-       // being scored is reread from L1 by every query row and by P·V, and a whole next block
-       // fetched into L1 evicted it), PREFETCH_L1 keys ahead into L1. Pages anywhere in the pool
-       // defeat the hardware prefetcher at each page boundary. 256K keys, decode, 2 threads, interleaved
-       // runs (BENCHMARKS.md): contiguous 4.6-5.9 -> 3.7-4.6 ms, pages shuffled 7.3-8.4 -> 4.4-5.3 ms.
-      int64_t pg = kb0 / g.P, off = kb0 % g.P;
-      for (int64_t j = 0; j < nk; ++j) {
-        const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
-        s.crow[j] = g.c + slot * g.r;
-        s.krow[j] = g.kpe + slot * g.dr;
-        next_key(pg, off, g.P);
-        // (written out here: GCC 12 emitted no prefetch at all when this was a helper function)
-        if (kb0 + j + PREFETCH_L2 < it.k1) {
-          const int64_t ahead = static_cast<int64_t>(bt[pg2]) * g.P + off2;
-          for (int64_t e = 0; e < g.r; e += 16) __builtin_prefetch(g.c + ahead * g.r + e, 0, 1);
-          for (int64_t e = 0; e < g.dr; e += 16) __builtin_prefetch(g.kpe + ahead * g.dr + e, 0, 1);
-        }
-        if (kb0 + j + PREFETCH_L1 < it.k1) {
-          const int64_t ahead = static_cast<int64_t>(bt[pg1]) * g.P + off1;
-          for (int64_t e = 0; e < g.r; e += 16) __builtin_prefetch(g.c + ahead * g.r + e, 0, 3);
-          for (int64_t e = 0; e < g.dr; e += 16) __builtin_prefetch(g.kpe + ahead * g.dr + e, 0, 3);
-        }
-        next_key(pg2, off2, g.P);
-        next_key(pg1, off1, g.P);
+    // where this block's keys lie: one page's run of keys at a time through the block table
+    int64_t pg = kb0 / g.P, off = kb0 % g.P;
+    for (int64_t j = 0; j < nk; ++pg, off = 0) {
+      const int64_t n = std::min(g.P - off, nk - j);
+      const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
+      const float* cr = g.c + slot * g.r;
+      const float* kr = g.kpe + slot * g.dr;
+      for (int64_t t = 0; t < n; ++t, ++j) {
+        s.crow[j] = cr + t * g.r;
+        s.krow[j] = kr + t * g.dr;
       }
     }
+    // and the keys PREFETCH_L2 and PREFETCH_L1 ahead of this block's, a whole run of lines at a time:
+    // into L2 (not L1: the block being scored is reread from L1 by every query row and by P·V, and a
+    // whole next block fetched into L1 evicted it), then into L1. Pages anywhere in the pool defeat
+    // the hardware prefetcher at each page boundary. (Issued per key until the thirtieth session:
+    // the address walk was a quarter of a decode call with its keys in L2.)
+    prefetch_keys<1>(g, bt, kb0 + PREFETCH_L2, std::min(kb0 + PREFETCH_L2 + nk, it.k1));
+    prefetch_keys<3>(g, bt, kb0 + PREFETCH_L1, std::min(kb0 + PREFETCH_L1 + nk, it.k1));
     if (few) {  // decode / verify: dot products straight from the pages
       scores_few(s.qs.data(), s.crow.data(), s.krow.data(), nk, R, g.r, g.dr, sc);
     } else {  // prefill: the block's keys transposed to [d, KB] once (zeros past nk), then tiles
@@ -292,7 +319,7 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
         std::fill(si, si + KB, 0.f);
         continue;
       }
-      // max, exp and sum on eight lanes (scalar chains of 64 dependent steps were a third of a decode)
+      // max, exp and sum on L lanes (scalar chains of 64 dependent steps were a third of a decode)
       const int64_t whole = vis / L * L;  // keys in whole visible vectors
       float mx = m[i];
       if (whole > 0) {
