@@ -120,12 +120,14 @@ class ExecConfig:
         code stack out once per prefill call (the real config: 26 of the prefill's 30.6 GiB of
         temporaries, 173 -> 26 GB a call stored by columns; BENCHMARKS.md "A faster host, and what
         the compiled programs copy"). `for_backend`: True on TPU/GPU; CPU keeps rows.
-    tile_bf16_stacks: bfloat16 weight stacks of the scanned layer loop ([repeats, n, rows, cols]: the
-        KDA b_proj, the MLA kv_a_proj_with_mqa or g_proj the release keeps BF16) are stored in the
-        tiles XLA:TPU compiles the loop for where those differ from jax's default layout
-        (`placement.bf16_stack_format`; TPU7x: (16, 128)), at load and in the compile-only model.
-        Why: placed by default, every scanned engine program on TPU7x relaid each such stack out
-        once per call (the real config: 67 MB per device a decode call, BENCHMARKS.md).
+    loop_stack_layouts: weight stacks of the scanned layer loop are stored in the layouts XLA:TPU
+        compiles the loop for where those differ from jax's default (`placement.stack_format`): on
+        TPU7x the bfloat16 stacks [repeats, n, rows, cols] (the KDA b_proj, the MLA
+        kv_a_proj_with_mqa or g_proj the release keeps BF16) in (16, 128) tiles and the float32
+        stacks (the KDA dt_bias, A_log, norms) row-major, at load and in the compile-only model.
+        Why: placed by default, every scanned engine program on TPU7x relaid such stacks out once
+        per call (the real config: 67 MB of bfloat16 and 1.8 MB of float32 stacks per device a
+        decode call, BENCHMARKS.md).
         `for_backend`: True on TPU (a layout only; the values are the same).
     """
     kernels: str = "xla"
@@ -144,7 +146,7 @@ class ExecConfig:
     platform: Optional[str] = None
     pool_layout: str = "default"
     mxfp4_columns: bool = False
-    tile_bf16_stacks: bool = False
+    loop_stack_layouts: bool = False
 
     def __post_init__(self):
         _choice("kernels", self.kernels, KERNELS)
@@ -155,7 +157,7 @@ class ExecConfig:
         _choice("pool_layout", self.pool_layout, POOL_LAYOUTS)
         for name, low in (("kda_chunk", 1), ("attn_block", 1), ("prefill_chunk", 1), ("weights_first_rows", 0)):
             check_int(getattr(self, name), f"ExecConfig.{name}", field=name, low=low)
-        for name in ("native_experts", "native_attention", "native_kda", "mxfp4_columns", "tile_bf16_stacks"):
+        for name in ("native_experts", "native_attention", "native_kda", "mxfp4_columns", "loop_stack_layouts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExecConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.platform is not None:
@@ -184,7 +186,7 @@ class ExecConfig:
                     layer_loop="unroll" if unroll else "scan",
                     pool_layout="token_rows" if platform == "tpu" else "default",
                     mxfp4_columns=accel,
-                    tile_bf16_stacks=platform == "tpu",
+                    loop_stack_layouts=platform == "tpu",
                     platform=platform)
         base.update({k: v for k, v in overrides.items() if v is not None or k == "remat"})
         if base.get("platform") is not None:

@@ -50,7 +50,7 @@ from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
 from ling_jax.kda import CONV_FIELDS, KDAState, SlotKDAState, conv_like, conv_window, kda_in_place, kda_rollback
 from ling_jax.mla import MLACache, PagedMLACache
 from ling_jax.moe import ExpertTable
-from ling_jax.placement import bf16_stack_format, model_mesh
+from ling_jax.placement import stack_format, model_mesh
 from ling_jax.rows import take_rows
 
 
@@ -194,15 +194,15 @@ def _slicer(out_sh):
     return jax.jit(lambda a, g, j: a[g, j], out_shardings=out_sh)
 
 
-def _stack_leaves(xs: list, repeats: int, n: int, free: bool, tile_bf16: bool = False):
+def _stack_leaves(xs: list, repeats: int, n: int, free: bool, loop_layouts: bool = False):
     """One stacked leaf [repeats, n, ...] from per-layer leaves: shapes only for ShapeDtypeStructs;
-    placed like the pieces (their spec behind two replicated axes; with `tile_bf16`, a bfloat16 stack
-    in TPU tiles: `placement.bf16_stack_format`); the pieces freed when `free`."""
+    placed like the pieces (their spec behind two replicated axes; with `loop_layouts`, a stack
+    in the layout the TPU loop reads: `placement.stack_format`); the pieces freed when `free`."""
     x0, sh = xs[0], _placed_spec(xs[0])
     out_sh = None if sh is None else NamedSharding(sh.mesh, P(None, None, *sh.spec))
     shape = (repeats, n) + tuple(x0.shape)
-    if tile_bf16:
-        out_sh = bf16_stack_format(shape, x0.dtype, out_sh)
+    if loop_layouts:
+        out_sh = stack_format(shape, x0.dtype, out_sh)
     if isinstance(x0, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(shape, x0.dtype, sharding=out_sh)
     if isinstance(x0, jax.core.Tracer):
@@ -233,11 +233,11 @@ def _set_stack_axes(state, add: bool) -> None:
         var.set_metadata(stacked_axes=2 if add else 0)
 
 
-def stack_modules(modules: list, repeats: int, n: int, *, free: bool = False, tile_bf16: bool = False) -> nnx.Module:
+def stack_modules(modules: list, repeats: int, n: int, *, free: bool = False, loop_layouts: bool = False) -> nnx.Module:
     """One module of the layers' common structure whose every array is stacked [repeats, n, ...]
     (modules in (repeat, layer) order). `free`: delete each layer's arrays once stacked (the loader:
-    device memory holds the model plus one stacked parameter, not two models). `tile_bf16`:
-    `ExecConfig.tile_bf16_stacks`."""
+    device memory holds the model plus one stacked parameter, not two models). `loop_layouts`:
+    `ExecConfig.loop_stack_layouts`."""
     splits = [nnx.split(m) for m in modules]
     gdef = splits[0][0]
     for i, (g, _) in enumerate(splits):
@@ -245,7 +245,7 @@ def stack_modules(modules: list, repeats: int, n: int, *, free: bool = False, ti
             raise ValueError(f"layer {i} of a run differs in structure from the first and cannot be stacked "
                              f"with it (a parameter quantised in some layers of a run only?)")
     states = [s for _, s in splits]
-    stacked = jax.tree.map(lambda *xs: _stack_leaves(list(xs), repeats, n, free, tile_bf16), *states)
+    stacked = jax.tree.map(lambda *xs: _stack_leaves(list(xs), repeats, n, free, loop_layouts), *states)
     _set_stack_axes(stacked, add=True)
     return nnx.merge(gdef, stacked)
 
@@ -315,10 +315,10 @@ class LayerStack(nnx.Module):
         b, r, g, j = layer_location(self.cfg, i)
         return unstack_module(self.runs[b][r], g, j)
 
-    def set_loop(self, loop: str, *, free: bool = False, tile_bf16: bool = False) -> "LayerStack":
+    def set_loop(self, loop: str, *, free: bool = False, loop_layouts: bool = False) -> "LayerStack":
         """Store the layers for `loop` ("scan": stacked per run; "unroll": per layer), outside any
-        program (arrays keep their placement; `free` deletes the old arrays as it goes; `tile_bf16`:
-        bfloat16 stacks in TPU tiles, `ExecConfig.tile_bf16_stacks`)."""
+        program (arrays keep their placement; `free` deletes the old arrays as it goes; `loop_layouts`:
+        stacks in the layouts the TPU loop reads, `ExecConfig.loop_stack_layouts`)."""
         if loop not in LAYER_LOOPS:
             raise ValueError(f"layer loop must be one of {LAYER_LOOPS}, got {loop!r}")
         if loop == self.loop:
@@ -328,7 +328,7 @@ class LayerStack(nnx.Module):
             for block in self.plan:
                 runs.append(nnx.List([stack_modules([self.per_layer[i] for row in block.layer_grid(r) for i in row],
                                                     block.repeats, block.runs[r].n, free=free,
-                                                    tile_bf16=tile_bf16)
+                                                    loop_layouts=loop_layouts)
                                       for r in range(len(block.runs))]))
             self.runs, self.per_layer = nnx.data(nnx.List(runs)), nnx.data(None)
         else:

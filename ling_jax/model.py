@@ -157,7 +157,7 @@ class LingForCausalLM(nnx.Module):
     def set_layer_loop(self, loop: str, *, free: bool = False) -> "LingForCausalLM":
         """Store the layers for `loop` ("scan" | "unroll", `LayerStack.set_loop`) and run that way.
         Outside any program; the parameter tree changes, so split the model again afterwards."""
-        self.model.layers.set_loop(loop, free=free, tile_bf16=self.exec.tile_bf16_stacks)
+        self.model.layers.set_loop(loop, free=free, loop_layouts=self.exec.loop_stack_layouts)
         self.exec = self.exec.replace(layer_loop=loop)
         return self
 

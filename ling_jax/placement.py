@@ -110,25 +110,44 @@ def param_specs(model_or_state, mesh, heads: int | None = None) -> dict[tuple, o
 #: relays such stacks out into (16, 128) tiles once per call; v5e, v5p and v6e use the default in
 #: the loop and override (jax refuses) a (16, 128) input layout.
 LOOP_BF16_TILES = {"TPU7x": ((16, 128), (2, 1))}
+#: Weight stacks [repeats, n, cols] (float32 or bfloat16: the KDA dt_bias, A_log and norm weights) on a
+#: TPU: its scanned loop reads them row-major, but the default on-device layout puts `repeats` inside
+#: the tiles when that pads less (TPU7x lays the release's f32[8, 7, 8192] dt_bias stack out {2,0,1}:
+#: the 8 repeats second-minor, the 7 not padded to 8), and every scanned program relaid such stacks out
+#: once per call (2.8 MB a decode call on the real config; measured on TPU7x, v5e, v5p and v6e with the
+#: compile-only targets, tests/test_aot.py). Not 4-dim stacks: row-major there made XLA:TPU copy a
+#: float32 [8, 7, 512, 4096] stack (the router) every call; the FP8 scale stacks [8, 7, 32, 64] are
+#: still relaid out by the loop (0.7 MB a decode call) whatever their entry layout.
+LOOP_ROW_MAJOR_PLATFORM = "tpu"
 
 
-def bf16_stack_format(shape, dtype, sharding):
-    """Where a stacked weight ([repeats, n, rows, cols], `layer_stack`) goes under
-    `ExecConfig.tile_bf16_stacks`: a bfloat16 stack on a TPU listed in `LOOP_BF16_TILES` whose
+def stack_format(shape, dtype, sharding):
+    """Where a stacked weight ([repeats, n, ...], `layer_stack`) goes under
+    `ExecConfig.loop_stack_layouts`, on a TPU whose scanned loop reads it in another layout than jax's
+    default: a bfloat16 stack [repeats, n, rows, cols] on a kind listed in `LOOP_BF16_TILES` whose
     per-device shard is whole tiles, as a row-major `Format` in those tiles (no padding: the same
-    bytes); anything else `sharding` unchanged. Why: placed in jax's default tiles, every scanned
-    program on such a chip copied each bfloat16 stack into the loop's tiles once per call (the
-    real config on TPU7x: the KDA b_proj and MLA kv_a_proj_with_mqa stacks, 67 MB per device a
-    decode call)."""
-    if not isinstance(sharding, NamedSharding) or jnp.dtype(dtype) != jnp.bfloat16 or len(shape) < 4:
+    bytes); a float32 or bfloat16 stack [repeats, n, cols] on a TPU (`LOOP_ROW_MAJOR_PLATFORM`), as a
+    row-major `Format` in the default tiles (the stacked axes outermost: at most one tile row of
+    padding per repeat); anything else `sharding` unchanged. Why: placed by default, every scanned
+    program on TPU7x copied such stacks into the loop's layout once per call (the real config: the
+    KDA b_proj and MLA kv_a_proj_with_mqa bfloat16 stacks, 67 MB per device a decode call; the KDA
+    dt_bias float32 stack and the norm weights' bfloat16 ones, 2.8 MB)."""
+    if not isinstance(sharding, NamedSharding):
         return sharding
-    tiles = LOOP_BF16_TILES.get(next(iter(sharding.device_set)).device_kind)
+    device = next(iter(sharding.device_set))
+    row_major = tuple(range(len(shape)))
+    if (jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16) and len(shape) == 3
+            and device.platform == LOOP_ROW_MAJOR_PLATFORM):
+        return Format(Layout(major_to_minor=row_major), sharding)
+    if jnp.dtype(dtype) != jnp.bfloat16 or len(shape) < 4:
+        return sharding
+    tiles = LOOP_BF16_TILES.get(device.device_kind)
     if tiles is None:
         return sharding
     shard = sharding.shard_shape(tuple(shape))
     if shard[-2] % tiles[0][0] or shard[-1] % tiles[0][1]:
         return sharding
-    return Format(Layout(major_to_minor=tuple(range(len(shape))), tiling=tiles), sharding)
+    return Format(Layout(major_to_minor=row_major, tiling=tiles), sharding)
 
 
 def variable_sharding(path, var, mesh, heads: int | None):

@@ -474,13 +474,16 @@ def test_mxfp4_experts_stored_by_columns_are_not_relaid_out_on_tpu():
     assert not relaid[True], relaid[True]
 
 
-def test_bf16_weight_stacks_are_stored_in_the_tiles_the_tpu7x_loop_reads():
-    """`ExecConfig.tile_bf16_stacks` (the TPU default): on TPU7x a scanned program relaid each
-    bfloat16 weight stack (the MLA kv_a_proj_with_mqa here; on the real config also the KDA b_proj)
-    out from jax's default (8, 128) tiles into the (16, 128) tiles its loop reads, once per call, in
-    every decode and prefill program; stored in those tiles (`placement.bf16_stack_format`) none
-    does. On v5e XLA keeps the default in the loop (no copy) and the rule leaves the layout alone (a
-    (16, 128) input layout would be overridden there, and jax refuses that)."""
+def test_weight_stacks_are_stored_in_the_layouts_the_tpu7x_loop_reads():
+    """`ExecConfig.loop_stack_layouts` (the TPU default): on TPU7x a scanned program relaid weight
+    stacks out once per call, in every decode and prefill program: each bfloat16 stack [repeats, n,
+    rows, cols] (the MLA kv_a_proj_with_mqa here; on the real config also the KDA b_proj) from jax's
+    default (8, 128) tiles into the (16, 128) tiles its loop reads, and the stacks [repeats, n, cols]
+    (the KDA dt_bias and A_log in float32, norm weights in bfloat16) from the default layout that puts
+    the 8 repeats second-minor into the row-major one; stored that way (`placement.stack_format`)
+    none is. v5e copies the 3-dim stacks too (row-major there as well) but reads the 4-dim bfloat16
+    ones in the default tiles, which the rule leaves alone (a (16, 128) input layout would be overridden there,
+    and jax refuses that)."""
     import jax
     from jax.experimental.layout import Format
     from sharding.mesh import make_mesh, parse_mesh_shape
@@ -494,29 +497,36 @@ def test_bf16_weight_stacks_are_stored_in_the_tiles_the_tpu7x_loop_reads():
 
     import jax.numpy as jnp
 
-    cfg = LingConfig.from_dict(small_config_dict(12))  # 3 groups of [KDA KDA KDA MLA]: the MLA layers scanned
+    # 1 + 8 groups of [KDA KDA KDA MLA]: the repeated runs scanned, stacked 8 deep as the release's are
+    cfg = LingConfig.from_dict(small_config_dict(36))
     found = {}
-    for name, tile in (("tpu7x:2x2x1", False), ("tpu7x:2x2x1", True), ("v5e:2x2", True)):
+    for name, lay in (("tpu7x:2x2x1", False), ("tpu7x:2x2x1", True), ("v5e:2x2", True)):
         target = resolve_target(name)
         mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices[:4])
         model = placed_abstract_model(cfg, "fp8", mesh, target.platform, with_mtp=True,
-                                      exec_overrides=dict(tile_bf16_stacks=tile))
-        assert model.exec.layer_loop == "scan" and model.exec.tile_bf16_stacks == tile
+                                      exec_overrides=dict(loop_stack_layouts=lay))
+        assert model.exec.layer_loop == "scan" and model.exec.loop_stack_layouts == lay
         progs = engine_programs(model, {"decode", "prefill"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16,
                                 rows=(1, 8), num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
         stacks = {p: x for p, x in ((path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(progs[0].args[0]))
-                  if p.startswith("model/layers/runs") and x.dtype == jnp.bfloat16 and x.ndim == 4}
-        kv_a = [x for p, x in stacks.items() if "kv_a_proj_with_mqa" in p and x.shape[0] > 1]
-        assert kv_a, sorted(stacks)
-        fmt = kv_a[0].format
-        tiled = isinstance(fmt, Format) and fmt.layout is not None and fmt.layout.tiling == ((16, 128), (2, 1))
-        assert tiled == (tile and name.startswith("tpu7x")), fmt
-        shapes = {tuple(x.shape) for x in stacks.values()}
-        found[(name, tile)] = {}
+                  if p.startswith("model/layers/runs") and x.shape[0] == 8
+                  and (x.dtype, x.ndim) in ((jnp.bfloat16, 4), (jnp.bfloat16, 3), (jnp.float32, 3))}
+        kv_a = [x for p, x in stacks.items() if "kv_a_proj_with_mqa" in p]
+        dt_bias = [x for p, x in stacks.items() if "/dt_bias/" in p]
+        assert kv_a and dt_bias, sorted(stacks)
+        tiled = [isinstance(f, Format) and f.layout is not None and f.layout.tiling == ((16, 128), (2, 1))
+                 for f in (kv_a[0].format,)]
+        row_major = [isinstance(f, Format) and f.layout is not None and f.layout.major_to_minor == (0, 1, 2)
+                     for f in (dt_bias[0].format,)]
+        assert tiled == [lay and name.startswith("tpu7x")] and row_major == [lay], (kv_a[0].format, dt_bias[0].format)
+        shapes = {(str(x.dtype), tuple(x.shape)) for x in stacks.values()}
+        found[(name, lay)] = {}
         for p in progs:
             sites = copies(p.lower().compile().as_text(), min_bytes=1, top=10_000)["largest"]
-            found[(name, tile)][p.name] = [s["shape"] for s in sites if tuple(
-                int(v) for v in re.match(r"\w+\[([\d,]*)\]", s["shape"]).group(1).split(",") if v) in shapes]
-    assert len(found[("tpu7x:2x2x1", False)]) == 3 and all(found[("tpu7x:2x2x1", False)].values()), found
+            got = [re.match(r"(\w+)\[([\d,]*)\]", s["shape"]).groups() for s in sites]
+            found[(name, lay)][p.name] = sorted({(dt, sh) for dt, sh in got if (
+                {"bf16": "bfloat16", "f32": "float32"}.get(dt, dt), tuple(int(v) for v in sh.split(",") if v)) in shapes})
+    unplaced = found[("tpu7x:2x2x1", False)]
+    assert len(unplaced) == 3 and all({"bf16", "f32"} <= {dt for dt, _ in v} for v in unplaced.values()), found
     assert not any(found[("tpu7x:2x2x1", True)].values()), found
     assert not any(found[("v5e:2x2", True)].values()), found

@@ -23,7 +23,7 @@ def test_backend_defaults():
     # the k_pe page pools stored row-major on TPU only (elsewhere that is the default layout already)
     assert (cpu.pool_layout, tpu.pool_layout, gpu.pool_layout) == ("default", "token_rows", "default")
     # bfloat16 weight stacks in the TPU loop's tiles: a TPU layout only
-    assert (cpu.tile_bf16_stacks, tpu.tile_bf16_stacks, gpu.tile_bf16_stacks) == (False, True, False)
+    assert (cpu.loop_stack_layouts, tpu.loop_stack_layouts, gpu.loop_stack_layouts) == (False, True, False)
     assert ExecConfig.for_backend("cuda").platform == "gpu"
     with pytest.raises(ValueError, match="platform"):
         ExecConfig(platform="metal")
@@ -71,10 +71,10 @@ def test_model_carries_its_exec_config(tiny_model):
     assert tiny_model.exec == ExecConfig.for_backend(None, tiny_model.cfg)
 
 
-def test_tile_bf16_stacks_places_each_bfloat16_stack_by_the_rule_and_changes_no_value(tiny_cfg, tiny_params,
+def test_loop_stack_layouts_places_each_bfloat16_stack_by_the_rule_and_changes_no_value(tiny_cfg, tiny_params,
                                                                                     monkeypatch):
-    """`ExecConfig.tile_bf16_stacks` at load time: stacking the layers for the scan places every
-    bfloat16 stack as `placement.bf16_stack_format` says (on a TPU7x, (16, 128) tiles: the TPU side is
+    """`ExecConfig.loop_stack_layouts` at load time: stacking the layers for the scan places every
+    bfloat16 stack as `placement.stack_format` says (on a TPU7x, (16, 128) tiles: the TPU side is
     tests/test_aot.py), the arrays stacked by a program whose outputs carry that Format. On CPU the
     rule leaves every layout alone, so here a stand-in rule (row-major, CPU's own layout) records its
     calls: each 4-dim bfloat16 stack goes through it, nothing else does, and the logits are the
@@ -95,8 +95,8 @@ def test_tile_bf16_stacks_places_each_bfloat16_stack_by_the_rule_and_changes_no_
             return sharding
         return Format(Layout(major_to_minor=tuple(range(len(shape)))), sharding)
 
-    monkeypatch.setattr(LS, "bf16_stack_format", rule)
-    model.exec = model.exec.replace(tile_bf16_stacks=True)
+    monkeypatch.setattr(LS, "stack_format", rule)
+    model.exec = model.exec.replace(loop_stack_layouts=True)
     model.set_layer_loop("scan")
     stacks = [v.get_value() for p, v in nnx.to_flat_state(nnx.state(model.model.layers))]
     assert seen and len(seen) == len([x for x in stacks if hasattr(x, "shape")])  # every stacked leaf asked

@@ -18,7 +18,7 @@ from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
 from ling_jax.loader import abstract_model
 from ling_jax.layer_stack import is_stacked_path
-from ling_jax.placement import attach_mesh, bf16_stack_format, variable_sharding
+from ling_jax.placement import attach_mesh, stack_format, variable_sharding
 from ling_jax.quantized import BlockFP8, MXFP4Blocks
 
 WEIGHTS = ("bf16", "fp8", "mxfp4")
@@ -53,8 +53,8 @@ def placed_abstract_model(cfg: LingConfig, weights: str, mesh, platform: str, *,
         elif isinstance(v, MXFP4Blocks):
             var.set_value(MXFP4Blocks(_placed(v.packed, sh.packed), _placed(v.scales, sh.scales), v.columns))
         else:
-            if ex.tile_bf16_stacks and is_stacked_path(path):  # as the loader stacks them for the target
-                sh = bf16_stack_format(v.shape, v.dtype, sh)
+            if ex.loop_stack_layouts and is_stacked_path(path):  # as the loader stacks them for the target
+                sh = stack_format(v.shape, v.dtype, sh)
             var.set_value(_placed(v, sh))
     model.exec = ex
     return attach_mesh(model, mesh)
