@@ -44,7 +44,7 @@ typedef int32_t vi8 __attribute__((vector_size(4 * L)));
 constexpr int64_t KB = 64;           // keys per block (one block of scores per row at a time)
 constexpr int64_t SPLIT = 4096;      // keys per split of a decode-sized call
 constexpr int64_t SPLIT_MAX_T = 8;   // calls with at most this many queries per sequence split keys
-constexpr int64_t PREFETCH_L2 = 128, PREFETCH_L1 = 32;  // how far ahead (keys) a key's rows are prefetched
+constexpr int64_t PREFETCH_L2 = 128;  // how far ahead (keys) a key's rows are prefetched into L2
 constexpr float NEG = -1e30f;        // a finite minus infinity (masked scores)
 
 inline vf8 load8(const float* p) {
@@ -233,6 +233,23 @@ void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t
   }
 }
 
+// One cache line's prefetch, locality LOC as `__builtin_prefetch`'s (3: all levels, 1: L2 and out). On
+// x86-64 as an `asm volatile` instruction: GCC deletes a loop whose body is only `__builtin_prefetch`
+// (it has no side effect), which left this kernel with no software prefetch at all.
+template <int LOC>
+inline void prefetch_line(const float* p) {
+#if defined(__x86_64__)
+  if (LOC >= 3)
+    asm volatile("prefetcht0 %0" : : "m"(*p));
+  else if (LOC == 2)
+    asm volatile("prefetcht1 %0" : : "m"(*p));
+  else
+    asm volatile("prefetcht2 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, LOC);
+#endif
+}
+
 // Prefetches (locality LOC, `__builtin_prefetch`) every cache line of keys [a, b) of one sequence
 // (block table `bt`): each page's run of keys is contiguous in both pools.
 template <int LOC>
@@ -242,8 +259,8 @@ inline void prefetch_keys(const Geometry& g, const int32_t* bt, int64_t a, int64
     const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
     const float* c = g.c + slot * g.r;
     const float* k = g.kpe + slot * g.dr;
-    for (int64_t e = 0; e < n * g.r; e += 16) __builtin_prefetch(c + e, 0, LOC);
-    for (int64_t e = 0; e < n * g.dr; e += 16) __builtin_prefetch(k + e, 0, LOC);
+    for (int64_t e = 0; e < n * g.r; e += 16) prefetch_line<LOC>(c + e);
+    for (int64_t e = 0; e < n * g.dr; e += 16) prefetch_line<LOC>(k + e);
     a += n;
   }
 }
@@ -290,13 +307,13 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
         s.krow[j] = kr + t * g.dr;
       }
     }
-    // and the keys PREFETCH_L2 and PREFETCH_L1 ahead of this block's, a whole run of lines at a time:
-    // into L2 (not L1: the block being scored is reread from L1 by every query row and by P·V, and a
-    // whole next block fetched into L1 evicted it), then into L1. Pages anywhere in the pool defeat
-    // the hardware prefetcher at each page boundary. (Issued per key until the thirtieth session:
-    // the address walk was a quarter of a decode call with its keys in L2.)
+    // and the keys PREFETCH_L2 ahead of this block's into L2, a whole run of lines at a time (not into
+    // L1: the block being scored is reread from L1 by every query row and by P·V, and a whole next
+    // block fetched into L1 evicted it). Pages anywhere in the pool defeat the hardware prefetcher at
+    // each page boundary. Thirtieth session (2-core AVX-512 host, 256K keys, ms): per page run instead
+    // of per key, keys in L2 2.86 -> 2.2; an L1 prefetch besides costs +0.3 there and gains nothing;
+    // shuffled pages 4.7-4.9 without a prefetch, 3.5-3.8 with (BENCHMARKS.md "Thirtieth session").
     prefetch_keys<1>(g, bt, kb0 + PREFETCH_L2, std::min(kb0 + PREFETCH_L2 + nk, it.k1));
-    prefetch_keys<3>(g, bt, kb0 + PREFETCH_L1, std::min(kb0 + PREFETCH_L1 + nk, it.k1));
     if (few) {  // decode / verify: dot products straight from the pages
       scores_few(s.qs.data(), s.crow.data(), s.krow.data(), nk, R, g.r, g.dr, sc);
     } else {  // prefill: the block's keys transposed to [d, KB] once (zeros past nk), then tiles
