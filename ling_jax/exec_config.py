@@ -123,11 +123,11 @@ class ExecConfig:
     loop_stack_layouts: weight stacks of the scanned layer loop are stored in the layouts XLA:TPU
         compiles the loop for where those differ from jax's default (`placement.stack_format`): on
         TPU7x the bfloat16 stacks [repeats, n, rows, cols] (the KDA b_proj, the MLA
-        kv_a_proj_with_mqa or g_proj the release keeps BF16) in (16, 128) tiles and the float32
-        stacks (the KDA dt_bias, A_log, norms) row-major, at load and in the compile-only model.
-        Why: placed by default, every scanned engine program on TPU7x relaid such stacks out once
-        per call (the real config: 67 MB of bfloat16 and 1.8 MB of float32 stacks per device a
-        decode call, BENCHMARKS.md).
+        kv_a_proj_with_mqa or g_proj the release keeps BF16) in (16, 128) tiles; on every TPU the
+        3-dim stacks [repeats, n, cols] (float32 dt_bias and A_log, bfloat16 norm weights)
+        row-major; at load and in the compile-only model. Why: placed by default, every scanned
+        engine program relaid such stacks out once per call (the real config on TPU7x: 67 MB of
+        4-dim and 2.8 MB of 3-dim stacks per device a decode call, BENCHMARKS.md).
         `for_backend`: True on TPU (a layout only; the values are the same).
     """
     kernels: str = "xla"

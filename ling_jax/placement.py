@@ -134,12 +134,11 @@ def stack_format(shape, dtype, sharding):
     dt_bias float32 stack and the norm weights' bfloat16 ones, 2.8 MB)."""
     if not isinstance(sharding, NamedSharding):
         return sharding
-    device = next(iter(sharding.device_set))
+    device, dt = next(iter(sharding.device_set)), jnp.dtype(dtype)
     row_major = tuple(range(len(shape)))
-    if (jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16) and len(shape) == 3
-            and device.platform == LOOP_ROW_MAJOR_PLATFORM):
+    if dt in (jnp.float32, jnp.bfloat16) and len(shape) == 3 and device.platform == LOOP_ROW_MAJOR_PLATFORM:
         return Format(Layout(major_to_minor=row_major), sharding)
-    if jnp.dtype(dtype) != jnp.bfloat16 or len(shape) < 4:
+    if dt != jnp.bfloat16 or len(shape) < 4:
         return sharding
     tiles = LOOP_BF16_TILES.get(device.device_kind)
     if tiles is None:

@@ -39,49 +39,49 @@ constexpr int64_t L = 16;
 #else
 constexpr int64_t L = 8;
 #endif
-typedef float vf8 __attribute__((vector_size(4 * L)));
-typedef int32_t vi8 __attribute__((vector_size(4 * L)));
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
 constexpr int64_t KB = 64;           // keys per block (one block of scores per row at a time)
 constexpr int64_t SPLIT = 4096;      // keys per split of a decode-sized call
 constexpr int64_t SPLIT_MAX_T = 8;   // calls with at most this many queries per sequence split keys
 constexpr int64_t PREFETCH_L2 = 128;  // how far ahead (keys) a key's rows are prefetched into L2
 constexpr float NEG = -1e30f;        // a finite minus infinity (masked scores)
 
-inline vf8 load8(const float* p) {
-  vf8 v;
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store8(float* p, vf8 v) { std::memcpy(p, &v, sizeof v); }
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-inline vf8 splat(float x) { return x - vf8{}; }
+inline vf splat(float x) { return x - vf{}; }
 
 // exp on L lanes: x = n·ln2 + f, |f| ≤ ln2/2, e^f by the Cephes degree-5 minimax polynomial
 // (≈1 ulp), 2^n through the exponent bits. Inputs below -87 give ~1e-38 (masked lanes are zeroed by
 // the caller, not by underflow).
-inline vf8 vexp(vf8 x) {
-  const vf8 hi = splat(88.f), lo = splat(-87.f);
+inline vf vexp(vf x) {
+  const vf hi = splat(88.f), lo = splat(-87.f);
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  const vf8 magic = splat(12582912.f);  // 1.5·2^23: adding it rounds to the nearest integer
-  const vf8 t = x * splat(1.44269504088896341f) + magic;
-  const vf8 n = t - magic;
-  vi8 ni;
+  const vf magic = splat(12582912.f);  // 1.5·2^23: adding it rounds to the nearest integer
+  const vf t = x * splat(1.44269504088896341f) + magic;
+  const vf n = t - magic;
+  vi ni;
   std::memcpy(&ni, &t, sizeof ni);
-  vi8 mi;
+  vi mi;
   std::memcpy(&mi, &magic, sizeof mi);
   ni = ni - mi;
-  const vf8 f = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
-  vf8 p = splat(1.9875691500e-4f);
+  const vf f = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
   p = p * f + splat(1.3981999507e-3f);
   p = p * f + splat(8.3334519073e-3f);
   p = p * f + splat(4.1665795894e-2f);
   p = p * f + splat(1.6666665459e-1f);
   p = p * f + splat(5.0000001201e-1f);
   p = p * (f * f) + f + splat(1.f);
-  const vi8 e = (ni + 127) << 23;
-  vf8 scale;
+  const vi e = (ni + 127) << 23;
+  vf scale;
   std::memcpy(&scale, &e, sizeof scale);
   return p * scale;
 }
@@ -103,23 +103,23 @@ struct Scratch {
   std::vector<const float*> crow, krow;
 };
 
-// s[i][0:KB] = qs[i] · kT[:, 0:KB] for i < R (R a multiple of 4): four rows by two 8-key vectors.
+// s[i][0:KB] = qs[i] · kT[:, 0:KB] for i < R (R a multiple of 4): four rows by two L-key vectors.
 void scores(const float* qs, const float* kt, int64_t R, int64_t d, float* s) {
   for (int64_t i = 0; i < R; i += 4)
     for (int64_t j = 0; j < KB; j += 2 * L) {
-      vf8 a[4][2];
-      for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = vf8{};
+      vf a[4][2];
+      for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = vf{};
       for (int64_t e = 0; e < d; ++e) {
-        const vf8 k0 = load8(kt + e * KB + j), k1 = load8(kt + e * KB + j + L);
+        const vf k0 = loadv(kt + e * KB + j), k1 = loadv(kt + e * KB + j + L);
         for (int u = 0; u < 4; ++u) {
-          const vf8 q = splat(qs[(i + u) * d + e]);
+          const vf q = splat(qs[(i + u) * d + e]);
           a[u][0] += q * k0;
           a[u][1] += q * k1;
         }
       }
       for (int u = 0; u < 4; ++u) {
-        store8(s + (i + u) * KB + j, a[u][0]);
-        store8(s + (i + u) * KB + j + L, a[u][1]);
+        storev(s + (i + u) * KB + j, a[u][0]);
+        storev(s + (i + u) * KB + j + L, a[u][1]);
       }
     }
 }
@@ -127,14 +127,14 @@ void scores(const float* qs, const float* kt, int64_t R, int64_t d, float* s) {
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define SHUF(a, b, ...) __builtin_shuffle(a, b, vi8{__VA_ARGS__})
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
 #endif
 
 // {Σ v[0], ..., Σ v[L-1]}: L horizontal sums as one vector. Round s (s = 1, 2, 4, ...) adds lanes s
 // apart and interleaves two vectors' sums in blocks of s lanes; log2(L) rounds of shuffles and adds.
 #if defined(__AVX512F__)
-inline vf8 hsum8(const vf8* v) {
-  vf8 t[8], u[4], w[2];
+inline vf hsum(const vf* v) {
+  vf t[8], u[4], w[2];
   for (int a = 0; a < 8; ++a)
     t[a] = SHUF(v[2 * a], v[2 * a + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
            SHUF(v[2 * a], v[2 * a + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
@@ -148,8 +148,8 @@ inline vf8 hsum8(const vf8* v) {
          SHUF(w[0], w[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 #else
-inline vf8 hsum8(const vf8* v) {
-  vf8 t[4], u[2];
+inline vf hsum(const vf* v) {
+  vf t[4], u[2];
   for (int a = 0; a < 4; ++a)
     t[a] = SHUF(v[2 * a], v[2 * a + 1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(v[2 * a], v[2 * a + 1], 1, 9, 3, 11, 5, 13, 7, 15);
   for (int a = 0; a < 2; ++a)
@@ -160,12 +160,12 @@ inline vf8 hsum8(const vf8* v) {
 
 // The few-row form of `scores` (decode / verify: R ≤ 8 rows), with no transposed copy of the keys:
 // s[i][j] = qs[i] · key_j for j < nk (key_j = [crow[j] ; krow[j]], r and dr multiples of L), L
-// keys at a time, each key's products over d in its own vector, summed by `hsum8`; zeros past nk.
+// keys at a time, each key's products over d in its own vector, summed by `hsum`; zeros past nk.
 void scores_few(const float* qs, const float* const* crow, const float* const* krow, int64_t nk, int64_t R,
                 int64_t r, int64_t dr, float* s) {
   for (int64_t j0 = 0; j0 < KB; j0 += L) {
     if (j0 >= nk) {
-      for (int64_t i = 0; i < R; ++i) store8(s + i * KB + j0, vf8{});
+      for (int64_t i = 0; i < R; ++i) storev(s + i * KB + j0, vf{});
       continue;
     }
     const int64_t n = std::min<int64_t>(L, nk - j0);
@@ -177,17 +177,17 @@ void scores_few(const float* qs, const float* const* crow, const float* const* k
     }
     for (int64_t i = 0; i < R; ++i) {  // each query vector loaded once per L keys
       const float* q = qs + i * (r + dr);
-      vf8 a[L];
-      for (int u = 0; u < L; ++u) a[u] = vf8{};
+      vf a[L];
+      for (int u = 0; u < L; ++u) a[u] = vf{};
       for (int64_t e = 0; e < r; e += L) {
-        const vf8 qv = load8(q + e);
-        for (int u = 0; u < L; ++u) a[u] += qv * load8(cr[u] + e);
+        const vf qv = loadv(q + e);
+        for (int u = 0; u < L; ++u) a[u] += qv * loadv(cr[u] + e);
       }
       for (int64_t e = 0; e < dr; e += L) {
-        const vf8 qv = load8(q + r + e);
-        for (int u = 0; u < L; ++u) a[u] += qv * load8(kr[u] + e);
+        const vf qv = loadv(q + r + e);
+        for (int u = 0; u < L; ++u) a[u] += qv * loadv(kr[u] + e);
       }
-      store8(s + i * KB + j0, hsum8(a));
+      storev(s + i * KB + j0, hsum(a));
     }
   }
 }
@@ -196,19 +196,19 @@ void scores_few(const float* qs, const float* const* crow, const float* const* k
 template <int NV>
 inline void pv_tile(const float* p, const float* const* crow, int64_t nk, int64_t i, int64_t col, int64_t r,
                     float* acc) {
-  vf8 a[4][NV];
+  vf a[4][NV];
   for (int u = 0; u < 4; ++u)
-    for (int v = 0; v < NV; ++v) a[u][v] = load8(acc + (i + u) * r + col + v * L);
+    for (int v = 0; v < NV; ++v) a[u][v] = loadv(acc + (i + u) * r + col + v * L);
   for (int64_t j = 0; j < nk; ++j) {
-    vf8 cv[NV];
-    for (int v = 0; v < NV; ++v) cv[v] = load8(crow[j] + col + v * L);
+    vf cv[NV];
+    for (int v = 0; v < NV; ++v) cv[v] = loadv(crow[j] + col + v * L);
     for (int u = 0; u < 4; ++u) {
-      const vf8 pu = splat(p[(i + u) * KB + j]);
+      const vf pu = splat(p[(i + u) * KB + j]);
       for (int v = 0; v < NV; ++v) a[u][v] += pu * cv[v];
     }
   }
   for (int u = 0; u < 4; ++u)
-    for (int v = 0; v < NV; ++v) store8(acc + (i + u) * r + col + v * L, a[u][v]);
+    for (int v = 0; v < NV; ++v) storev(acc + (i + u) * r + col + v * L, a[u][v]);
 }
 
 void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t r, float* acc) {
@@ -233,34 +233,27 @@ void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t
   }
 }
 
-// One cache line's prefetch, locality LOC as `__builtin_prefetch`'s (3: all levels, 1: L2 and out). On
-// x86-64 as an `asm volatile` instruction: GCC deletes a loop whose body is only `__builtin_prefetch`
-// (it has no side effect), which left this kernel with no software prefetch at all.
-template <int LOC>
-inline void prefetch_line(const float* p) {
+// One cache line prefetched into L2 (`prefetcht2`). On x86-64 an `asm volatile` instruction: GCC
+// deletes a loop whose body is only `__builtin_prefetch` (it has no side effect), which left this
+// kernel with no software prefetch at all.
+inline void prefetch_l2(const float* p) {
 #if defined(__x86_64__)
-  if (LOC >= 3)
-    asm volatile("prefetcht0 %0" : : "m"(*p));
-  else if (LOC == 2)
-    asm volatile("prefetcht1 %0" : : "m"(*p));
-  else
-    asm volatile("prefetcht2 %0" : : "m"(*p));
+  asm volatile("prefetcht2 %0" : : "m"(*p));
 #else
-  __builtin_prefetch(p, 0, LOC);
+  __builtin_prefetch(p, 0, 1);
 #endif
 }
 
-// Prefetches (locality LOC, `__builtin_prefetch`) every cache line of keys [a, b) of one sequence
-// (block table `bt`): each page's run of keys is contiguous in both pools.
-template <int LOC>
+// Prefetches into L2 every cache line of keys [a, b) of one sequence (block table `bt`): each page's
+// run of keys is contiguous in both pools.
 inline void prefetch_keys(const Geometry& g, const int32_t* bt, int64_t a, int64_t b) {
   for (int64_t pg = a / g.P, off = a % g.P; a < b; ++pg, off = 0) {
     const int64_t n = std::min(g.P - off, b - a);
     const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
     const float* c = g.c + slot * g.r;
     const float* k = g.kpe + slot * g.dr;
-    for (int64_t e = 0; e < n * g.r; e += 16) prefetch_line<LOC>(c + e);
-    for (int64_t e = 0; e < n * g.dr; e += 16) prefetch_line<LOC>(k + e);
+    for (int64_t e = 0; e < n * g.r; e += 16) prefetch_l2(c + e);
+    for (int64_t e = 0; e < n * g.dr; e += 16) prefetch_l2(k + e);
     a += n;
   }
 }
@@ -313,7 +306,7 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
     // each page boundary. Thirtieth session (2-core AVX-512 host, 256K keys, ms): per page run instead
     // of per key, keys in L2 2.86 -> 2.2; an L1 prefetch besides costs +0.3 there and gains nothing;
     // shuffled pages 4.7-4.9 without a prefetch, 3.5-3.8 with (BENCHMARKS.md "Thirtieth session").
-    prefetch_keys<1>(g, bt, kb0 + PREFETCH_L2, std::min(kb0 + PREFETCH_L2 + nk, it.k1));
+    prefetch_keys(g, bt, kb0 + PREFETCH_L2, std::min(kb0 + PREFETCH_L2 + nk, it.k1));
     if (few) {  // decode / verify: dot products straight from the pages
       scores_few(s.qs.data(), s.crow.data(), s.krow.data(), nk, R, g.r, g.dr, sc);
     } else {  // prefill: the block's keys transposed to [d, KB] once (zeros past nk), then tiles
@@ -340,18 +333,18 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
       const int64_t whole = vis / L * L;  // keys in whole visible vectors
       float mx = m[i];
       if (whole > 0) {
-        vf8 vm = load8(si);
+        vf vm = loadv(si);
         for (int64_t j = L; j < whole; j += L) {
-          const vf8 v = load8(si + j);
+          const vf v = loadv(si + j);
           vm = v > vm ? v : vm;
         }
         for (int l = 0; l < L; ++l) mx = std::max(mx, vm[l]);
       }
       for (int64_t j = whole; j < vis; ++j) mx = std::max(mx, si[j]);
-      vf8 vs = vf8{};
+      vf vs = vf{};
       for (int64_t j = 0; j < whole; j += L) {
-        const vf8 p = vexp(load8(si + j) - splat(mx));
-        store8(si + j, p);
+        const vf p = vexp(loadv(si + j) - splat(mx));
+        storev(si + j, p);
         vs += p;
       }
       float sum = 0.f;
