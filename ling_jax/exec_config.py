@@ -91,6 +91,15 @@ class ExecConfig:
         pool or `generate`'s cache updated in place, no gather or scatter of rows): XLA:CPU ran the
         step as several passes over every state (BENCHMARKS.md "The KDA decode step in place");
         float32, one device, the XLA reference when it cannot be built.
+    native_linear: in a scanned layer loop on XLA:CPU, a float32 linear (or router) weight is read in
+        place from its run's stack by the native CPU kernel (`pallas_kernels.linear.cpu_kernel`; the
+        layer gets `linear.TableRows`, its rows of the stack) in calls of at most
+        `linear.TABLE_KERNEL_MAX_ROWS` rows (decode, verify, small prefill chunks): XLA:CPU copies a
+        dynamic slice of a stack before the dot that reads it, so every scanned decode step wrote each
+        dense weight once more and read it twice (the mid config scanned, 8-row decode step 166 -> 130
+        ms, BENCHMARKS.md "Thirty-first session"); larger calls slice (the copy is small beside their
+        GEMM, which XLA runs faster). One device, float32; the XLA slice when it cannot be built.
+        Training turns it off.
     attn_block: keys per block of the XLA blockwise MLA attention (`pallas_kernels.mla.blockwise`):
         its temporaries are [B,H,T,attn_block] scores, whatever the key count.
     prefill_chunk: tokens per model call when `generate` prefills or `forward` runs a longer
@@ -125,9 +134,10 @@ class ExecConfig:
         TPU7x the bfloat16 stacks [repeats, n, rows, cols] (the KDA b_proj, the MLA
         kv_a_proj_with_mqa or g_proj the release keeps BF16) in (16, 128) tiles; on every TPU the
         3-dim stacks [repeats, n, cols] (float32 dt_bias and A_log, bfloat16 norm weights)
-        row-major; at load and in the compile-only model. Why: placed by default, every scanned
-        engine program relaid such stacks out once per call (the real config on TPU7x: 67 MB of
-        4-dim and 2.8 MB of 3-dim stacks per device a decode call, BENCHMARKS.md).
+        row-major and the FP8 block-scale stacks of more than 8 block rows with those rows minor; at
+        load and in the compile-only model. Why: placed by default, every scanned engine program
+        relaid such stacks out once per call (the real config on TPU7x: 67 MB of 4-dim bf16, 2.8 MB
+        of 3-dim and 0.7 MB of scale stacks per device a decode call, BENCHMARKS.md).
         `for_backend`: True on TPU (a layout only; the values are the same).
     """
     kernels: str = "xla"
@@ -140,6 +150,7 @@ class ExecConfig:
     native_experts: bool = False
     native_attention: bool = False
     native_kda: bool = False
+    native_linear: bool = False
     attn_block: int = 512
     prefill_chunk: int = 2048
     remat: Optional[str] = None
@@ -157,7 +168,8 @@ class ExecConfig:
         _choice("pool_layout", self.pool_layout, POOL_LAYOUTS)
         for name, low in (("kda_chunk", 1), ("attn_block", 1), ("prefill_chunk", 1), ("weights_first_rows", 0)):
             check_int(getattr(self, name), f"ExecConfig.{name}", field=name, low=low)
-        for name in ("native_experts", "native_attention", "native_kda", "mxfp4_columns", "loop_stack_layouts"):
+        for name in ("native_experts", "native_attention", "native_kda", "native_linear", "mxfp4_columns",
+                     "loop_stack_layouts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExecConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.platform is not None:
@@ -183,6 +195,7 @@ class ExecConfig:
                     native_experts=not accel,
                     native_attention=not accel,
                     native_kda=not accel,
+                    native_linear=not accel,
                     layer_loop="unroll" if unroll else "scan",
                     pool_layout="token_rows" if platform == "tpu" else "default",
                     mxfp4_columns=accel,

@@ -47,11 +47,13 @@ from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.config import KDA, LingConfig
 from ling_jax.decoder_layer import DecoderLayer
 from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
+from ling_jax.linear import Linear, TableRows
 from ling_jax.kda import CONV_FIELDS, KDAState, SlotKDAState, conv_like, conv_window, kda_in_place, kda_rollback
 from ling_jax.mla import MLACache, PagedMLACache
-from ling_jax.moe import ExpertTable
+from ling_jax.moe import ExpertTable, Router
 from ling_jax.placement import stack_format, model_mesh
 from ling_jax.rows import take_rows
+from pallas_kernels.linear import cpu_kernel as table_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,15 +196,16 @@ def _slicer(out_sh):
     return jax.jit(lambda a, g, j: a[g, j], out_shardings=out_sh)
 
 
-def _stack_leaves(xs: list, repeats: int, n: int, free: bool, loop_layouts: bool = False):
+def _stack_leaves(xs: list, repeats: int, n: int, free: bool, loop_layouts: bool = False, block_scales: bool = False):
     """One stacked leaf [repeats, n, ...] from per-layer leaves: shapes only for ShapeDtypeStructs;
     placed like the pieces (their spec behind two replicated axes; with `loop_layouts`, a stack
-    in the layout the TPU loop reads: `placement.stack_format`); the pieces freed when `free`."""
+    in the layout the TPU loop reads: `placement.stack_format`, told whether the leaf is a BlockFP8's
+    `scales`); the pieces freed when `free`."""
     x0, sh = xs[0], _placed_spec(xs[0])
     out_sh = None if sh is None else NamedSharding(sh.mesh, P(None, None, *sh.spec))
     shape = (repeats, n) + tuple(x0.shape)
     if loop_layouts:
-        out_sh = stack_format(shape, x0.dtype, out_sh)
+        out_sh = stack_format(shape, x0.dtype, out_sh, block_scales)
     if isinstance(x0, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(shape, x0.dtype, sharding=out_sh)
     if isinstance(x0, jax.core.Tracer):
@@ -245,9 +248,17 @@ def stack_modules(modules: list, repeats: int, n: int, *, free: bool = False, lo
             raise ValueError(f"layer {i} of a run differs in structure from the first and cannot be stacked "
                              f"with it (a parameter quantised in some layers of a run only?)")
     states = [s for _, s in splits]
-    stacked = jax.tree.map(lambda *xs: _stack_leaves(list(xs), repeats, n, free, loop_layouts), *states)
+    stacked = jax.tree_util.tree_map_with_path(
+        lambda path, *xs: _stack_leaves(list(xs), repeats, n, free, loop_layouts, _is_block_scales(path)), *states)
     _set_stack_axes(stacked, add=True)
     return nnx.merge(gdef, stacked)
+
+
+def _is_block_scales(path) -> bool:
+    """Whether a leaf path of a module state ends in a `BlockFP8`'s `scales` (recognised by the
+    quantised value's structure, not by a list of names)."""
+    return bool(path) and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "scales" \
+        and len(path) >= 2 and isinstance(path[-2], jax.tree_util.GetAttrKey) and path[-2].name == "value"
 
 
 def unstack_module(module: nnx.Module, g: int, j: int) -> nnx.Module:
@@ -455,24 +466,50 @@ def _expert_table(stack, g, j, ex: ExecConfig) -> ExpertTable | None:
                        ((g * n + j) * E).astype(jnp.int32))
 
 
+def _linear_weights(run, ex: ExecConfig) -> frozenset:
+    """Paths (module path + "weight") of the Linear (and router) weights of a scanned run that its layers get as
+    `linear.TableRows` (`ExecConfig.native_linear`: XLA:CPU, one device, the kernel built); empty
+    where they get slices."""
+    if not (ex.native_linear and ex.platform == "cpu" and model_mesh(run) is None and table_kernel.available()):
+        return frozenset()
+    return frozenset(tuple(p) + ("weight",) for p, node in nnx.iter_graph(run) if isinstance(node, (Linear, Router)))
+
+
+def _layer_params(stack, g, j, linear_weights: frozenset):
+    """Layer (g, j)'s parameters from its run's stacked state: each array sliced at [g, j], except a
+    float32 Linear weight named in `linear_weights`, which becomes its rows of the run's stack merged
+    into one table (`linear.TableRows`; a reshape, not a copy): the native kernel reads it in place,
+    where XLA:CPU copies a dynamic slice before the dot that reads it."""
+    def one(path, x):
+        keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+        if (linear_weights and keys[:-1] in linear_weights and keys[-1] == "value" and isinstance(x, jax.Array)
+                and x.ndim == 4 and x.dtype == jnp.float32):
+            m, n, rows, cols = x.shape
+            return TableRows(x.reshape(m * n * rows, cols), ((g * n + j) * rows).astype(jnp.int32), rows)
+        return x[g, j]
+    return jax.tree_util.tree_map_with_path(one, stack)
+
+
 def _run_scanned(block: Block, runs, h, caches, forced, lengths, n_valid, ex: ExecConfig, mode: CallMode,
                  fresh=None):
     """The block as a scan over its repeats of a scan per run over the run's layers. The stored
     parameter stacks are loop-invariant operands indexed at [g, j] by the inner body (as scan inputs
     the outer loop would first copy out a whole repeat's slice of every stack); caches ride in the
-    carry (module doc)."""
+    carry (module doc). On XLA:CPU the float32 Linear weights reach the layer as their rows of the
+    stack, read in place (`_layer_params`)."""
     gdefs, params = zip(*(nnx.split(m) for m in runs))
     fns = [_layer_fn(gd, ex, mode) for gd in gdefs]
+    linears = [_linear_weights(m, ex) for m in runs]
 
     def group_body(carry, xs):
         h, cs = carry
         g, forced_g = xs
         cs, idxs, extras = list(cs), [], []
         for r, fn in enumerate(fns):
-            def layer_body(carry, ys, fn=fn, stack=params[r]):
+            def layer_body(carry, ys, fn=fn, stack=params[r], lw=linears[r]):
                 h, c = carry
                 j, f = ys
-                p = jax.tree.map(lambda x: x[g, j], stack)
+                p = _layer_params(stack, g, j, lw)
                 h, new, idx, extra = fn(p, h, _cache_at(c, g, j, fresh), f, lengths, n_valid,
                                         _expert_table(stack, g, j, ex))
                 return (h, _cache_put(c, new, g, j)), (idx, extra)

@@ -4,10 +4,13 @@ The weight is a float array or, when a checkpoint's FP8 matrix is kept quantised
 (float8_e4m3fn values + float32 block scales, `ling_jax.quantized`): one class, dispatching on what
 the weight is. A BlockFP8 weight is dequantised inside the matmul: `ex.kernels == "pallas"` runs
 the Pallas FP8 kernel (interpret mode on CPU), "xla" its pure-XLA reference. `matrix(dtype)` gives
-the (dequantised) weight itself for code that needs it (MLA's absorbed `kv_b_proj`).
+the (dequantised) weight itself for code that needs it (MLA's absorbed `kv_b_proj`). Inside a scanned
+layer loop on XLA:CPU the weight may be a `TableRows` (its rows of the run's stack, read in place by
+the native kernel).
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -21,6 +24,45 @@ from ling_jax.placement import param_mesh
 from ling_jax.quantized import BlockFP8, dequantize
 from pallas_kernels.fp8.kernel import fp8_linear_pallas
 from pallas_kernels.fp8.reference import fp8_linear
+from pallas_kernels.linear import cpu_kernel as table_kernel
+from pallas_kernels.linear.reference import table_linear, table_rows
+
+
+#: Rows of input up to which a `TableRows` weight is read in place by the native kernel (decode and
+#: verify calls); above, XLA slices it out and runs its GEMM: the copy is then small beside the product,
+#: and XLA:CPU's GEMM runs ~2x the kernel's GEMM form at 128-512 rows (tools/bench_small_matmul.py
+#: --table, BENCHMARKS.md "Thirty-first session").
+TABLE_KERNEL_MAX_ROWS = 16
+
+
+@jax.tree_util.register_pytree_node_class
+class TableRows:
+    """A layer's weight [rows, in] as rows [base, base + rows) of its scanned run's stacked weights
+    merged into one table [repeats · n · rows, in] (a reshape of the stack, no copy): what
+    `layer_stack` hands a layer of a scanned run on XLA:CPU (`ExecConfig.native_linear`) so that the
+    native kernel reads the rows where they are stored (inputs of at most `TABLE_KERNEL_MAX_ROWS`
+    rows; larger ones, and `matrix()` for the code that needs the matrix itself, slice them out)."""
+
+    def __init__(self, table: jax.Array, base: jax.Array, rows: int):
+        self.table, self.base, self.rows = table, base, int(rows)
+
+    def tree_flatten(self):
+        return (self.table, self.base), self.rows
+
+    @classmethod
+    def tree_unflatten(cls, rows, children):
+        return cls(*children, rows)
+
+    @property
+    def shape(self) -> tuple:
+        return (self.rows, self.table.shape[1])
+
+    @property
+    def dtype(self):
+        return self.table.dtype
+
+    def matrix(self) -> jax.Array:
+        return table_rows(self.table, self.base, self.rows)
 
 
 def init_normal(rngs: nnx.Rngs, shape, dtype, fan_in: int | None = None):
@@ -41,6 +83,11 @@ class Linear(nnx.Module):
         """`x @ weight.T` in x's dtype; a BlockFP8 weight is dequantised inside the matmul by the
         kernel `ex.kernels` selects (the dequantised weight is never stored)."""
         w = self.weight.get_value()
+        if isinstance(w, TableRows):
+            if x.dtype == jnp.float32 and math.prod(x.shape[:-1]) <= TABLE_KERNEL_MAX_ROWS and table_kernel.available():
+                return table_kernel.table_linear_cpu(x, w.table, w.base, w.rows)
+            return table_linear(x, w.table.astype(x.dtype), w.base, w.rows,
+                                ex.weights_first_rows if ex is not None else 0)
         if isinstance(w, BlockFP8):
             if ex is not None and ex.kernels == "pallas":
                 kernel = partial(fp8_linear_pallas, platform=ex.platform)
@@ -53,6 +100,8 @@ class Linear(nnx.Module):
         """The weight (a BlockFP8 one dequantised: float32 product, then `dtype`, exactly what a
         dequantising load holds)."""
         w = self.weight.get_value()
+        if isinstance(w, TableRows):
+            w = w.matrix()
         if isinstance(w, BlockFP8):
             return dequantize(w, dtype or jnp.float32)
         return w if dtype is None else w.astype(dtype)

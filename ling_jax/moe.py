@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
-from ling_jax.linear import init_normal
+from ling_jax.linear import TABLE_KERNEL_MAX_ROWS, TableRows, init_normal, table_kernel
 from ling_jax.moe_active import experts_for_tokens, native_applies, uses_active_loop
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision, real_tokens
@@ -38,12 +38,11 @@ from ling_jax.placement import param_mesh, swap_minor_spec, value_specs
 def route(x: jax.Array, w: jax.Array, bias: jax.Array, cfg: LingConfig):
     """Grouped top-k routing in float32 (spec §8.1).
 
-    x: [N,D]; w: [E,D]; bias: [E]. Returns (idx [N,k] int32, weights [N,k] f32). The bias steers
-    selection only; weights are the unbiased sigmoid scores, renormalised and × routed_scaling_factor.
+    x: [N,D]; w: [E,D] (or `linear.TableRows`, `router_logits`); bias: [E]. Returns (idx [N,k] int32,
+    weights [N,k] f32). The bias steers selection only; weights are the unbiased sigmoid scores,
+    renormalised and × routed_scaling_factor.
     """
-    logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), w.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
-    scores = jax.nn.sigmoid(logits)
+    scores = jax.nn.sigmoid(router_logits(x, w))
     sel = scores + bias.astype(jnp.float32)
     N, E = sel.shape
     G = cfg.n_group
@@ -54,6 +53,18 @@ def route(x: jax.Array, w: jax.Array, bias: jax.Array, cfg: LingConfig):
     masked = jnp.where(jnp.repeat(group_mask, E // G, axis=1), sel, -jnp.inf)
     _, idx = jax.lax.top_k(masked, cfg.num_experts_per_tok)
     return idx, routing_weights(scores, idx, cfg)
+
+
+def router_logits(x: jax.Array, w) -> jax.Array:
+    """x [N,D] · w [E,D]ᵀ in float32 at HIGHEST precision → [N,E]; w may be a `linear.TableRows` (a
+    scanned layer's router rows of its run's stack on XLA:CPU), read in place by the native kernel for
+    a decode-sized x (`linear.TABLE_KERNEL_MAX_ROWS`), sliced out for more rows."""
+    if isinstance(w, TableRows):
+        if x.shape[0] <= TABLE_KERNEL_MAX_ROWS and table_kernel.available():
+            return table_kernel.table_linear_cpu(x.astype(jnp.float32), w.table, w.base, w.rows)
+        w = w.matrix()
+    return jnp.einsum("nd,ed->ne", x.astype(jnp.float32), w.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def routing_weights(scores: jax.Array, idx: jax.Array, cfg: LingConfig) -> jax.Array:
@@ -334,12 +345,10 @@ class MoE(nnx.Module):
         B, T, D = x.shape
         xf = x.reshape(B * T, D)
         if forced_idx is None:
-            idx, wts = route(xf, self.gate.weight[...], self.gate.expert_bias[...], self.cfg)
+            idx, wts = route(xf, self.gate.weight.get_value(), self.gate.expert_bias[...], self.cfg)
         else:
             idx = forced_idx.reshape(B * T, -1)
-            logits = jnp.einsum("nd,ed->ne", xf.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32),
-                                precision=jax.lax.Precision.HIGHEST)
-            wts = routing_weights(jax.nn.sigmoid(logits), idx, self.cfg)
+            wts = routing_weights(jax.nn.sigmoid(router_logits(xf, self.gate.weight.get_value())), idx, self.cfg)
         names = ("gate_proj", "up_proj", "down_proj")
         weights = tuple(getattr(self.experts, n).get_value() for n in names)
         path = ex.experts if ex.experts != "auto" else auto_expert_path(

@@ -116,26 +116,43 @@ LOOP_BF16_TILES = {"TPU7x": ((16, 128), (2, 1))}
 #: the 8 repeats second-minor, the 7 not padded to 8), and every scanned program relaid such stacks out
 #: once per call (2.8 MB a decode call on the real config; measured on TPU7x, v5e, v5p and v6e with the
 #: compile-only targets, tests/test_aot.py). Not 4-dim stacks: row-major there made XLA:TPU copy a
-#: float32 [8, 7, 512, 4096] stack (the router) every call; the FP8 scale stacks [8, 7, 32, 64] are
-#: still relaid out by the loop (0.7 MB a decode call) whatever their entry layout.
+#: float32 [8, 7, 512, 4096] stack (the router) every call.
 LOOP_ROW_MAJOR_PLATFORM = "tpu"
+#: The float32 block scales of an FP8 weight stack [repeats, n, R, C] (R, C: blocks of 128 rows and
+#: columns) on a TPU: when R is more than the 8 sublanes of a float32 tile the scanned loop reads
+#: each layer's scales with the R axis minor (`major_to_minor` (0, 1, 3, 2)), where the default layout
+#: keeps the larger axis minor, and every scanned program relaid such stacks out once per call (the
+#: real config's KDA o_proj [8, 7, 32, 64], the shared experts' [8, 7, 10, 32] / [8, 7, 32, 10]: 0.7 MB a
+#: decode call on TPU7x). With R <= 8 the loop reads the default ([.., 8, 16], [.., 1, 16]: stored R-minor
+#: those were copied back). Measured with the compile-only targets at hidden 1024, 2048 and the release's
+#: 4096 (tests/test_aot.py).
+LOOP_SCALES_MAJOR_TO_MINOR = (0, 1, 3, 2)
+LOOP_SCALES_MIN_ROWS = 9
 
 
-def stack_format(shape, dtype, sharding):
+def stack_format(shape, dtype, sharding, block_scales: bool = False):
     """Where a stacked weight ([repeats, n, ...], `layer_stack`) goes under
     `ExecConfig.loop_stack_layouts`, on a TPU whose scanned loop reads it in another layout than jax's
     default: a bfloat16 stack [repeats, n, rows, cols] on a kind listed in `LOOP_BF16_TILES` whose
     per-device shard is whole tiles, as a row-major `Format` in those tiles (no padding: the same
     bytes); a float32 or bfloat16 stack [repeats, n, cols] on a TPU (`LOOP_ROW_MAJOR_PLATFORM`), as a
     row-major `Format` in the default tiles (the stacked axes outermost: at most one tile row of
-    padding per repeat); anything else `sharding` unchanged. Why: placed by default, every scanned
-    program on TPU7x copied such stacks into the loop's layout once per call (the real config: the
-    KDA b_proj and MLA kv_a_proj_with_mqa bfloat16 stacks, 67 MB per device a decode call; the KDA
-    dt_bias float32 stack and the norm weights' bfloat16 ones, 2.8 MB)."""
+    padding per repeat); the float32 block scales of a stacked FP8 matrix (`block_scales`: the
+    `scales` of a `BlockFP8`, [repeats, n, rows, cols]) of more than 8 block rows on a TPU, in
+    `LOOP_SCALES_MAJOR_TO_MINOR`;
+    anything else `sharding` unchanged. Why: placed by default, every scanned program on TPU7x copied
+    such stacks into the loop's layout once per call (the real config: the KDA b_proj and MLA
+    kv_a_proj_with_mqa bfloat16 stacks, 67 MB per device a decode call; the KDA dt_bias float32 stack
+    and the norm weights' bfloat16 ones, 2.8 MB; the FP8 scale stacks, 0.7 MB)."""
     if not isinstance(sharding, NamedSharding):
         return sharding
     device, dt = next(iter(sharding.device_set)), jnp.dtype(dtype)
     row_major = tuple(range(len(shape)))
+    if block_scales:
+        if (dt == jnp.float32 and len(shape) == 4 and shape[2] >= LOOP_SCALES_MIN_ROWS
+                and device.platform == LOOP_ROW_MAJOR_PLATFORM):
+            return Format(Layout(major_to_minor=LOOP_SCALES_MAJOR_TO_MINOR), sharding)
+        return sharding
     if dt in (jnp.float32, jnp.bfloat16) and len(shape) == 3 and device.platform == LOOP_ROW_MAJOR_PLATFORM:
         return Format(Layout(major_to_minor=row_major), sharding)
     if dt != jnp.bfloat16 or len(shape) < 4:

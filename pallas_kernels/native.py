@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -36,12 +37,26 @@ def compiler() -> str | None:
     return None
 
 
+def local_headers(source: str) -> list[str]:
+    """The files `source` includes by a quoted path (`#include "../native_tiles.h"`), resolved beside it,
+    recursively: part of the build's cache key, so a changed shared header rebuilds every kernel using it."""
+    out, todo = [], [source]
+    while todo:
+        f = todo.pop()
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', open(f).read(), re.M):
+            h = os.path.normpath(os.path.join(os.path.dirname(f), name))
+            if os.path.exists(h) and h not in out:
+                out.append(h)
+                todo.append(h)
+    return out
+
+
 def build(source: str) -> str:
     """Path of the compiled library of `source` (built now if not cached). Raises RuntimeError on failure."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (set CXX, or install g++)")
-    src = open(source, "rb").read()
+    src = open(source, "rb").read() + b"".join(open(h, "rb").read() for h in local_headers(source))
     key = hashlib.sha256(src + " ".join((cxx,) + FLAGS).encode() + jax.__version__.encode()).hexdigest()[:16]
     out_dir = cache_dir()
     stem = os.path.splitext(os.path.basename(source))[0]

@@ -529,3 +529,50 @@ def test_weight_stacks_are_stored_in_the_layouts_the_tpu7x_loop_reads():
     assert len(unplaced) == 3 and all({"bf16", "f32"} <= d for d in dtypes), found
     assert not any(found[("tpu7x:2x2x1", True)].values()), found
     assert not any(found[("v5e:2x2", True)].values()), found
+
+
+def test_fp8_scale_stacks_are_stored_in_the_layout_the_loop_reads():
+    """`placement.stack_format(..., block_scales=True)`: a stacked FP8 matrix's float32 block scales
+    [repeats, n, R, C] with R > 8 go R-minor on TPUs. Here (hidden 2048, 32 heads of 128: the KDA
+    o_proj's scales [8, 3, 16, 32], cols the larger axis, which the default layout keeps minor) the
+    scanned decode on TPU7x and v5e relaid that stack out every call (on the real config also the
+    shared experts' [8, 7, 10, 32] / [8, 7, 32, 10]: 0.7 MB a decode call); stored R-minor, no scale
+    stack is copied, and none with R <= 8 (those the rule leaves in the default, which the loop reads:
+    stored R-minor they were copied back)."""
+    import jax
+    from jax.experimental.layout import Format
+    from sharding.mesh import make_mesh, parse_mesh_shape
+    from sharding.rules import path_str
+
+    from ling_jax.aot.abstract import placed_abstract_model
+    from ling_jax.aot.analysis import copies
+    from ling_jax.aot.programs import engine_programs
+    from ling_jax.aot.targets import resolve_target
+    from ling_jax.config import LingConfig
+
+    d = small_config_dict(36)
+    d.update(hidden_size=2048, num_attention_heads=32, num_key_value_heads=32)
+    cfg = LingConfig.from_dict(d)
+    found = {}
+    for name, lay in (("tpu7x:2x2x1", False), ("tpu7x:2x2x1", True), ("v5e:2x2", False), ("v5e:2x2", True)):
+        target = resolve_target(name)
+        mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices[:4])
+        model = placed_abstract_model(cfg, "fp8", mesh, target.platform, with_mtp=False,
+                                      exec_overrides=dict(loop_stack_layouts=lay))
+        assert model.exec.layer_loop == "scan"
+        prog = engine_programs(model, {"decode"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16, rows=(1,),
+                               num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)[0]
+        scales = {p: x for p, x in ((path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(prog.args[0]))
+                  if p.startswith("model/layers/runs") and p.endswith("/scales") and x.ndim == 4 and x.shape[0] == 8}
+        o_proj = [x for p, x in scales.items() if "/o_proj/" in p and x.shape[1] == 3]
+        assert o_proj and o_proj[0].shape[2:] == (16, 32), sorted(scales)
+        fmt = o_proj[0].format
+        assert (isinstance(fmt, Format) and fmt.layout is not None
+                and fmt.layout.major_to_minor == (0, 1, 3, 2)) == lay, fmt
+        small = [x for x in scales.values() if x.shape[2] <= 8]
+        assert small and not any(isinstance(x.format, Format) and x.format.layout is not None for x in small)
+        shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in scales.values()}
+        sites = copies(prog.lower().compile().as_text(), min_bytes=1, top=10_000)["largest"]
+        found[(name, lay)] = sorted({s["shape"].split("{")[0] for s in sites} & shapes)
+    assert found[("tpu7x:2x2x1", False)] == ["f32[8,3,16,32]"] == found[("v5e:2x2", False)], found
+    assert not found[("tpu7x:2x2x1", True)] and not found[("v5e:2x2", True)], found

@@ -89,8 +89,9 @@ def test_loop_stack_layouts_places_each_bfloat16_stack_by_the_rule_and_changes_n
     plain = nnx.clone(model).set_layer_loop("scan")
     seen = []
 
-    def rule(shape, dtype, sharding):
+    def rule(shape, dtype, sharding, block_scales=False):
         seen.append((tuple(shape), jnp.dtype(dtype)))
+        assert not block_scales  # no FP8 matrix kept here (the BlockFP8 case: the next test)
         if jnp.dtype(dtype) != jnp.bfloat16 or len(shape) < 4:
             return sharding
         return Format(Layout(major_to_minor=tuple(range(len(shape)))), sharding)
@@ -104,3 +105,34 @@ def test_loop_stack_layouts_places_each_bfloat16_stack_by_the_rule_and_changes_n
     assert bf16 and all(x.format.layout.major_to_minor == tuple(range(x.ndim)) for x in bf16)
     ids = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
     assert jnp.array_equal(model(ids)["logits"], plain(ids)["logits"])
+
+
+def test_loop_stack_layouts_tells_the_rule_which_stacks_are_fp8_block_scales(monkeypatch):
+    """Stacking a run whose Linear weights are kept FP8 (`BlockFP8`) asks `placement.stack_format`
+    with `block_scales=True` for the scales and only for them (recognised by the quantised value's
+    structure), so on a TPU they get the layout the loop reads (tests/test_aot.py); the values and
+    scales stack unchanged."""
+    from flax import nnx
+
+    import ling_jax.layer_stack as LS
+    from ling_jax.linear import Linear
+    from ling_jax.quantized import BlockFP8
+
+    layers = []
+    for i in range(4):
+        lin = Linear(256, 384, axes=("mlp", "embed"), dtype=jnp.float32, rngs=nnx.Rngs(i))
+        vals = jnp.full((384, 256), i, jnp.float8_e4m3fn)
+        lin.weight.set_value(BlockFP8(vals, jnp.full((3, 2), float(i + 1), jnp.float32)))
+        layers.append(lin)
+    seen = []
+
+    def rule(shape, dtype, sharding, block_scales=False):
+        seen.append((tuple(shape), str(jnp.dtype(dtype)), block_scales))
+        return sharding
+
+    monkeypatch.setattr(LS, "stack_format", rule)
+    stacked = LS.stack_modules(layers, 2, 2, loop_layouts=True)
+    assert sorted(seen) == [((2, 2, 3, 2), "float32", True), ((2, 2, 384, 256), "float8_e4m3fn", False)]
+    w = stacked.weight.get_value()
+    assert isinstance(w, BlockFP8) and w.scales.shape == (2, 2, 3, 2)
+    assert float(w.scales[1, 0, 0, 0]) == 3.0 and float(w.values[1, 1, 0, 0]) == 3.0

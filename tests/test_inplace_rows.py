@@ -113,6 +113,35 @@ def _expert_slices(hlo: str, model) -> list[str]:
     return out
 
 
+def _linear_slices(hlo: str, model) -> list[str]:
+    """Instructions of `hlo` that build one layer's dense weight (a Linear's [out, in] or the router's
+    [E, D], float32) as a dynamic slice of its run's stack (XLA:CPU materialises one, alone or as a
+    fusion, before the dot that reads it; matched by shape and op, so activations of a coinciding shape
+    are not mistaken for it): on XLA:CPU the native kernel reads
+    them in place (`linear.TableRows`, `ExecConfig.native_linear`). Not checked: the MLA kv_b_proj's
+    shape, which the absorbed attention reads as a matrix (`Linear.matrix()`: a slice; serve/README.md
+    "Left"), so a weight of that same shape is not seen here."""
+    from ling_jax.linear import Linear
+    from ling_jax.moe import Router
+    shapes, kv_b = set(), set()
+    for block in model.model.layers.runs or ():
+        for run in block:
+            for path, node in nnx.iter_graph(run):
+                if isinstance(node, (Linear, Router)):
+                    w = node.weight.get_value()
+                    if getattr(w, "ndim", 0) == 4:
+                        (kv_b if path[-1] == "kv_b_proj" else shapes).add(f"f32[{w.shape[2]},{w.shape[3]}]")
+    shapes -= kv_b
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (\w+\[[\d,]*\])(\{[\d,]*\})?\S* ([\w-]+)\(", line)
+        name = line.split("=")[0]
+        if m and m.group(1) in shapes and (m.group(3) == "dynamic-slice" or "dynamic-slice" in name
+                                           or "dynamic_slice" in name):
+            out.append(line.strip()[:160])
+    return out
+
+
 def _stacked_weights(eng) -> list:
     """The parameters of the runs stored stacked [repeats, n, ...] (none when unrolled)."""
     runs = nnx.merge(eng.runner.graphdef, eng.runner.params).model.layers.runs
@@ -128,7 +157,8 @@ def test_no_engine_program_copies_a_pool_or_a_weight_stack(tiny_model, loop):
     [layer, page, offset]), and reads the stored parameter stacks without restacking them: no copy,
     concatenation or broadcast of a pool-, snapshot- or weight-stack-sized array in the compiled HLO;
     on a scanned and an unrolled layer loop. And no layer's routed experts are sliced out of their
-    stack: the native CPU kernel reads them in place (`moe.ExpertTable`)."""
+    stack: the native CPU kernel reads them in place (`moe.ExpertTable`), nor its dense weights
+    (Linear and router: `linear.TableRows`; every call here has at most `TABLE_KERNEL_MAX_ROWS` rows)."""
     model = tiny_model if loop == "scan" else nnx.clone(tiny_model).set_layer_loop("unroll")
     assert model.model.layers.loop == loop
     for spec in (0, 1):
@@ -149,6 +179,8 @@ def test_no_engine_program_copies_a_pool_or_a_weight_stack(tiny_model, loop):
             assert not bad, f"{loop}: {name} materialises a pool or weight stack:\n" + "\n".join(bad[:5])
             sliced = _expert_slices(hlo, model)
             assert not sliced, f"{loop}: {name} copies a layer's experts:\n" + "\n".join(sliced[:5])
+            sliced = _linear_slices(hlo, model)
+            assert not sliced, f"{loop}: {name} copies a layer's dense weights:\n" + "\n".join(sliced[:5])
         kind = "verify" if spec else "decode"
         assert {f"{kind}[R=1,W=4]", f"{kind}[R=4,W=4]", "prefill[R=1,T=8,W=4]", "prefill[R=2,T=8,W=4]"} <= set(names), \
             names

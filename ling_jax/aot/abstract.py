@@ -48,12 +48,14 @@ def placed_abstract_model(cfg: LingConfig, weights: str, mesh, platform: str, *,
             v = v.as_columns()
             var.set_value(v)
         sh = variable_sharding(path, var, mesh, heads)
+        stacked = ex.loop_stack_layouts and is_stacked_path(path)  # as the loader stacks them for the target
         if isinstance(v, BlockFP8):
-            var.set_value(BlockFP8(_placed(v.values, sh.values), _placed(v.scales, sh.scales), v.block))
+            ssh = stack_format(v.scales.shape, v.scales.dtype, sh.scales, block_scales=True) if stacked else sh.scales
+            var.set_value(BlockFP8(_placed(v.values, sh.values), _placed(v.scales, ssh), v.block))
         elif isinstance(v, MXFP4Blocks):
             var.set_value(MXFP4Blocks(_placed(v.packed, sh.packed), _placed(v.scales, sh.scales), v.columns))
         else:
-            if ex.loop_stack_layouts and is_stacked_path(path):  # as the loader stacks them for the target
+            if stacked:
                 sh = stack_format(v.shape, v.dtype, sh)
             var.set_value(_placed(v, sh))
     model.exec = ex

@@ -65,7 +65,7 @@ def forward(model: LingForCausalLM, ids, *, mtp: bool, remat: bool = False, poli
     so training takes the XLA paths, whose backward is sized by the assignments.
     """
     ex = model.exec.replace(kda_chunk=chunk_size, remat=policy if remat else None, native_experts=False,
-                            native_attention=False)
+                            native_attention=False, native_linear=False)
     out = model(ids, mtp=mtp, exec=ex, mode=TRAIN)
     return out["logits"], out.get("mtp_logits"), out["routing"]
 
