@@ -47,8 +47,8 @@ from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.config import KDA, LingConfig
 from ling_jax.decoder_layer import DecoderLayer
 from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
-from ling_jax.linear import Linear, TableRows
 from ling_jax.kda import CONV_FIELDS, KDAState, SlotKDAState, conv_like, conv_window, kda_in_place, kda_rollback
+from ling_jax.linear import Linear, TableRows
 from ling_jax.mla import MLACache, PagedMLACache
 from ling_jax.moe import ExpertTable, Router
 from ling_jax.placement import stack_format, model_mesh
@@ -467,9 +467,9 @@ def _expert_table(stack, g, j, ex: ExecConfig) -> ExpertTable | None:
 
 
 def _linear_weights(run, ex: ExecConfig) -> frozenset:
-    """Paths (module path + "weight") of the Linear (and router) weights of a scanned run that its layers get as
-    `linear.TableRows` (`ExecConfig.native_linear`: XLA:CPU, one device, the kernel built); empty
-    where they get slices."""
+    """Paths (module path + "weight") of the Linear and router weights of a scanned run that its layers
+    get as `linear.TableRows` (`ExecConfig.native_linear`: XLA:CPU, one device, the kernel built);
+    empty where they get slices."""
     if not (ex.native_linear and ex.platform == "cpu" and model_mesh(run) is None and table_kernel.available()):
         return frozenset()
     return frozenset(tuple(p) + ("weight",) for p, node in nnx.iter_graph(run) if isinstance(node, (Linear, Router)))
@@ -477,7 +477,7 @@ def _linear_weights(run, ex: ExecConfig) -> frozenset:
 
 def _layer_params(stack, g, j, linear_weights: frozenset):
     """Layer (g, j)'s parameters from its run's stacked state: each array sliced at [g, j], except a
-    float32 Linear weight named in `linear_weights`, which becomes its rows of the run's stack merged
+    float32 Linear or router weight named in `linear_weights`, which becomes its rows of the run's stack merged
     into one table (`linear.TableRows`; a reshape, not a copy): the native kernel reads it in place,
     where XLA:CPU copies a dynamic slice before the dot that reads it."""
     def one(path, x):

@@ -25,7 +25,7 @@ from ling_jax.quantized import BlockFP8, dequantize
 from pallas_kernels.fp8.kernel import fp8_linear_pallas
 from pallas_kernels.fp8.reference import fp8_linear
 from pallas_kernels.linear import cpu_kernel as table_kernel
-from pallas_kernels.linear.reference import table_linear, table_rows
+from pallas_kernels.linear.reference import table_rows
 
 
 #: Rows of input up to which a `TableRows` weight is read in place by the native kernel (decode and
@@ -86,8 +86,7 @@ class Linear(nnx.Module):
         if isinstance(w, TableRows):
             if x.dtype == jnp.float32 and math.prod(x.shape[:-1]) <= TABLE_KERNEL_MAX_ROWS and table_kernel.available():
                 return table_kernel.table_linear_cpu(x, w.table, w.base, w.rows)
-            return table_linear(x, w.table.astype(x.dtype), w.base, w.rows,
-                                ex.weights_first_rows if ex is not None else 0)
+            return linear(x, w.matrix(), ex.weights_first_rows if ex is not None else 0)  # sliced, then cast
         if isinstance(w, BlockFP8):
             if ex is not None and ex.kernels == "pallas":
                 kernel = partial(fp8_linear_pallas, platform=ex.platform)
