@@ -22,19 +22,15 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "../native_tiles.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float vf8 __attribute__((vector_size(32)));
-constexpr int64_t L = 8;
-
-inline vf8 load8(const float* p) {
-  vf8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+using ling_tiles::L;
+using ling_tiles::load8;
+using ling_tiles::vf8;
 
 inline void store8(float* p, vf8 v) { std::memcpy(p, &v, sizeof v); }
 
