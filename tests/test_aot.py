@@ -535,7 +535,7 @@ def test_fp8_scale_stacks_are_stored_in_the_layout_the_loop_reads():
     """`placement.stack_format(..., block_scales=True)`: a stacked FP8 matrix's float32 block scales
     [repeats, n, R, C] with R > 8 go R-minor on TPUs. Here (hidden 2048, 32 heads of 128: the KDA
     o_proj's scales [8, 3, 16, 32], cols the larger axis, which the default layout keeps minor) the
-    scanned decode on TPU7x and v5e relaid that stack out every call (on the real config also the
+    scanned decode on TPU7x (and v5e, probed) relaid that stack out every call (on the real config also the
     shared experts' [8, 7, 10, 32] / [8, 7, 32, 10]: 0.7 MB a decode call); stored R-minor, no scale
     stack is copied, and none with R <= 8 (those the rule leaves in the default, which the loop reads:
     stored R-minor they were copied back)."""
@@ -554,7 +554,7 @@ def test_fp8_scale_stacks_are_stored_in_the_layout_the_loop_reads():
     d.update(hidden_size=2048, num_attention_heads=32, num_key_value_heads=32)
     cfg = LingConfig.from_dict(d)
     found = {}
-    for name, lay in (("tpu7x:2x2x1", False), ("tpu7x:2x2x1", True), ("v5e:2x2", False), ("v5e:2x2", True)):
+    for name, lay in (("tpu7x:2x2x1", False), ("tpu7x:2x2x1", True), ("v5e:2x2", True)):
         target = resolve_target(name)
         mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices[:4])
         model = placed_abstract_model(cfg, "fp8", mesh, target.platform, with_mtp=False,
@@ -574,5 +574,5 @@ def test_fp8_scale_stacks_are_stored_in_the_layout_the_loop_reads():
         shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in scales.values()}
         sites = copies(prog.lower().compile().as_text(), min_bytes=1, top=10_000)["largest"]
         found[(name, lay)] = sorted({s["shape"].split("{")[0] for s in sites} & shapes)
-    assert found[("tpu7x:2x2x1", False)] == ["f32[8,3,16,32]"] == found[("v5e:2x2", False)], found
+    assert found[("tpu7x:2x2x1", False)] == ["f32[8,3,16,32]"], found  # (v5e copies it too: BENCHMARKS.md)
     assert not found[("tpu7x:2x2x1", True)] and not found[("v5e:2x2", True)], found
