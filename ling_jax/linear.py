@@ -65,6 +65,13 @@ class TableRows:
         return table_rows(self.table, self.base, self.rows)
 
 
+def reads_in_place(w, x) -> bool:
+    """Whether a product of x [..., in] with weight w runs the native kernel over w's rows in place:
+    w a `TableRows`, x float32 of at most `TABLE_KERNEL_MAX_ROWS` rows, the kernel built."""
+    return (isinstance(w, TableRows) and x.dtype == jnp.float32 and math.prod(x.shape[:-1]) <= TABLE_KERNEL_MAX_ROWS
+            and table_kernel.available())
+
+
 def init_normal(rngs: nnx.Rngs, shape, dtype, fan_in: int | None = None):
     """N(0, 1/fan_in): keeps activations O(1) in randomly initialised models."""
     fan_in = fan_in or shape[-1]
@@ -83,9 +90,9 @@ class Linear(nnx.Module):
         """`x @ weight.T` in x's dtype; a BlockFP8 weight is dequantised inside the matmul by the
         kernel `ex.kernels` selects (the dequantised weight is never stored)."""
         w = self.weight.get_value()
+        if reads_in_place(w, x):
+            return table_kernel.table_linear_cpu(x, w.table, w.base, w.rows)
         if isinstance(w, TableRows):
-            if x.dtype == jnp.float32 and math.prod(x.shape[:-1]) <= TABLE_KERNEL_MAX_ROWS and table_kernel.available():
-                return table_kernel.table_linear_cpu(x, w.table, w.base, w.rows)
             return linear(x, w.matrix(), ex.weights_first_rows if ex is not None else 0)  # sliced, then cast
         if isinstance(w, BlockFP8):
             if ex is not None and ex.kernels == "pallas":

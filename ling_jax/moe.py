@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
-from ling_jax.linear import TABLE_KERNEL_MAX_ROWS, TableRows, init_normal, table_kernel
+from ling_jax.linear import TableRows, init_normal, reads_in_place, table_kernel
 from ling_jax.moe_active import experts_for_tokens, native_applies, uses_active_loop
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision, real_tokens
@@ -59,12 +59,12 @@ def router_logits(x: jax.Array, w) -> jax.Array:
     """x [N,D] · w [E,D]ᵀ in float32 at HIGHEST precision → [N,E]; w may be a `linear.TableRows` (a
     scanned layer's router rows of its run's stack on XLA:CPU), read in place by the native kernel for
     a decode-sized x (`linear.TABLE_KERNEL_MAX_ROWS`), sliced out for more rows."""
+    x = x.astype(jnp.float32)
+    if reads_in_place(w, x):
+        return table_kernel.table_linear_cpu(x, w.table, w.base, w.rows)
     if isinstance(w, TableRows):
-        if x.shape[0] <= TABLE_KERNEL_MAX_ROWS and table_kernel.available():
-            return table_kernel.table_linear_cpu(x.astype(jnp.float32), w.table, w.base, w.rows)
         w = w.matrix()
-    return jnp.einsum("nd,ed->ne", x.astype(jnp.float32), w.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("nd,ed->ne", x, w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def routing_weights(scores: jax.Array, idx: jax.Array, cfg: LingConfig) -> jax.Array:

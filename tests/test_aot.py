@@ -474,6 +474,24 @@ def test_mxfp4_experts_stored_by_columns_are_not_relaid_out_on_tpu():
     assert not relaid[True], relaid[True]
 
 
+def _scanned_fp8_programs(cfg, target_name: str, loop_layouts: bool, families, rows, with_mtp: bool) -> list:
+    """The engine programs (8 slots, 128 pages of 16) of `cfg` kept FP8, its layers scanned, on 4
+    compile-only devices of `target_name` (mesh expert=4), with `ExecConfig.loop_stack_layouts` as given."""
+    from sharding.mesh import make_mesh, parse_mesh_shape
+
+    from ling_jax.aot.abstract import placed_abstract_model
+    from ling_jax.aot.programs import engine_programs
+    from ling_jax.aot.targets import resolve_target
+
+    target = resolve_target(target_name)
+    mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices[:4])
+    model = placed_abstract_model(cfg, "fp8", mesh, target.platform, with_mtp=with_mtp,
+                                  exec_overrides=dict(loop_stack_layouts=loop_layouts))
+    assert model.exec.layer_loop == "scan" and model.exec.loop_stack_layouts == loop_layouts
+    return engine_programs(model, set(families), plan=lambda *a, **k: 0, max_slots=8, page_size=16, rows=rows,
+                           num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
+
+
 def test_weight_stacks_are_stored_in_the_layouts_the_tpu7x_loop_reads():
     """`ExecConfig.loop_stack_layouts` (the TPU default): on TPU7x a scanned program relaid weight
     stacks out once per call, in every decode and prefill program: each bfloat16 stack [repeats, n,
@@ -486,13 +504,9 @@ def test_weight_stacks_are_stored_in_the_layouts_the_tpu7x_loop_reads():
     overridden there, and jax refuses that)."""
     import jax
     from jax.experimental.layout import Format
-    from sharding.mesh import make_mesh, parse_mesh_shape
     from sharding.rules import path_str
 
-    from ling_jax.aot.abstract import placed_abstract_model
     from ling_jax.aot.analysis import copies
-    from ling_jax.aot.programs import engine_programs
-    from ling_jax.aot.targets import resolve_target
     from ling_jax.config import LingConfig
 
     import jax.numpy as jnp
@@ -501,13 +515,7 @@ def test_weight_stacks_are_stored_in_the_layouts_the_tpu7x_loop_reads():
     cfg = LingConfig.from_dict(small_config_dict(36))
     found = {}
     for name, lay in (("tpu7x:2x2x1", False), ("tpu7x:2x2x1", True), ("v5e:2x2", True)):
-        target = resolve_target(name)
-        mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices[:4])
-        model = placed_abstract_model(cfg, "fp8", mesh, target.platform, with_mtp=True,
-                                      exec_overrides=dict(loop_stack_layouts=lay))
-        assert model.exec.layer_loop == "scan" and model.exec.loop_stack_layouts == lay
-        progs = engine_programs(model, {"decode", "prefill"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16,
-                                rows=(1, 8), num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
+        progs = _scanned_fp8_programs(cfg, name, lay, {"decode", "prefill"}, (1, 8), with_mtp=True)
         stacks = {p: x for p, x in ((path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(progs[0].args[0]))
                   if p.startswith("model/layers/runs") and x.shape[0] == 8
                   and (x.dtype, x.ndim) in ((jnp.bfloat16, 4), (jnp.bfloat16, 3), (jnp.float32, 3))}
@@ -541,13 +549,9 @@ def test_fp8_scale_stacks_are_stored_in_the_layout_the_loop_reads():
     stored R-minor they were copied back)."""
     import jax
     from jax.experimental.layout import Format
-    from sharding.mesh import make_mesh, parse_mesh_shape
     from sharding.rules import path_str
 
-    from ling_jax.aot.abstract import placed_abstract_model
     from ling_jax.aot.analysis import copies
-    from ling_jax.aot.programs import engine_programs
-    from ling_jax.aot.targets import resolve_target
     from ling_jax.config import LingConfig
 
     d = small_config_dict(36)
@@ -555,13 +559,7 @@ def test_fp8_scale_stacks_are_stored_in_the_layout_the_loop_reads():
     cfg = LingConfig.from_dict(d)
     found = {}
     for name, lay in (("tpu7x:2x2x1", False), ("tpu7x:2x2x1", True), ("v5e:2x2", True)):
-        target = resolve_target(name)
-        mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices[:4])
-        model = placed_abstract_model(cfg, "fp8", mesh, target.platform, with_mtp=False,
-                                      exec_overrides=dict(loop_stack_layouts=lay))
-        assert model.exec.layer_loop == "scan"
-        prog = engine_programs(model, {"decode"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16, rows=(1,),
-                               num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)[0]
+        prog = _scanned_fp8_programs(cfg, name, lay, {"decode"}, (1,), with_mtp=False)[0]
         scales = {p: x for p, x in ((path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(prog.args[0]))
                   if p.startswith("model/layers/runs") and p.endswith("/scales") and x.ndim == 4 and x.shape[0] == 8}
         o_proj = [x for p, x in scales.items() if "/o_proj/" in p and x.shape[1] == 3]
