@@ -93,13 +93,12 @@ class ExecConfig:
         float32, one device, the XLA reference when it cannot be built.
     native_linear: in a scanned layer loop on XLA:CPU, a float32 linear (or router) weight is read in
         place from its run's stack by the native CPU kernel (`pallas_kernels.linear.cpu_kernel`; the
-        layer gets `linear.TableRows`, its rows of the stack) in calls of at most
-        `linear.TABLE_KERNEL_MAX_ROWS` rows (decode, verify, small prefill chunks): XLA:CPU copies a
-        dynamic slice of a stack before the dot that reads it, so every scanned decode step wrote each
-        dense weight once more and read it twice (the mid config scanned, 8-row decode step 166 -> 130
-        ms, BENCHMARKS.md "Thirty-first session"); larger calls slice (the copy is small beside their
-        GEMM, which XLA runs faster). One device, float32; the XLA slice when it cannot be built.
-        Training turns it off.
+        layer gets `linear.TableRows`, its rows of the stack; MLA's kv_b_proj per head, `mla.absorbed_kv_b`)
+        in calls of any number of rows (decode, verify, prefill): XLA:CPU copies a dynamic slice of a
+        stack before the dot that reads it, so every scanned decode step wrote each dense weight once
+        more and read it twice (the mid config scanned, 8-row decode step 166 -> 130 ms, BENCHMARKS.md
+        "Thirty-first session"; prefill-sized calls level with the slice + dot, "Thirty-second
+        session"). One device, float32; the XLA slice when it cannot be built. Training turns it off.
     attn_block: keys per block of the XLA blockwise MLA attention (`pallas_kernels.mla.blockwise`):
         its temporaries are [B,H,T,attn_block] scores, whatever the key count.
     prefill_chunk: tokens per model call when `generate` prefills or `forward` runs a longer

@@ -20,7 +20,7 @@ from flax import nnx
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
 from ling_jax.kv_quant import FP8, dequantize_per_token, quantize_per_token
-from ling_jax.linear import Linear
+from ling_jax.linear import Linear, TableRows, table_kernel
 from ling_jax.norms import RMSNorm
 from ling_jax.ops import einsum, linear, real_tokens
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
@@ -157,6 +157,11 @@ def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, co
     """
     H, dn = q_nope.shape[2], q_nope.shape[3]
     B, T = q_nope.shape[:2]
+    if isinstance(w_kv_b, TableRows):  # a scanned layer's kv_b_proj rows, read in place (`absorbed_kv_b`)
+        t, stride = w_kv_b, w_kv_b.rows // H
+        q_hat = table_kernel.table_heads_cpu(q_nope, t.table, t.base, H, stride, 0, dn, contract=True)
+        c_hat = core(q_hat, q_pe, c, k_pe, mask, scale)
+        return table_kernel.table_heads_cpu(c_hat, t.table, t.base, H, stride, dn, stride - dn, contract=False)
     w = w_kv_b.reshape(H, -1, w_kv_b.shape[-1])  # [H, dn+dv, r]
     w_uk, w_uv = w[:, :dn].astype(dtype), w[:, dn:].astype(dtype)
     n = B * T
@@ -167,6 +172,16 @@ def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, co
     q_hat = einsum("nhd,hdr->nhr", q_rows, w_uk)[:n].reshape(B, T, H, -1)  # [B,T,H,r]
     c_hat = core(q_hat, q_pe, c, k_pe, mask, scale)
     return einsum("bthr,hdr->bthd", c_hat, w_uv)
+
+
+def absorbed_kv_b(proj: Linear, dtype):
+    """kv_b_proj as the absorbed form takes it: on XLA:CPU a scanned layer's float32 `TableRows` as
+    they are (W_UK and W_UV read per head where they are stored, `table_heads_cpu`: XLA:CPU would copy
+    the layer's slice of the stack first), else the (dequantised) matrix [H·(dn+dv), r]."""
+    w = proj.weight.get_value()
+    if isinstance(w, TableRows) and w.dtype == jnp.float32 and dtype == jnp.float32 and table_kernel.available():
+        return w
+    return proj.matrix(dtype)
 
 
 #: Rows of the absorbed query projection on GPU are padded to a multiple of this (see
@@ -229,6 +244,8 @@ def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dty
     T, S = q_nope.shape[1], c.shape[1]
     blockwise = uses_blockwise(T, S, ex.attn_block)
     if form == "expanded":
+        if isinstance(w_kv_b, TableRows):
+            w_kv_b = w_kv_b.matrix()
         if blockwise:
             return blockwise_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype,
                                                 ex.attn_block)
@@ -353,9 +370,10 @@ class MultiheadLatentAttention(nnx.Module):
         kv_len = lengths + n_valid
         fp8 = getattr(cache, "c_scale", None) is not None or getattr(cache, "c_scale_pages", None) is not None
         # kv_b_proj is read as a matrix (split into W_UK / W_UV by the absorbed form): an FP8-kept one is
-        # dequantised here, in-graph (a transient of one layer), like the XLA twin of the FP8 matmul.
+        # dequantised here, in-graph (a transient of one layer), like the XLA twin of the FP8 matmul; a
+        # scanned layer's float32 rows on XLA:CPU are read in place (`absorbed_kv_b`).
         o = mla_attention(form, q[..., :dn], q_pe, c_all.astype(x.dtype), kpe_all.astype(x.dtype),
-                          self.kv_b_proj.matrix(x.dtype), pos, kv_len, self.scale, x.dtype, ex,
+                          absorbed_kv_b(self.kv_b_proj, x.dtype), pos, kv_len, self.scale, x.dtype, ex,
                           param_mesh(self.kv_b_proj.weight), fp8_cache=fp8)
         return self._output(x, o, ex), new_cache
 
@@ -386,5 +404,5 @@ class MultiheadLatentAttention(nnx.Module):
                            heads=qh.shape[2])
 
         rows = GPU_QUERY_ROW_MULTIPLE if backend_platform(ex.platform) == "gpu" else 1
-        return mla_absorbed_attention(q_nope, q_pe.astype(dtype), None, None, self.kv_b_proj.matrix(dtype), None,
-                                      self.scale, dtype, core=core, row_multiple=rows)
+        return mla_absorbed_attention(q_nope, q_pe.astype(dtype), None, None, absorbed_kv_b(self.kv_b_proj, dtype),
+                                      None, self.scale, dtype, core=core, row_multiple=rows)

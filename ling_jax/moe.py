@@ -57,8 +57,8 @@ def route(x: jax.Array, w: jax.Array, bias: jax.Array, cfg: LingConfig):
 
 def router_logits(x: jax.Array, w) -> jax.Array:
     """x [N,D] · w [E,D]ᵀ in float32 at HIGHEST precision → [N,E]; w may be a `linear.TableRows` (a
-    scanned layer's router rows of its run's stack on XLA:CPU), read in place by the native kernel for
-    a decode-sized x (`linear.TABLE_KERNEL_MAX_ROWS`), sliced out for more rows."""
+    scanned layer's router rows of its run's stack on XLA:CPU), read in place by the native kernel
+    (`linear.reads_in_place`)."""
     x = x.astype(jnp.float32)
     if reads_in_place(w, x):
         return table_kernel.table_linear_cpu(x, w.table, w.base, w.rows)

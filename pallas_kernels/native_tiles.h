@@ -1,6 +1,6 @@
 // Register tiles shared by the native CPU kernels (float32, 8-lane vectors): the dot form (two weight
-// rows against up to four activation rows, `dot_rows`) and the GEMM form with the tokens across the
-// lanes (`class_gemm`), which computes the same sums in the same order (bit-identical results).
+// rows against up to four activation rows, `dot_rows`) and the packed-panel GEMM form (`panel_gemm`),
+// which computes the same sums in the same order (bit-identical results).
 // Included by experts/experts_decode.cc, linear/table_linear.cc and (the vector type)
 // kda/recurrent_cpu.cc; `pallas_kernels.native` keys a kernel's build on the headers it includes too.
 #pragma once
@@ -8,6 +8,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace ling_tiles {
 
@@ -74,98 +78,134 @@ inline void dot_rows(const float* w0, const float* w1, const float* const* x, in
 }
 
 
-// ---- Many tokens per expert: the same sums as dot_tile, as a register-tiled GEMM. ----
-// dot_tile's value for (weight row o, token t) is: eight lane sums p_l = sum_j w[8j+l] x[8j+l] (FMA chains,
-// j ascending), then ((((0 + p_0) + p_1) + ...) + p_7), then the tail d >= 8 floor(n/8) added in order.
-// Here the tokens lie across the vector lanes and each lane class l (d = 8j + l) is one pass: a pass
-// accumulates p_l of MO rows x 8 NV tokens in registers (the weight rows broadcast, the activations
-// loaded), then adds it to the running sum in order l = 0..7. Same operations on the same values in
-// the same order, so the bits equal the dot path's: a token's result still does not depend on how
-// many tokens picked its expert. Why: with many tokens per expert (prefill) the dot form spends its
-// time on horizontal sums and activation loads (~90 GFLOP/s of the two cores' ~230 peak); here every
-// weight broadcast feeds NV FMAs and every activation vector MO (~147 GFLOP/s at 64 tokens an expert).
-constexpr int MO = 6, NV = 4;  // 24 accumulators: AVX-512VL's 32 vector registers
-constexpr int64_t TW = NV * L;  // tokens per tile
+// ---- Many rows: the same sums as dot_tile, as a packed-panel GEMM (the weight rows across the lanes). ----
+// dot_tile's value for (weight row o, activation row t) is: eight lane sums p_l = sum_j w[8j+l] x[8j+l]
+// (FMA chains, j ascending), then ((((0 + p_0) + p_1) + ...) + p_7), then the tail d >= 8 floor(K/8)
+// added in order. Here both operands are packed in lane-class order e (e = l K8 + j holds element
+// 8j + l, then the tail elements in order): activations [K][PM] per PM rows (once per call), weights
+// [K][PW] per PW rows (one panel at a time, inside the call: the weight is read where it is stored,
+// once). A tile of PM activation rows by PW weight rows sums lane class l's FMA chain over j in 12
+// accumulators (+ 2 weight vectors + 1 broadcast: AVX2's 16 registers), adds it to the running sum
+// in order l = 0..7, then the tail: the same operations on the same values as dot_tile, so the bits
+// equal the dot form's, and a row's result does not depend on which rows share its call. Why: the
+// previous GEMM form (tokens across the lanes, weights broadcast, 24 accumulators) spilled on AVX2 and
+// re-read each weight row 8 times with a stride of 8: on a Zen 3 host a [1024, 1024] layer over 512
+// rows took 14.8 ms against XLA's 7.1; this form 7.9 (tools/bench_small_matmul.py --table).
+constexpr int PM = 6;          // activation rows per tile
+constexpr int64_t PW = 2 * L;  // weight rows per tile
 
-// The GEMM's activation operand for Rp tokens (a multiple of 8; padding tokens zero) is tile-major:
-// tiles of TW tokens, the last one Rp mod TW wide, each [K][its width] with the K rows in lane-class
-// order (row l K8 + j holds element 8j + l, K8 = K / 8; then the tail elements d >= 8 K8 in order).
-// So a tile's pass reads one contiguous run (with the tokens' rows [K][Rp] interleaved instead, one
-// MoE layer of 512 tokens took 50 ms, tile-major 44; 2,048 tokens 244 -> 208 ms; <= 128 tokens within 2%).
-// put_token writes the K-vector v of token r into it.
-inline void put_token(float* xc, const float* v, int64_t r, int64_t K, int64_t Rp) {
-  const int64_t t0 = r / TW * TW, w = std::min(TW, Rp - t0), K8 = K / L;
-  float* o = xc + t0 * K + (r - t0);
-  for (int64_t l = 0; l < L; ++l)
-    for (int64_t j = 0; j < K8; ++j) o[(l * K8 + j) * w] = v[L * j + l];
-  for (int64_t d = L * K8; d < K; ++d) o[d * w] = v[d];
-}
-
-// out[i * ostride + t0 + t] for the mo weight rows w[i * K ...] (read in place: each pass broadcasts
-// every 8th element) and the 8 nv tokens of one tile xc ([K][xs], xs = 8 nv, as put_token lays it out).
-// xs is a runtime argument on purpose: a compile-time stride made GCC 12 schedule the loop worse
-// (128 tokens 16.6 -> 18.9 ms).
-template <int mo, int nv>
-inline void class_tile(const float* w, const float* xc, int64_t K, int64_t xs, int64_t t0, float* out,
-                       int64_t ostride) {
+// Packs rows r < m of x (row r at rows[r], K elements) into ap [K][width] in lane-class order; rows
+// m..width-1 zero. With AVX, 8 rows at a time through an 8 x 8 register transpose (a scalar pack ran
+// at ~4 GB/s, as slow as the whole product at 16 rows).
+inline void pack_panel(const float* const* rows, int64_t m, int64_t K, int64_t width, float* ap) {
   const int64_t K8 = K / L;
-  vf8 S[mo][nv];
-  for (int i = 0; i < mo; ++i)
-    for (int v = 0; v < nv; ++v) S[i][v] = vf8{};
-  for (int64_t l = 0; l < L; ++l) {
-    vf8 A[mo][nv];
-    for (int i = 0; i < mo; ++i)
-      for (int v = 0; v < nv; ++v) A[i][v] = vf8{};
-    const float* xl = xc + l * K8 * xs;
-    const float* wl = w + l;
+  int64_t r0 = 0;
+#if defined(__AVX__)
+  for (; r0 + 8 <= m; r0 += 8) {
+    const float* const* v = rows + r0;
     for (int64_t j = 0; j < K8; ++j) {
-      if (l == 0)  // the next tile's weight rows (one line of each every other j): 128 tokens 20.4 -> 17.9 ms
-        for (int i = 0; i < mo; ++i) __builtin_prefetch(w + (mo + i) * K + L * j, 0, 1);
-      vf8 xv[nv];
-      for (int v = 0; v < nv; ++v) xv[v] = load8(xl + j * xs + v * L);
-      for (int i = 0; i < mo; ++i) {
-        const float b = wl[i * K + L * j];
-        for (int v = 0; v < nv; ++v) A[i][v] += b * xv[v];
+      __m256 a[8], b[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(v[i] + L * j);
+      for (int i = 0; i < 8; i += 2) {
+        b[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+        b[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
       }
+      a[0] = _mm256_shuffle_ps(b[0], b[2], 0x44);
+      a[1] = _mm256_shuffle_ps(b[0], b[2], 0xEE);
+      a[2] = _mm256_shuffle_ps(b[1], b[3], 0x44);
+      a[3] = _mm256_shuffle_ps(b[1], b[3], 0xEE);
+      a[4] = _mm256_shuffle_ps(b[4], b[6], 0x44);
+      a[5] = _mm256_shuffle_ps(b[4], b[6], 0xEE);
+      a[6] = _mm256_shuffle_ps(b[5], b[7], 0x44);
+      a[7] = _mm256_shuffle_ps(b[5], b[7], 0xEE);
+      for (int i = 0; i < 4; ++i) {  // a[i]: lanes 0-3 element i of rows 0-3, lanes 4-7 element i + 4
+        b[i] = _mm256_permute2f128_ps(a[i], a[i + 4], 0x20);
+        b[i + 4] = _mm256_permute2f128_ps(a[i], a[i + 4], 0x31);
+      }
+      for (int l = 0; l < 8; ++l) _mm256_storeu_ps(ap + (l * K8 + j) * width + r0, b[l]);
     }
-    for (int i = 0; i < mo; ++i)
-      for (int v = 0; v < nv; ++v) S[i][v] = S[i][v] + A[i][v];
+    for (int64_t d = L * K8; d < K; ++d)
+      for (int64_t r = 0; r < 8; ++r) ap[d * width + r0 + r] = v[r][d];
   }
-  for (int64_t d = L * K8; d < K; ++d) {
-    const float* xd = xc + d * xs;
-    for (int v = 0; v < nv; ++v)
-      for (int i = 0; i < mo; ++i)
-        for (int q = 0; q < L; ++q) S[i][v][q] = __builtin_fmaf(w[i * K + d], xd[v * L + q], S[i][v][q]);
-  }
-  for (int i = 0; i < mo; ++i)
-    for (int v = 0; v < nv; ++v) std::memcpy(out + i * ostride + t0 + v * L, &S[i][v], sizeof(vf8));
-}
-
-template <int mo>
-inline void class_rows(const float* w, const float* xc, int64_t K, int64_t Rp, float* out) {
-  int64_t t = 0;
-  for (; t + TW <= Rp; t += TW) class_tile<mo, NV>(w, xc + t * K, K, TW, t, out, Rp);
-  switch ((Rp - t) / L) {
-    case 3: class_tile<mo, 3>(w, xc + t * K, K, Rp - t, t, out, Rp); break;
-    case 2: class_tile<mo, 2>(w, xc + t * K, K, Rp - t, t, out, Rp); break;
-    case 1: class_tile<mo, 1>(w, xc + t * K, K, Rp - t, t, out, Rp); break;
-    default: break;
+#endif
+  for (int64_t r = r0; r < width; ++r) {
+    float* o = ap + r;
+    if (r >= m) {
+      for (int64_t e = 0; e < K; ++e) o[e * width] = 0.f;
+      continue;
+    }
+    const float* v = rows[r];
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t j = 0; j < K8; ++j) o[(l * K8 + j) * width] = v[L * j + l];
+    for (int64_t d = L * K8; d < K; ++d) o[d * width] = v[d];
   }
 }
 
-// out[o * Rp + t] = dot_tile's sum of weight row o of w [O, K] with token t (xc tile-major, above).
-inline void class_gemm(const float* w, int64_t O, int64_t K, const float* xc, int64_t Rp, float* out) {
-  for (int64_t o0 = 0; o0 < O; o0 += MO) {
-    const int mo = static_cast<int>(std::min<int64_t>(MO, O - o0));
-    const float* wt = w + o0 * K;
-    float* o = out + o0 * Rp;
-    switch (mo) {
-      case 6: class_rows<6>(wt, xc, K, Rp, o); break;
-      case 5: class_rows<5>(wt, xc, K, Rp, o); break;
-      case 4: class_rows<4>(wt, xc, K, Rp, o); break;
-      case 3: class_rows<3>(wt, xc, K, Rp, o); break;
-      case 2: class_rows<2>(wt, xc, K, Rp, o); break;
-      default: class_rows<1>(wt, xc, K, Rp, o); break;
+// s[t][.] += (FMA chain over j < n, from zero, of a[j PM + t] b[j PW + .]) for t < PM: one lane class's
+// pass of a tile. Not inlined: inlined, GCC 12 kept part of s in registers and spilled the loop's pointers.
+__attribute__((noinline)) inline void panel_pass(const float* __restrict a, const float* __restrict b, int64_t n,
+                                                 vf8 (*__restrict s)[2]) {
+  vf8 A0 = {}, A1 = {}, A2 = {}, A3 = {}, A4 = {}, A5 = {}, B0 = {}, B1 = {}, B2 = {}, B3 = {}, B4 = {}, B5 = {};
+  for (int64_t j = 0; j < n; ++j, a += PM, b += PW) {
+    const vf8 w0 = load8(b), w1 = load8(b + L);
+    A0 += a[0] * w0; B0 += a[0] * w1;
+    A1 += a[1] * w0; B1 += a[1] * w1;
+    A2 += a[2] * w0; B2 += a[2] * w1;
+    A3 += a[3] * w0; B3 += a[3] * w1;
+    A4 += a[4] * w0; B4 += a[4] * w1;
+    A5 += a[5] * w0; B5 += a[5] * w1;
+  }
+  s[0][0] = s[0][0] + A0; s[0][1] = s[0][1] + B0;
+  s[1][0] = s[1][0] + A1; s[1][1] = s[1][1] + B1;
+  s[2][0] = s[2][0] + A2; s[2][1] = s[2][1] + B2;
+  s[3][0] = s[3][0] + A3; s[3][1] = s[3][1] + B3;
+  s[4][0] = s[4][0] + A4; s[4][1] = s[4][1] + B4;
+  s[5][0] = s[5][0] + A5; s[5][1] = s[5][1] + B5;
+}
+static_assert(PM == 6, "panel_pass is written out for six activation rows");
+
+// Packs activation rows rows[0..N) (K elements each) for panel_gemm: ceil(N / PM) panels of [K][PM].
+inline void pack_activations(const float* const* rows, int64_t N, int64_t K, std::vector<float>& ap) {
+  const int64_t np = (N + PM - 1) / PM;
+  ap.resize(static_cast<size_t>(np * PM * K));
+  for (int64_t p = 0; p < np; ++p)
+    pack_panel(rows + p * PM, std::min<int64_t>(PM, N - p * PM), K, PM, ap.data() + p * PM * K);
+}
+
+// out[n * ostride + o] = dot_tile's sum of weight row o of w [O][K] (read in place) with activation row
+// n < N (ap from pack_activations). Per panel of PW weight rows: pack it, then for each lane class l
+// run every activation panel against it (the weights' pass slice, K/8 x PW floats, stays in L1), summing
+// into s. (Prefetching the next panel's rows during the passes was tried: no change at 16 or 64 rows.)
+inline void panel_gemm(const float* w, int64_t O, int64_t K, const float* ap, int64_t N, float* out,
+                       int64_t ostride) {
+  const int64_t K8 = K / L, np = (N + PM - 1) / PM;
+  std::vector<float> bp(static_cast<size_t>(PW * K));
+  std::vector<vf8> sbuf(static_cast<size_t>(np * PM * 2));
+  auto* s = reinterpret_cast<vf8(*)[PM][2]>(sbuf.data());
+  const float* rows[PW];
+  for (int64_t o0 = 0; o0 < O; o0 += PW) {
+    const int64_t mo = std::min<int64_t>(PW, O - o0);
+    for (int64_t r = 0; r < mo; ++r) rows[r] = w + (o0 + r) * K;
+    pack_panel(rows, mo, K, PW, bp.data());
+    std::fill(sbuf.begin(), sbuf.end(), vf8{});
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t p = 0; p < np; ++p) panel_pass(ap + p * PM * K + l * K8 * PM, bp.data() + l * K8 * PW, K8, s[p]);
+    for (int64_t p = 0; p < np; ++p) {
+      const float* a = ap + p * PM * K;
+      for (int64_t d = L * K8; d < K; ++d) {
+        const vf8 b0 = load8(bp.data() + d * PW), b1 = load8(bp.data() + d * PW + L);
+        for (int t = 0; t < PM; ++t)
+          for (int q = 0; q < L; ++q) {
+            s[p][t][0][q] = __builtin_fmaf(b0[q], a[d * PM + t], s[p][t][0][q]);
+            s[p][t][1][q] = __builtin_fmaf(b1[q], a[d * PM + t], s[p][t][1][q]);
+          }
+      }
+      for (int64_t t = 0; t < std::min<int64_t>(PM, N - p * PM); ++t) {
+        float row[PW];
+        std::memcpy(row, &s[p][t][0], sizeof(vf8));
+        std::memcpy(row + L, &s[p][t][1], sizeof(vf8));
+        std::memcpy(out + (p * PM + t) * ostride + o0, row, static_cast<size_t>(mo) * sizeof(float));
+      }
     }
   }
 }

@@ -10,7 +10,7 @@ and the LM head's, so the threshold can be re-derived on another machine.
   python tools/bench_small_matmul.py --table [--layers 24]
       # a scanned loop's layers read from a stack [layers, out, in]: the native table-linear kernel
       # (`pallas_kernels.linear`, in place) against XLA's dynamic slice + dot and the unrolled loop;
-      # ms per layer (`linear.TABLE_KERNEL_MAX_ROWS` is derived from it)
+      # ms per layer (`linear.reads_in_place` cites it)
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 // copy), so a decode step streams each used expert twice; here each used expert's weights are read
 // once, in place, for all the tokens that picked it, split over `threads` threads by expert, in
 // register tiles of two weight rows by four tokens (dot_tile), so the FMA units, not the loads, bound it;
-// an expert picked by many tokens (prefill) runs the same sums as a GEMM over tokens (class_tile).
+// an expert picked by many tokens (prefill) runs the same sums as a packed-panel GEMM (panel_gemm).
 // Deterministic: every expert's output goes to its own (token, slot) row, summed afterwards per
 // token in slot order, so the thread split never changes a bit of the result.
 #include <algorithm>
@@ -44,38 +44,39 @@ struct Scratch {
   std::vector<const float*> xr, hr;
   std::vector<float> h;
   std::vector<float> pair;  // [R][2]
-  std::vector<float> xc, g, u, hc, y, hrow;  // the GEMM path's operands (run_expert_gemm)
+  std::vector<float> xc, g, u, hc, y;  // the GEMM path's operands (run_expert_gemm)
 };
 
 // Experts picked by at least this many tokens run the GEMM path: same bits, faster from ~8 on (one
 // mid-config MoE layer, tools/bench_moe_decode.py, against the dot path alone: 128 tokens 23 -> 17 ms,
-// 512 tokens 72 -> 48 ms, 2,048 tokens 332 -> 232 ms; thresholds 8, 12, 16 within 2%, 24 slower at 128).
+// 512 tokens 72 -> 48 ms, 2,048 tokens 332 -> 232 ms; thresholds 8, 12, 16 within 2%, 24 slower at 128;
+// fourteenth session, the previous GEMM form). The packed-panel form (thirty-second session, a Zen 3
+// host, AVX2): 128 tokens 24.9 -> 21.2 ms, 512 tokens 87.7 -> 64.8 ms against the previous form.
 constexpr int64_t kGemmRows = 12;
 
 void run_expert_gemm(const Job& job, const float* x, const float* wg, const float* wu, const float* wd, float lim,
                      int64_t k, int64_t D, int64_t I, float* ybuf, Scratch& s) {
-  const int64_t R = static_cast<int64_t>(job.slots.size()), Rp = (R + L - 1) / L * L;
+  const int64_t R = static_cast<int64_t>(job.slots.size());
   const float* g_e = wg + job.expert * I * D;
   const float* u_e = wu + job.expert * I * D;
   const float* d_e = wd + job.expert * D * I;
-  s.xc.assign(static_cast<size_t>(D * Rp), 0.f);
-  for (int64_t r = 0; r < R; ++r) put_token(s.xc.data(), x + (job.slots[r] / k) * D, r, D, Rp);
-  s.g.resize(static_cast<size_t>(I * Rp));
-  s.u.resize(static_cast<size_t>(I * Rp));
-  class_gemm(g_e, I, D, s.xc.data(), Rp, s.g.data());
-  class_gemm(u_e, I, D, s.xc.data(), Rp, s.u.data());
-  s.hc.assign(static_cast<size_t>(I * Rp), 0.f);
-  s.hrow.resize(static_cast<size_t>(I));
-  for (int64_t r = 0; r < R; ++r) {  // token r's hidden vector, then into the down GEMM's operand
-    for (int64_t i = 0; i < I; ++i) s.hrow[i] = swiglu(s.g[i * Rp + r], s.u[i * Rp + r], lim);
-    put_token(s.hc.data(), s.hrow.data(), r, I, Rp);
+  s.xr.resize(R);
+  s.hr.resize(R);
+  for (int64_t r = 0; r < R; ++r) s.xr[r] = x + (job.slots[r] / k) * D;
+  pack_activations(s.xr.data(), R, D, s.xc);
+  s.g.resize(static_cast<size_t>(R * I));
+  s.u.resize(static_cast<size_t>(R * I));
+  panel_gemm(g_e, I, D, s.xc.data(), R, s.g.data(), I);
+  panel_gemm(u_e, I, D, s.xc.data(), R, s.u.data(), I);
+  for (int64_t r = 0; r < R; ++r) {  // token r's hidden vector, in place of its gate row
+    float* h = s.g.data() + r * I;
+    for (int64_t i = 0; i < I; ++i) h[i] = swiglu(h[i], s.u[r * I + i], lim);
+    s.hr[r] = h;
   }
-  s.y.resize(static_cast<size_t>(D * Rp));
-  class_gemm(d_e, D, I, s.hc.data(), Rp, s.y.data());
-  for (int64_t r = 0; r < R; ++r) {
-    float* yr = ybuf + job.slots[r] * D;
-    for (int64_t d = 0; d < D; ++d) yr[d] = s.y[d * Rp + r];
-  }
+  pack_activations(s.hr.data(), R, I, s.hc);
+  s.y.resize(static_cast<size_t>(R * D));
+  panel_gemm(d_e, D, I, s.hc.data(), R, s.y.data(), D);
+  for (int64_t r = 0; r < R; ++r) std::memcpy(ybuf + job.slots[r] * D, s.y.data() + r * D, D * sizeof(float));
 }
 
 void run_expert(const Job& job, const float* x, const float* wg, const float* wu, const float* wd, float lim,
