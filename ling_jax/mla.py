@@ -145,7 +145,9 @@ def mla_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype):
 
 def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, core=latent_attention,
                            row_multiple: int = 1):
-    """Absorbed form (spec §10.6): same arguments and result as `mla_expanded_attention`.
+    """Absorbed form (spec §10.6): same arguments and result as `mla_expanded_attention`; w_kv_b may
+    also be a scanned layer's `linear.TableRows` of it (float32, XLA:CPU: `absorbed_kv_b`), whose W_UK
+    and W_UV the native kernel reads per head in place.
 
     `core` computes the latent attention (the Pallas kernel or its XLA reference `latent_attention`).
     row_multiple: the query-through-W_UK matmul runs on B·T rows padded with zeros to a multiple of
@@ -237,9 +239,10 @@ def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dty
     memory of one block of scores, not [B,H,T,S]) or, for decode-sized T or a single block, the dense
     form. All equal (tests/test_mla_blockwise.py).
 
-    q_nope [B,T,H,dn]; q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; w_kv_b [H*(dn+dv), r];
-    q_pos [B,T] absolute positions; kv_len [B] valid keys; fp8_cache: c and k_pe were dequantised
-    from an FP8 cache (`native_attention_applies`). Returns o [B,T,H,dv] in `dtype`.
+    q_nope [B,T,H,dn]; q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; w_kv_b [H*(dn+dv), r] (or its
+    `linear.TableRows`, `absorbed_kv_b`; the expanded form slices it); q_pos [B,T] absolute positions;
+    kv_len [B] valid keys; fp8_cache: c and k_pe were dequantised from an FP8 cache
+    (`native_attention_applies`). Returns o [B,T,H,dv] in `dtype`.
     """
     T, S = q_nope.shape[1], c.shape[1]
     blockwise = uses_blockwise(T, S, ex.attn_block)

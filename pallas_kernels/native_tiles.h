@@ -90,7 +90,7 @@ inline void dot_rows(const float* w0, const float* w1, const float* const* x, in
 // equal the dot form's, and a row's result does not depend on which rows share its call. Why: the
 // previous GEMM form (tokens across the lanes, weights broadcast, 24 accumulators) spilled on AVX2 and
 // re-read each weight row 8 times with a stride of 8: on a Zen 3 host a [1024, 1024] layer over 512
-// rows took 14.8 ms against XLA's 7.1; this form 7.9 (tools/bench_small_matmul.py --table).
+// rows took 14.8 ms against XLA's 7.1; this form 8.2 (tools/bench_small_matmul.py --table).
 constexpr int PM = 6;          // activation rows per tile
 constexpr int64_t PW = 2 * L;  // weight rows per tile
 
