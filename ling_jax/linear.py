@@ -57,12 +57,12 @@ class TableRows:
         return table_rows(self.table, self.base, self.rows)
 
 
-def reads_in_place(w, x) -> bool:
-    """Whether a product of x [..., in] with weight w runs the native kernel over w's rows in place:
-    w a `TableRows`, x float32, the kernel built. Any number of rows: from 12 the kernel's packed-panel
+def reads_in_place(w, dtype) -> bool:
+    """Whether a product of an input of `dtype` with weight w runs the native kernel over w's rows in
+    place: w a `TableRows`, the input float32, the kernel built. Any number of rows: from 12 the kernel's packed-panel
     GEMM runs level with XLA:CPU's slice + dot up to 128 rows and 6-15% behind at 512 on a Zen 3 host
     (tools/bench_small_matmul.py --table, BENCHMARKS.md "Thirty-second session"), without the copy."""
-    return isinstance(w, TableRows) and x.dtype == jnp.float32 and table_kernel.available()
+    return isinstance(w, TableRows) and dtype == jnp.float32 and table_kernel.available()
 
 
 def init_normal(rngs: nnx.Rngs, shape, dtype, fan_in: int | None = None):
@@ -83,7 +83,7 @@ class Linear(nnx.Module):
         """`x @ weight.T` in x's dtype; a BlockFP8 weight is dequantised inside the matmul by the
         kernel `ex.kernels` selects (the dequantised weight is never stored)."""
         w = self.weight.get_value()
-        if reads_in_place(w, x):
+        if reads_in_place(w, x.dtype):
             return table_kernel.table_linear_cpu(x, w.table, w.base, w.rows)
         if isinstance(w, TableRows):
             return linear(x, w.matrix(), ex.weights_first_rows if ex is not None else 0)  # sliced, then cast

@@ -20,7 +20,7 @@ from flax import nnx
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
 from ling_jax.kv_quant import FP8, dequantize_per_token, quantize_per_token
-from ling_jax.linear import Linear, TableRows, table_kernel
+from ling_jax.linear import Linear, TableRows, reads_in_place, table_kernel
 from ling_jax.norms import RMSNorm
 from ling_jax.ops import einsum, linear, real_tokens
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
@@ -181,9 +181,7 @@ def absorbed_kv_b(proj: Linear, dtype):
     they are (W_UK and W_UV read per head where they are stored, `table_heads_cpu`: XLA:CPU would copy
     the layer's slice of the stack first), else the (dequantised) matrix [H·(dn+dv), r]."""
     w = proj.weight.get_value()
-    if isinstance(w, TableRows) and w.dtype == jnp.float32 and dtype == jnp.float32 and table_kernel.available():
-        return w
-    return proj.matrix(dtype)
+    return w if reads_in_place(w, dtype) else proj.matrix(dtype)
 
 
 #: Rows of the absorbed query projection on GPU are padded to a multiple of this (see

@@ -60,7 +60,7 @@ def router_logits(x: jax.Array, w) -> jax.Array:
     scanned layer's router rows of its run's stack on XLA:CPU), read in place by the native kernel
     (`linear.reads_in_place`)."""
     x = x.astype(jnp.float32)
-    if reads_in_place(w, x):
+    if reads_in_place(w, x.dtype):
         return table_kernel.table_linear_cpu(x, w.table, w.base, w.rows)
     if isinstance(w, TableRows):
         w = w.matrix()
