@@ -69,6 +69,7 @@ So the release-format defaults here are ``RELEASE_FP8_LAYOUT = "A"`` and
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 from fractions import Fraction
@@ -159,9 +160,21 @@ def _check_layout(fp8_layout: Optional[str]) -> Optional[str]:
 def stored_tensors(cfg: LingConfig, fmt: str = "fp8", include_mtp: bool = True,
                    fp8_layout: Optional[str] = RELEASE_FP8_LAYOUT,
                    conv_dtype: str = RELEASE_CONV_DTYPE) -> list[Stored]:
-    """Every tensor a checkpoint of `cfg` in weight format `fmt` would store (scales included)."""
+    """Every tensor a checkpoint of `cfg` in weight format `fmt` would store (scales included).
+    Memoized per arguments (the real config's 214K tensors take ~1 s to list, and `plan` lists them
+    twice per call; a caller may change its list, not the memo)."""
     _check_format(fmt)
     _check_layout(fp8_layout)
+    try:
+        hash(cfg)
+    except TypeError:  # a config holding a dict (rope_scaling) or list: listed afresh
+        return list(_stored_tensors.__wrapped__(cfg, fmt, include_mtp, fp8_layout, conv_dtype))
+    return list(_stored_tensors(cfg, fmt, include_mtp, fp8_layout, conv_dtype))
+
+
+@functools.lru_cache(maxsize=8)
+def _stored_tensors(cfg: LingConfig, fmt: str, include_mtp: bool, fp8_layout: Optional[str],
+                    conv_dtype: str) -> tuple[Stored, ...]:
     block = tuple(cfg.weight_block_size or (128, 128))
     out: list[Stored] = []
     # which matrices are FP8: `layout.BF16_MATRICES`, through expected_tensors (the writer's source)
@@ -186,7 +199,7 @@ def stored_tensors(cfg: LingConfig, fmt: str = "fp8", include_mtp: bool = True,
         grid = (-(-o // block[0]), -(-i // block[1]))
         out.append(Stored(name, s.shape, n, "F8_E4M3"))
         out.append(Stored(L.scale_name(name), grid, 4 * grid[0] * grid[1], "F32", scale=True))
-    return out
+    return tuple(out)
 
 
 def detect_fp8_layout(tensors: Iterable[Stored]) -> Optional[str]:

@@ -80,9 +80,10 @@ def _put_rows_looped(x, idx, values, axis):
 
     def one(r, out):
         i = idx[r]
-        at = jnp.minimum(i, size - 1)
-        old = jax.lax.dynamic_slice_in_dim(out, at, 1, axis=axis)
-        new = jax.lax.dynamic_slice_in_dim(values, r, 1, axis=axis)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(i < size, new, old), at, axis=axis)
+        at = jnp.minimum(i, size - 1)  # indices are >= 0 (past the end: dropped), so none is mapped from the end
+        old = jax.lax.dynamic_slice_in_dim(out, at, 1, axis=axis, allow_negative_indices=False)
+        new = jax.lax.dynamic_slice_in_dim(values, r, 1, axis=axis, allow_negative_indices=False)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(i < size, new, old), at, axis=axis,
+                                                   allow_negative_indices=False)
 
     return jax.lax.fori_loop(0, idx.shape[0], one, x)

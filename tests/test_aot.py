@@ -331,19 +331,11 @@ def _copies_of(hlo: str, shapes: set) -> list:
     return out
 
 
-def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu():
-    """On TPU the default layout of a k_pe page pool (64 values a token, half a 128-lane tile) puts
-    another dimension minor, so XLA copied every k_pe pool into the row-major layout the paged write
-    and the kernel use and back, in every engine program (temp memory 2x the k_pe pool, BENCHMARKS.md).
-    With `ExecConfig.pool_layout="token_rows"` (the TPU default) the k_pe pools are stored row-major
-    and every program is pinned to it: no decode (gathered rows or in place) or prefill program
-    copies a k_pe pool; with "default" they do (so this test would catch the relayout coming back).
-    The same for the KDA conv pools: as windows [.., slots, 3, H·dk] ("default") the programs that
-    gather slot rows (decode[R=1], prefill) copy every one of them; kept as lane-dense taps and read
-    a row slice at a time on TPU ("token_rows": `kda.conv_taps`, `rows.take_rows`) none does."""
-    import jax
+def _v5e_programs(weights: str, families: set, rows: tuple, **exec_overrides) -> tuple:
+    """The engine programs (8 slots, 128 pages of 16; the verify's with 1 draft) of the small config with MTP in
+    `weights` on 4 compile-only v5e devices (expert=4), with the TPU defaults of ExecConfig unless
+    overridden: (model, [program], {program name: optimised HLO text})."""
     from sharding.mesh import make_mesh, parse_mesh_shape
-    from sharding.rules import path_str
 
     from ling_jax.aot.abstract import placed_abstract_model
     from ling_jax.aot.programs import engine_programs
@@ -352,23 +344,62 @@ def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu():
 
     target = resolve_target("v5e:2x2")
     mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices)
+    model = placed_abstract_model(LingConfig.from_dict(small_config_dict()), weights, mesh, target.platform,
+                                  with_mtp=True, exec_overrides=exec_overrides or None)
+    progs = []
+    for spec, fams in ((0, set(families) - {"verify"}), (1, set(families) & {"verify"})):
+        if fams:  # the verify replaces decode in a speculative engine: two engines' programs
+            progs += engine_programs(model, fams, plan=lambda *a, **k: 0, max_slots=8, page_size=16, rows=rows,
+                                     speculative=spec, num_pages=128, max_seq_len=256, prefill_chunk=64,
+                                     prefix_cache=False)
+    return model, progs, {p.name: p.lower().compile().as_text() for p in progs}
+
+
+@pytest.fixture(scope="module")
+def v5e_default_programs():
+    """MXFP4 experts, every TPU default (pool_layout "token_rows", mxfp4_columns): decode and the
+    verify at one row and every slot, prefill; compiled once for the tests below."""
+    model, progs, hlo = _v5e_programs("mxfp4", {"decode", "prefill", "verify"}, (1, 8))
+    assert model.exec.pool_layout == "token_rows" and model.exec.mxfp4_columns  # ExecConfig.for_backend's TPU defaults
+    return model, progs, hlo
+
+
+def _pool_shapes(progs, pick) -> set:
+    import jax
+    from sharding.rules import path_str
+    pools = progs[0].args[1]
+    return {tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(pools) if pick(path_str(p))}
+
+
+def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu(v5e_default_programs):
+    """On TPU the default layout of a k_pe page pool (64 values a token, half a 128-lane tile) puts
+    another dimension minor, so XLA copied every k_pe pool into the row-major layout the paged write
+    and the kernel use and back, in every engine program (temp memory 2x the k_pe pool, BENCHMARKS.md).
+    With `ExecConfig.pool_layout="token_rows"` (the TPU default) the k_pe pools are stored row-major
+    and every program is pinned to it: no decode (gathered rows or in place), prefill or speculative
+    verify program copies a k_pe pool, the MTP layer's included; with "default" they do (so this test
+    would catch the relayout coming back; checked on decode[R=1], prefill and verify[R=1]).
+    The same for the KDA conv pools: as windows [.., slots, 3, H·dk] ("default") the programs that
+    gather slot rows (decode[R=1], prefill) copy every one of them; kept as lane-dense taps and read
+    a row slice at a time on TPU ("token_rows": `kda.conv_taps`, `rows.take_rows`) none does. (The
+    verify's conv pools are not checked: on this small config the compiler stages them, a few KB, in
+    VMEM and relays them out there; on the real config verify[R=1] copies no conv pool and verify[R=8]
+    only stores its rolled-back taps from VMEM into the pools, BENCHMARKS.md "Twenty-eighth session".)"""
+    _, progs, hlo = v5e_default_programs
     found, conv_found = {}, {}
     for layout in ("default", "token_rows"):
-        model = placed_abstract_model(LingConfig.from_dict(small_config_dict()), "bf16", mesh, target.platform,
-                                      with_mtp=True)
-        assert model.exec.pool_layout == "token_rows"  # ExecConfig.for_backend's TPU default
-        model.exec = model.exec.replace(pool_layout=layout)
-        progs = engine_programs(model, {"decode", "prefill"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16,
-                                rows=(1, 8), num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
-        pools = progs[0].args[1]
-        leaves = jax.tree_util.tree_leaves_with_path(pools)
-        kpe = {tuple(x.shape) for p, x in leaves if path_str(p).endswith("kpe_pages")}
-        conv = {tuple(x.shape) for p, x in leaves if "/conv_" in path_str(p)}
-        assert kpe and conv
-        hlo = {p.name: p.lower().compile().as_text() for p in progs}
-        found[layout] = {n: _copies_of(h, kpe) for n, h in hlo.items()}
-        conv_found[layout] = {n: _copies_of(h, conv) for n, h in hlo.items()}
-    assert set(found["token_rows"]) == {"decode[R=1,W=16]", "decode[R=8,W=16]", "prefill[R=2,T=64,W=16]"}, found
+        if layout == "token_rows":
+            ps, texts = progs, hlo
+        else:
+            _, ps, texts = _v5e_programs("mxfp4", {"decode", "prefill", "verify"}, (1,), pool_layout="default")
+        kpe = dict(_kpe_paths(ps))  # the main runs' pools and (the verify's) the MTP layer's
+        conv = _pool_shapes(ps, lambda p: "/conv_" in p)
+        assert conv and "mtp/kpe_pages" in kpe and len(kpe) == 2, kpe
+        found[layout] = {n: _copies_of(h, set(kpe.values())) for n, h in texts.items()}
+        conv_found[layout] = {n: _copies_of(h, conv) for n, h in texts.items() if not n.startswith("verify")}
+    assert set(found["token_rows"]) == {"decode[R=1,W=16]", "decode[R=8,W=16]", "prefill[R=2,T=64,W=16]",
+                                        "verify[R=1,W=16]", "verify[R=8,W=16]"}, found
+    assert set(found["default"]) == {"decode[R=1,W=16]", "prefill[R=2,T=64,W=16]", "verify[R=1,W=16]"}, found
     assert all(found["default"].values()), found["default"]  # the relayout this layout removes
     assert not any(found["token_rows"].values()), found["token_rows"]
     # conv pools: windows [1, n, 8, 3, 256] by default, taps [1, n, 8, 256] with token_rows
@@ -376,38 +407,16 @@ def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu():
     assert not any(conv_found["token_rows"].values()), conv_found["token_rows"]
 
 
-def test_token_rows_pool_layout_removes_the_kpe_relayout_from_the_verify_on_tpu():
-    """The same for the speculative verify (one row and every slot), which also reads and writes the
-    MTP layer's k_pe pool: with "default" each verify program copies the main and the MTP k_pe pools,
-    with "token_rows" none does. (Its conv pools are not checked here: on this small config the
-    compiler stages them, a few KB, in VMEM and relays them out there; on the real config verify[R=1]
-    copies no conv pool and verify[R=8] only stores its rolled-back taps from VMEM into the pools,
-    BENCHMARKS.md "Twenty-eighth session".)"""
+def _kpe_paths(progs) -> list:
+    """(path, shape) of every k_pe page pool among the programs' pools (the verify's include the MTP layer's)."""
     import jax
-    from sharding.mesh import make_mesh, parse_mesh_shape
     from sharding.rules import path_str
-
-    from ling_jax.aot.abstract import placed_abstract_model
-    from ling_jax.aot.programs import engine_programs
-    from ling_jax.aot.targets import resolve_target
-    from ling_jax.config import LingConfig
-
-    target = resolve_target("v5e:2x2")
-    mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices)
-    found = {}
-    for layout in ("default", "token_rows"):
-        model = placed_abstract_model(LingConfig.from_dict(small_config_dict()), "bf16", mesh, target.platform,
-                                      with_mtp=True)
-        model.exec = model.exec.replace(pool_layout=layout)
-        progs = engine_programs(model, {"verify"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16, speculative=1,
-                                rows=(1, 8), num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
-        kpe = {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(progs[0].args[1])
-               if path_str(p).endswith("kpe_pages")}
-        assert "mtp/kpe_pages" in kpe and len(kpe) == 2, kpe  # the main run's pool and the MTP layer's
-        found[layout] = {p.name: _copies_of(p.lower().compile().as_text(), set(kpe.values())) for p in progs}
-    assert set(found["token_rows"]) == {"verify[R=1,W=16]", "verify[R=8,W=16]"}, found
-    assert all(found["default"].values()), found["default"]  # the relayout this layout removes
-    assert not any(found["token_rows"].values()), found["token_rows"]
+    out = []
+    for p in progs:
+        for path, x in jax.tree_util.tree_leaves_with_path(p.args[1]):
+            if path_str(path).endswith("kpe_pages"):
+                out.append((path_str(path), tuple(x.shape)))
+    return out
 
 
 def test_copies_parser_reads_what_a_call_runs():
@@ -440,38 +449,28 @@ def test_copies_parser_reads_what_a_call_runs():
     assert [x["op"] for x in c["largest"]] == ["copy", "transpose"], c["largest"]
 
 
-def test_mxfp4_experts_stored_by_columns_are_not_relaid_out_on_tpu():
+def test_mxfp4_experts_stored_by_columns_are_not_relaid_out_on_tpu(v5e_default_programs):
     """`ExecConfig.mxfp4_columns` (the TPU/GPU default): stored by rows, the MXFP4 expert codes are
     relaid out with their byte axis off the minor position (the real config's prefill: every code
     stack, 26 GiB a call, BENCHMARKS.md "A faster host, and what the compiled programs copy"); stored by
-    columns no decode or prefill program relays a code array out so."""
-    from sharding.mesh import make_mesh, parse_mesh_shape
-
-    from ling_jax.aot.abstract import placed_abstract_model
-    from ling_jax.aot.programs import engine_programs
-    from ling_jax.aot.targets import resolve_target
-    from ling_jax.config import LingConfig
-
-    target = resolve_target("v5e:2x2")
-    mesh = make_mesh(parse_mesh_shape("expert=4", 4), target.devices)
-    relaid = {}
-    for columns in (False, True):
-        model = placed_abstract_model(LingConfig.from_dict(small_config_dict()), "mxfp4", mesh, target.platform,
-                                      with_mtp=True, exec_overrides=dict(mxfp4_columns=columns))
-        assert model.exec.mxfp4_columns == columns
-        gate = model.model.layers.runs[1][0].mlp.experts.gate_proj.get_value()
-        assert gate.columns == columns
-        progs = engine_programs(model, {"decode", "prefill"}, plan=lambda *a, **k: 0, max_slots=8, page_size=16,
-                                rows=(8,), num_pages=128, max_seq_len=256, prefill_chunk=64, prefix_cache=False)
+    columns no decode, prefill or verify program relays a code array out so (stored by rows: checked
+    on the prefill)."""
+    def relaid_codes(texts):
         found = []
-        for p in progs:
-            for m in re.finditer(r"= u8\[([\d,]*)\]\{([\d,]*)[:}]\S* copy\(", p.lower().compile().as_text()):
+        for name, text in texts.items():
+            for m in re.finditer(r"= u8\[([\d,]*)\]\{([\d,]*)[:}]\S* copy\(", text):
                 dims, layout = m.group(1).split(","), [int(d) for d in m.group(2).split(",")]
                 if len(dims) >= 2 and layout[0] != len(dims) - 1:  # the byte axis no longer minor
-                    found.append((p.name, m.group(0)))
-        relaid[columns] = found
-    assert relaid[False], "expected the row-stored codes' relayout (if XLA stops, the columns layout is moot)"
-    assert not relaid[True], relaid[True]
+                    found.append((name, m.group(0)))
+        return found
+
+    model, _, hlo = v5e_default_programs
+    assert model.model.layers.runs[1][0].mlp.experts.gate_proj.get_value().columns
+    rows_model, _, rows_hlo = _v5e_programs("mxfp4", {"prefill"}, (8,), mxfp4_columns=False)
+    assert not rows_model.exec.mxfp4_columns
+    assert not rows_model.model.layers.runs[1][0].mlp.experts.gate_proj.get_value().columns
+    assert relaid_codes(rows_hlo), "expected the row-stored codes' relayout (if XLA stops, the columns layout is moot)"
+    assert not relaid_codes(hlo), relaid_codes(hlo)
 
 
 def _scanned_fp8_programs(cfg, target_name: str, loop_layouts: bool, families, rows, with_mtp: bool) -> list:
@@ -501,7 +500,8 @@ def test_weight_stacks_are_stored_in_the_layouts_the_tpu7x_loop_reads():
     the 8 repeats second-minor into the row-major one; stored that way (`placement.stack_format`)
     none is. v5e copies the 3-dim stacks too (row-major there as well) but reads the 4-dim bfloat16
     ones in the default tiles, which the rule leaves alone (a (16, 128) input layout would be
-    overridden there, and jax refuses that)."""
+    overridden there, and jax refuses that). Unplaced, the copies are checked on decode[R=1] (what
+    shows the check can fail); placed, on every decode and prefill program of both targets."""
     import jax
     from jax.experimental.layout import Format
     from sharding.rules import path_str
@@ -515,7 +515,9 @@ def test_weight_stacks_are_stored_in_the_layouts_the_tpu7x_loop_reads():
     cfg = LingConfig.from_dict(small_config_dict(36))
     found = {}
     for name, lay in (("tpu7x:2x2x1", False), ("tpu7x:2x2x1", True), ("v5e:2x2", True)):
-        progs = _scanned_fp8_programs(cfg, name, lay, {"decode", "prefill"}, (1, 8), with_mtp=True)
+        # unplaced (the copies this rule removes, so the check can fail): decode[R=1] is enough
+        fams, rows = ({"decode", "prefill"}, (1, 8)) if lay else ({"decode"}, (1,))
+        progs = _scanned_fp8_programs(cfg, name, lay, fams, rows, with_mtp=True)
         stacks = {p: x for p, x in ((path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(progs[0].args[0]))
                   if p.startswith("model/layers/runs") and x.shape[0] == 8
                   and (x.dtype, x.ndim) in ((jnp.bfloat16, 4), (jnp.bfloat16, 3), (jnp.float32, 3))}
@@ -534,7 +536,8 @@ def test_weight_stacks_are_stored_in_the_layouts_the_tpu7x_loop_reads():
             found[(name, lay)][p.name] = sorted({s["shape"].split("{")[0] for s in sites} & shapes)
     unplaced = found[("tpu7x:2x2x1", False)]
     dtypes = [{sh.split("[")[0] for sh in v} for v in unplaced.values()]
-    assert len(unplaced) == 3 and all({"bf16", "f32"} <= d for d in dtypes), found
+    assert list(unplaced) == ["decode[R=1,W=16]"] and all({"bf16", "f32"} <= d for d in dtypes), found
+    assert len(found[("tpu7x:2x2x1", True)]) == len(found[("v5e:2x2", True)]) == 3, found
     assert not any(found[("tpu7x:2x2x1", True)].values()), found
     assert not any(found[("v5e:2x2", True)].values()), found
 

@@ -3,6 +3,7 @@ written checkpoint into an (expert=4, model=2) mesh spanning both processes — 
 own devices' blocks — and compute logits equal to the single-process result. The same run converts
 the checkpoint cooperatively and loads the converted copy."""
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,6 +23,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# the Gloo transport's connection message, printed by each process to its stdout from several threads:
+# its pieces (words, numbers) may arrive interleaved and split across lines
+GLOO_PIECES = re.compile(r"\[Gloo\]|\b(?:Rank|is|connected|to|peer|ranks|Expected|number|of|\d+)\b|[.:]")
+
+
+def not_gloo(stdout: str) -> str:
+    """stdout without the Gloo transport's connection messages, however they were split: what is left
+    (other than whitespace) was printed by something else."""
+    return GLOO_PIECES.sub("", stdout).strip()
 
 
 def run_two_processes(args, timeout=300, meanwhile=None, command=None):
