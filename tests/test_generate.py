@@ -132,7 +132,8 @@ def test_stop_ids_and_streaming(tiny_model):
     assert got == res.tokens[0]
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 8])
+# 13 tokens in calls of 1, and of 3 (a last call of 1): every call boundary and a partial last call
+@pytest.mark.parametrize("chunk", [1, 3])
 def test_streamed_by_chunks_equals_unstreamed(tiny_cfg, chunk):
     """Streaming runs the decode loop in calls of `stream_chunk` steps (no host callback inside the
     program): the streamed tokens, the result and the logprobs equal the unstreamed run's, sampled
