@@ -162,13 +162,9 @@ def stored_tensors(cfg: LingConfig, fmt: str = "fp8", include_mtp: bool = True,
                    conv_dtype: str = RELEASE_CONV_DTYPE) -> list[Stored]:
     """Every tensor a checkpoint of `cfg` in weight format `fmt` would store (scales included).
     Memoized per arguments (the real config's 214K tensors take ~1 s to list, and `plan` lists them
-    twice per call; a caller may change its list, not the memo)."""
+    twice per call; a LingConfig is hashable; a caller may change its list, not the memo)."""
     _check_format(fmt)
     _check_layout(fp8_layout)
-    try:
-        hash(cfg)
-    except TypeError:  # a config holding a dict (rope_scaling) or list: listed afresh
-        return list(_stored_tensors.__wrapped__(cfg, fmt, include_mtp, fp8_layout, conv_dtype))
     return list(_stored_tensors(cfg, fmt, include_mtp, fp8_layout, conv_dtype))
 
 

@@ -364,11 +364,13 @@ def v5e_default_programs():
     return model, progs, hlo
 
 
-def _pool_shapes(progs, pick) -> set:
+def _pool_leaves(progs, pick) -> dict:
+    """{path: shape} of the pool arrays whose path `pick` accepts, over the programs' pools (a
+    speculative engine's include the MTP layer's)."""
     import jax
     from sharding.rules import path_str
-    pools = progs[0].args[1]
-    return {tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(pools) if pick(path_str(p))}
+    return {path_str(p): tuple(x.shape) for prog in progs
+            for p, x in jax.tree_util.tree_leaves_with_path(prog.args[1]) if pick(path_str(p))}
 
 
 def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu(v5e_default_programs):
@@ -392,8 +394,8 @@ def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu(v5e_default
             ps, texts = progs, hlo
         else:
             _, ps, texts = _v5e_programs("mxfp4", {"decode", "prefill", "verify"}, (1,), pool_layout="default")
-        kpe = dict(_kpe_paths(ps))  # the main runs' pools and (the verify's) the MTP layer's
-        conv = _pool_shapes(ps, lambda p: "/conv_" in p)
+        kpe = _pool_leaves(ps, lambda p: p.endswith("kpe_pages"))  # the main runs' and (verify) the MTP layer's
+        conv = set(_pool_leaves([p for p in ps if not p.name.startswith("verify")], lambda p: "/conv_" in p).values())
         assert conv and "mtp/kpe_pages" in kpe and len(kpe) == 2, kpe
         found[layout] = {n: _copies_of(h, set(kpe.values())) for n, h in texts.items()}
         conv_found[layout] = {n: _copies_of(h, conv) for n, h in texts.items() if not n.startswith("verify")}
@@ -405,18 +407,6 @@ def test_token_rows_pool_layout_removes_the_kpe_page_relayout_on_tpu(v5e_default
     # conv pools: windows [1, n, 8, 3, 256] by default, taps [1, n, 8, 256] with token_rows
     assert conv_found["default"]["decode[R=1,W=16]"] and conv_found["default"]["prefill[R=2,T=64,W=16]"]
     assert not any(conv_found["token_rows"].values()), conv_found["token_rows"]
-
-
-def _kpe_paths(progs) -> list:
-    """(path, shape) of every k_pe page pool among the programs' pools (the verify's include the MTP layer's)."""
-    import jax
-    from sharding.rules import path_str
-    out = []
-    for p in progs:
-        for path, x in jax.tree_util.tree_leaves_with_path(p.args[1]):
-            if path_str(path).endswith("kpe_pages"):
-                out.append((path_str(path), tuple(x.shape)))
-    return out
 
 
 def test_copies_parser_reads_what_a_call_runs():
