@@ -1,8 +1,10 @@
 """Token sampling and speculative-decoding acceptance, as pure jit-friendly JAX functions.
 
-Everything here is shape-static and free of Python control flow on traced values, so it can run
-inside a `lax.while_loop` decode loop. The only Python branching is on `SamplingParams`, which is
-a frozen (hashable) dataclass meant to be passed as a *static* jit argument.
+One API, by rows: every parameter is a per-row array (`RowSampling`, `sample_rows`,
+`processed_logits_rows`), so one compiled program serves any mix of requests, and a single
+`SamplingParams` (what `generate` takes, a frozen dataclass) is a broadcast row
+(`RowSampling.broadcast`). Everything is shape-static and free of Python control flow on traced
+values, so it runs inside a `lax.while_loop` decode loop or an engine step.
 
 Conventions
 -----------
@@ -13,8 +15,9 @@ Conventions
   entries and top-p keeps exactly the prefix of that order, even when values tie.
 * The processing order is penalties -> temperature -> top-k -> top-p (top-p renormalises over
   what top-k kept). Penalties need the token history, so the caller applies them
-  (`apply_penalties` / `apply_penalties_rows`) before `sample` / `sample_rows`; `sample` itself
-  never reads the penalty fields.
+  (`apply_penalties_rows`, `token_stats.penalize_rows`) before `sample_rows`, which never reads
+  the penalty fields.
+* Temperature 0 is greedy: the argmax (its distribution the one-hot of the argmax).
 
 Penalties (the OpenAI API's and Hugging Face's, as vLLM implements them):
 * repetition_penalty r (HF / CTRL): over the prompt AND the generated tokens, a seen token's
@@ -43,20 +46,13 @@ __all__ = [
     "MAX_LOGPROBS",
     "SamplingParams",
     "TokenLogprob",
-    "apply_penalties",
     "apply_penalties_rows",
     "check_logprobs",
     "check_penalties",
     "token_logprobs",
-    "token_stats",
-    "mask_top_k",
-    "mask_top_p",
-    "processed_logits",
-    "probs",
     "processed_logits_rows",
     "request_keys",
     "RowSampling",
-    "sample",
     "sample_rows",
     "speculative_accept",
     "speculative_accept_greedy",
@@ -85,88 +81,8 @@ def _scatter_rows(values: jax.Array, idx: jax.Array, vocab: int) -> jax.Array:
     return out.at[rows, idx].set(values)
 
 
-def mask_top_k(logits: jax.Array, k: int) -> jax.Array:
-    """Set all but the k largest logits of each row to -inf.
-
-    `k` is a static Python int; k <= 0 or k >= V returns the logits unchanged. With ties the
-    lower token ids win (the `lax.top_k` order), so exactly k entries stay finite (given finite
-    input).
-    """
-    logits = jnp.asarray(logits, jnp.float32)
-    vocab = logits.shape[-1]
-    k = int(k)
-    if k <= 0 or k >= vocab:
-        return logits
-    vals, idx = jax.lax.top_k(logits, k)
-    return _scatter_rows(vals, idx, vocab)
-
-
-def mask_top_p(logits: jax.Array, p: float) -> jax.Array:
-    """Nucleus mask: keep the smallest set of highest-probability tokens with mass >= p.
-
-    `p` is a Python float (p >= 1 then returns the logits unchanged without sorting) or a traced
-    scalar / [B, 1] array (then p >= 1 keeps every token). The top token is always kept. Ties
-    follow the lower-id-first order (stable descending sort).
-    """
-    logits = jnp.asarray(logits, jnp.float32)
-    if isinstance(p, (int, float)):
-        if p >= 1.0:
-            return logits
-    else:
-        p = jnp.asarray(p, jnp.float32)
-    vocab = logits.shape[-1]
-    order = jnp.argsort(-logits, axis=-1, stable=True)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    keep = _nucleus_keep_sorted(sorted_logits, p)
-    return _scatter_rows(jnp.where(keep, sorted_logits, _NEG_INF), order, vocab)
-
-
-def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """float32 logits after temperature, then top-k, then top-p (masked entries are -inf).
-
-    For greedy params this is the argmax entry alone (everything else -inf), so that
-    `softmax(processed_logits(...))` is the one-hot distribution greedy decoding draws from.
-    """
-    x = jnp.asarray(logits, jnp.float32)
-    vocab = x.shape[-1]
-    if params.greedy:
-        return mask_top_k(x, 1) if vocab > 1 else x
-    x = x / jnp.float32(params.temperature)
-    k = int(params.top_k)
-    if 0 < k < vocab:
-        # top_k returns its values sorted, so top-p can run on the k survivors without
-        # sorting the whole vocabulary.
-        vals, idx = jax.lax.top_k(x, k)
-        if params.top_p < 1.0:
-            vals = jnp.where(_nucleus_keep_sorted(vals, params.top_p), vals, _NEG_INF)
-        return _scatter_rows(vals, idx, vocab)
-    return mask_top_p(x, params.top_p)
-
-
-def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """[B, V] float32: exactly the distribution `sample(logits, key, params)` draws from."""
-    return jax.nn.softmax(processed_logits(logits, params), axis=-1)
-
-
-def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
-    """Draw one token per row: [B, V] -> [B] int32 (argmax when `params.greedy`)."""
-    if params.greedy:
-        return jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1).astype(jnp.int32)
-    x = processed_logits(logits, params)
-    return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
-
-
 # ---------------------------------------------------------------------------------------------
 # penalties and log-probabilities
-
-def token_stats(ids: jax.Array, n_valid: jax.Array, vocab: int) -> jax.Array:
-    """Per-row token counts [B, V] int32 of ids[b, :n_valid[b]] (ids [B, T], n_valid [B]):
-    the histories `apply_penalties` reads (count > 0 is the seen-mask)."""
-    ids = jnp.asarray(ids, jnp.int32)
-    B, T = ids.shape
-    valid = jnp.arange(T)[None, :] < jnp.asarray(n_valid)[:, None]
-    return jnp.zeros((B, vocab), jnp.int32).at[jnp.arange(B)[:, None], ids].add(valid.astype(jnp.int32))
-
 
 def apply_penalties_rows(logits: jax.Array, gen_counts: jax.Array, prompt_seen: jax.Array,
                          presence: jax.Array, frequency: jax.Array, repetition: jax.Array) -> jax.Array:
@@ -183,15 +99,6 @@ def apply_penalties_rows(logits: jax.Array, gen_counts: jax.Array, prompt_seen: 
     x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
     counts = jnp.asarray(gen_counts, jnp.float32)
     return x - col(frequency) * counts - col(presence) * (counts > 0).astype(jnp.float32)
-
-
-def apply_penalties(logits: jax.Array, gen_counts: jax.Array, prompt_seen: jax.Array,
-                    params: SamplingParams) -> jax.Array:
-    """`apply_penalties_rows` with one `SamplingParams` for every row (a no-op when none is on)."""
-    if not params.penalized:
-        return jnp.asarray(logits, jnp.float32)
-    return apply_penalties_rows(logits, gen_counts, prompt_seen, params.presence_penalty,
-                                params.frequency_penalty, params.repetition_penalty)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, n_top: int,
@@ -349,12 +256,11 @@ def _processed_logits_rows_sort_free(x, k, top_p, vals, ids):
 def processed_logits_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                           top_p: jax.Array, vocab_sharding=None,
                           candidates: int = SORT_FREE_CANDIDATES) -> jax.Array:
-    """`processed_logits` with the parameters given per row as arrays, so one compiled program
-    serves any mix of requests: logits [B, V]; temperature [B] f32 (0 = greedy); top_k [B] int32
-    (0 = off); top_p [B] f32 in (0, 1]. Row b equals `processed_logits(logits[b:b+1], params_b)`:
-    the same temperature division, the same lower-id-first order (`lax.top_k`'s) and the same
-    nucleus rule over the top-k survivors (their softmax may differ from `processed_logits`' in
-    the last bit of a sum, which matters only for a mass exactly at p).
+    """float32 logits [B, V] after each row's temperature, then top-k, then top-p (masked entries
+    -inf), the parameters given per row as arrays so one compiled program serves any mix of
+    requests: temperature [B] f32 (0 = greedy: the argmax entry alone), top_k [B] int32 (0 or >= V
+    = off), top_p [B] f32 in (0, 1] (the smallest prefix of the lower-id-first order whose mass
+    over the top-k survivors reaches p). A row's result does not depend on the other rows.
 
     How: when every row's kept set lies within its best `candidates` tokens (any top-k up to that,
     a nucleus that reaches p within them, or no mask at all), the rows are masked by a threshold
@@ -373,7 +279,7 @@ def processed_logits_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
     vals, ids = _best_candidates(x, min(int(candidates), vocab), vocab_sharding)
     out, exact = _processed_logits_rows_sort_free(x, k, p, vals, ids)
     out = jax.lax.cond(jnp.all(exact | greedy), lambda: out, lambda: _processed_logits_rows_sorted(x, k, p))
-    if vocab > 1:  # greedy rows: the argmax entry alone (as `processed_logits` does)
+    if vocab > 1:  # greedy rows: the argmax entry alone
         top = jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1)
         onehot = jnp.arange(vocab)[None, :] == top[:, None]
         out = jnp.where(greedy[:, None], jnp.where(onehot, jnp.asarray(logits, jnp.float32), _NEG_INF), out)
@@ -390,9 +296,9 @@ def request_keys(seeds: jax.Array, counts: jax.Array) -> jax.Array:
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
                 top_p: jax.Array, vocab_sharding=None) -> jax.Array:
-    """`sample` with per-row parameters and keys: [B, V] -> [B] int32. Row b equals
-    `sample(logits[b:b+1], keys[b], params_b)[0]`. A batch of only greedy rows skips the masking.
-    vocab_sharding: as `processed_logits_rows`'."""
+    """One token per row, [B, V] -> [B] int32: row b drawn with keys[b] from
+    softmax(`processed_logits_rows`) (its argmax when greedy), whatever the other rows hold. A
+    batch of only greedy rows skips the masking. vocab_sharding: as `processed_logits_rows`'."""
     x = jnp.asarray(logits, jnp.float32)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
     greedy = jnp.asarray(temperature, jnp.float32) == 0.0
@@ -417,8 +323,8 @@ def speculative_accept(
       draft_tokens: [B, k] tokens the draft model sampled.
       draft_probs: [B, k, V] the full distributions those tokens were drawn from.
       target_probs: [B, k+1, V] target distributions at the same k positions plus one more
-        (the bonus position after the last draft token). Use `probs(...)` with the same
-        `SamplingParams` for both models to sample from the processed target distribution.
+        (the bonus position after the last draft token). Use `RowSampling.probs` with the same
+        rows for both models to sample from the processed target distribution.
       key: PRNG key.
 
     Returns:

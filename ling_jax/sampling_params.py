@@ -27,10 +27,10 @@ class SamplingParams:
     temperature: 0 means greedy (argmax); > 0 divides the logits.
     top_k: keep the k highest logits (0 = off).
     top_p: nucleus threshold in (0, 1]; 1.0 = off.
-    seed: seed for the caller's PRNG key (not read by the functions here, which take a key).
+    seed: row b of a `generate` call draws with seed + b (`sampling.RowSampling.broadcast`).
     presence_penalty, frequency_penalty: in [-2, 2], 0 = off (OpenAI semantics, generated tokens).
     repetition_penalty: > 0, 1.0 = off (HF semantics, prompt + generated tokens).
-    Penalties are applied by the caller that holds the token history (`apply_penalties`).
+    Penalties are applied by the caller that holds the token history (`token_stats.penalize_rows`).
     """
 
     temperature: float = 0.0

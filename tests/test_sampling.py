@@ -1,4 +1,7 @@
-"""Tests for ling_jax.sampling: logit processing, sampling and speculative accept/reject."""
+"""Tests for ling_jax.sampling: logit processing, sampling and speculative accept/reject.
+
+The one sampling API is by rows (`processed_logits_rows`, `sample_rows`, `RowSampling`); one
+`SamplingParams` is a broadcast row. The masks are checked against a float64 NumPy reference."""
 from __future__ import annotations
 
 import jax
@@ -7,12 +10,10 @@ import numpy as np
 import pytest
 
 from ling_jax.sampling import (
+    RowSampling,
     SamplingParams,
-    mask_top_k,
-    mask_top_p,
-    processed_logits,
-    probs,
-    sample,
+    processed_logits_rows,
+    sample_rows,
     speculative_accept,
     speculative_accept_greedy,
 )
@@ -32,14 +33,42 @@ def _random_dist(rng, v, zeros=0):
     return (p / p.sum()).astype(np.float32)
 
 
-# Jitted once at module level (params / k are static); jitting also checks traceability: no
-# Python control flow on traced values anywhere in the sampling code.
-_top_k = jax.jit(mask_top_k, static_argnums=1)
-_top_p_traced = jax.jit(mask_top_p)  # p as an array: one compile for every p
-_processed = jax.jit(processed_logits, static_argnums=1)
-_probs = jax.jit(probs, static_argnums=1)
-_sample = jax.jit(sample, static_argnums=2)
+def _broadcast_processed(x, params: SamplingParams):
+    """`processed_logits_rows` with one SamplingParams as every row (`RowSampling.broadcast`)."""
+    rs = RowSampling.broadcast(params, x.shape[0])
+    return processed_logits_rows(x, rs.temperature, rs.top_k, rs.top_p)
+
+
+def _masked_rows(x, k, p):
+    """Temperature 1, top_k k (traced: one compile for every k), top_p p, on every row."""
+    B = x.shape[0]
+    return processed_logits_rows(x, jnp.ones((B,)), jnp.full((B,), k, jnp.int32), jnp.full((B,), p, jnp.float32))
+
+
+# Jitted once at module level (params are static, k / p traced); jitting also checks traceability:
+# no Python control flow on traced values anywhere in the sampling code.
+_processed = jax.jit(_broadcast_processed, static_argnums=1)
+_masked = jax.jit(_masked_rows)
+_probs = jax.jit(lambda x, params: RowSampling.broadcast(params, x.shape[0]).probs(x), static_argnums=1)
 _spec = jax.jit(speculative_accept)
+
+
+def _processed_np(x, temperature, k, p):
+    """Independent float64 reference of temperature -> top-k -> top-p on every row of x [B, V]:
+    (keep mask [B, V], scaled logits, ambiguous-row flags: a cumulative mass within 1e-5 of p,
+    where float32 rounding may decide either way)."""
+    x = np.asarray(x, np.float64) / temperature
+    B, V = x.shape
+    k = V if k <= 0 or k >= V else k
+    keep = np.zeros(x.shape, bool)
+    ambiguous = np.zeros(B, bool)
+    for b in range(B):
+        order = np.argsort(-x[b], kind="stable")[:k]
+        cum = np.cumsum(_softmax64(x[b, order]))
+        n = len(order) if p >= 1.0 else int(np.argmax(cum >= p)) + 1 if (cum >= p).any() else len(order)
+        keep[b, order[:n]] = True
+        ambiguous[b] = p < 1.0 and np.min(np.abs(cum - p)) < 1e-5
+    return keep, x, ambiguous
 
 
 # --------------------------------------------------------------------------- params
@@ -65,14 +94,14 @@ def test_params_as_static_jit_arg():
 # --------------------------------------------------------------------------- top-k / top-p
 
 
-# One shared [16, 50] logits array, so the jitted helpers compile once per static argument.
+# One shared [16, 50] logits array, so the jitted helpers compile once.
 _LOGITS = (np.random.default_rng(0).normal(size=(16, 50)) * 2.0).astype(np.float32)
 
 
 def test_top_k_keeps_exactly_k():
     x = _LOGITS
     for k in (1, 10, 49):
-        out = np.asarray(_top_k(jnp.asarray(x), k))
+        out = np.asarray(_masked(jnp.asarray(x), k, 1.0))
         assert (np.isfinite(out).sum(-1) == k).all()
         for b in range(x.shape[0]):
             kept = np.flatnonzero(np.isfinite(out[b]))
@@ -82,36 +111,22 @@ def test_top_k_keeps_exactly_k():
 
 def test_top_k_ties_keep_exactly_k_lowest_ids():
     x = jnp.array([[0.0, 1.0, 1.0, 1.0, 1.0, -1.0]])
-    out = np.asarray(_top_k(x, 2))
+    out = np.asarray(_masked(x, 2, 1.0))
     np.testing.assert_array_equal(np.isfinite(out)[0], [False, True, True, False, False, False])
 
 
 def test_top_k_off():
     x = jnp.array([[0.3, -1.0, 2.0]])
     for k in (0, 3, 7):
-        np.testing.assert_array_equal(np.asarray(mask_top_k(x, k)), np.asarray(x))
-
-
-def _brute_top_p_keep(x, p):
-    """Reference nucleus mask in float64; returns (keep, ambiguous-row flags)."""
-    keep = np.zeros(x.shape, bool)
-    ambiguous = np.zeros(x.shape[0], bool)
-    for b in range(x.shape[0]):
-        pr = _softmax64(x[b])
-        order = np.argsort(-x[b], kind="stable")
-        cum = np.cumsum(pr[order])
-        n = int(np.argmax(cum >= p)) + 1 if (cum >= p).any() else len(order)
-        keep[b, order[:n]] = True
-        ambiguous[b] = np.min(np.abs(cum - p)) < 1e-5
-    return keep, ambiguous
+        np.testing.assert_array_equal(np.asarray(_masked(x, k, 1.0)), np.asarray(x))
 
 
 def test_top_p_matches_brute_force():
     x = _LOGITS
     pr = _softmax64(x)
     for p in (1e-6, 0.05, 0.3, 0.5, 0.8, 0.95, 0.999):
-        out = np.asarray(_top_p_traced(jnp.asarray(x), jnp.float32(p)))
-        keep, ambiguous = _brute_top_p_keep(x, p)
+        out = np.asarray(_masked(jnp.asarray(x), 0, p))
+        keep, _, ambiguous = _processed_np(x, 1.0, 0, p)
         assert ambiguous.sum() <= 2
         got = np.isfinite(out)
         np.testing.assert_array_equal(got[~ambiguous], keep[~ambiguous], err_msg=f"p={p}")
@@ -125,12 +140,11 @@ def test_top_p_matches_brute_force():
 
 def test_top_p_one_is_no_op_and_top_token_always_kept():
     x = jnp.asarray(_LOGITS)
-    np.testing.assert_array_equal(np.asarray(mask_top_p(x, 1.0)), _LOGITS)
-    np.testing.assert_array_equal(np.asarray(_top_p_traced(x, jnp.float32(1.0))), _LOGITS)
+    np.testing.assert_array_equal(np.asarray(_masked(x, 0, 1.0)), _LOGITS)
     # a tiny p keeps only the top token; with ties that is the lowest id
     tied = np.zeros_like(_LOGITS)
     tied[:, 7] = tied[:, 9] = 1.0
-    out = np.asarray(_top_p_traced(jnp.asarray(tied), jnp.float32(1e-6)))
+    out = np.asarray(_masked(jnp.asarray(tied), 0, 1e-6))
     assert (np.flatnonzero(np.isfinite(out).any(0)) == [7]).all()
     assert np.isfinite(out).sum() == tied.shape[0]
 
@@ -146,20 +160,21 @@ def test_temperature_scaling():
 
 def test_processed_logits_order_top_k_then_top_p():
     x = _LOGITS
-    got = np.asarray(_processed(jnp.asarray(x), SamplingParams(temperature=0.7, top_k=10,
-                                                                top_p=0.6)))
-    scaled = jnp.asarray(x) / jnp.float32(0.7)
-    ref = np.asarray(_top_p_traced(_top_k(scaled, 10), jnp.float32(0.6)))
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
-    np.testing.assert_allclose(got[np.isfinite(got)], ref[np.isfinite(ref)], rtol=1e-6)
-    assert (np.isfinite(got).sum(-1) <= 10).all()
+    got = np.asarray(_processed(jnp.asarray(x), SamplingParams(temperature=0.7, top_k=10, top_p=0.6)))
+    keep, scaled, ambiguous = _processed_np(x, 0.7, 10, 0.6)
+    assert ambiguous.sum() <= 2
+    np.testing.assert_array_equal(np.isfinite(got)[~ambiguous], keep[~ambiguous])
+    fin = np.isfinite(got)
+    np.testing.assert_allclose(got[fin], scaled[fin], rtol=1e-6)
+    assert (fin.sum(-1) <= 10).all()
+    assert (fin.sum(-1) < 10).any()  # top-p cut inside the top 10 somewhere
 
 
 def test_greedy_probs_are_one_hot_argmax():
     x = jnp.array([[0.1, 3.0, 3.0, -1.0], [5.0, 0.0, 1.0, 2.0]])
     pr = np.asarray(_probs(x, SamplingParams()))
     np.testing.assert_array_equal(pr, [[0, 1, 0, 0], [1, 0, 0, 0]])
-    ids = _sample(x, jax.random.key(0), SamplingParams())
+    ids = RowSampling.broadcast(SamplingParams(), 2).draw(x)
     assert ids.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(ids), [1, 0])
 
@@ -175,11 +190,13 @@ _SAMPLE_PARAMS = SamplingParams(temperature=1.3, top_k=5, top_p=0.75)
 
 @jax.jit
 def _draws_jit(x, key):
-    return sample(x, key, _SAMPLE_PARAMS), probs(x[:1], _SAMPLE_PARAMS)[0]
+    rs = RowSampling.broadcast(_SAMPLE_PARAMS, x.shape[0])
+    drawn = sample_rows(x, jax.random.split(key, x.shape[0]), rs.temperature, rs.top_k, rs.top_p)
+    return drawn, RowSampling.broadcast(_SAMPLE_PARAMS, 1).probs(x[:1])[0]
 
 
 def _draws(key, n):
-    """n independent draws (one batch row each; rows get independent noise) plus the probs."""
+    """n independent draws (one batch row each, its own key) plus the probs."""
     # the logits are an argument, not a constant, so XLA does not constant-fold the sampler
     return _draws_jit(jnp.asarray(np.broadcast_to(_X, (n, _V))), key)
 
@@ -359,13 +376,21 @@ def _histories(rng, B, V):
 
 
 def test_penalties_match_numpy_reference():
-    from ling_jax.sampling import apply_penalties, apply_penalties_rows, token_stats
+    from ling_jax.sampling import apply_penalties_rows
+    from ling_jax.token_stats import init_token_stats, update_rows
     rng = np.random.default_rng(21)
     B, V = 16, 50
     gen, n_gen, prompt, n_prompt, counts, seen = _histories(rng, B, V)
-    got_counts = np.asarray(token_stats(gen, n_gen, V))
-    np.testing.assert_array_equal(got_counts, counts)
-    np.testing.assert_array_equal(np.asarray(token_stats(prompt, n_prompt, V)) > 0, seen)
+    # the statistics the penalties read: a prompt fed (positions < prompt_len), then generated tokens
+    zeros = np.zeros(B, np.int32)
+    st = update_rows(init_token_stats(B, V), jnp.asarray(prompt), jnp.asarray(n_prompt), jnp.asarray(zeros),
+                     jnp.asarray(n_prompt), jnp.ones(B, bool))
+    np.testing.assert_array_equal(np.asarray(st.prompt_seen), seen)
+    assert not np.asarray(st.gen_counts).any()
+    st = update_rows(st, jnp.asarray(gen), jnp.asarray(n_gen), jnp.asarray(n_prompt), jnp.asarray(n_prompt),
+                     jnp.zeros(B, bool))
+    np.testing.assert_array_equal(np.asarray(st.gen_counts), counts)
+    np.testing.assert_array_equal(np.asarray(st.prompt_seen), seen)
     presence, frequency = rng.uniform(-2, 2, B), rng.uniform(-2, 2, B)
     repetition = rng.uniform(0.5, 2.0, B)
     presence[:3], frequency[:3], repetition[:3] = 0.0, 0.0, 1.0  # neutral rows
@@ -377,13 +402,15 @@ def test_penalties_match_numpy_reference():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got[:3], x[:3])  # neutral rows are untouched, bit for bit
     assert (np.abs(got[3:] - x[3:]) > 1e-3).any(1).all()  # every other row was penalised
-    # one SamplingParams for all rows = the rows form with that row everywhere
-    sp = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3)
+    # one SamplingParams for all rows = a broadcast row
+    rs = RowSampling.broadcast(SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25,
+                                              repetition_penalty=1.3), B)
     ones = np.ones(B)
-    np.testing.assert_allclose(np.asarray(apply_penalties(x, counts, seen, sp)),
+    np.testing.assert_allclose(np.asarray(apply_penalties_rows(x, counts, seen, rs.presence, rs.frequency,
+                                                               rs.repetition)),
                                _penalties_np(x, counts, seen, 0.5 * ones, -0.25 * ones, 1.3 * ones),
                                rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(apply_penalties(x, counts, seen, SamplingParams())), x)
+    assert RowSampling.broadcast(SamplingParams(), B).presence is None  # no penalty rows: nothing to apply
 
 
 def test_token_logprobs_are_the_raw_log_softmax_and_its_top_n():

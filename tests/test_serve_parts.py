@@ -9,7 +9,7 @@ from flax import nnx
 from conftest import mla_layer_pages
 from ling_jax.mla import paged_gather
 from ling_jax.model import init_cache, layer_cache
-from ling_jax.sampling import (SamplingParams, processed_logits, processed_logits_rows, request_keys, sample,
+from ling_jax.sampling import (SamplingParams, processed_logits_rows, request_keys,
                                sample_rows)
 from ling_jax.serve import Engine, RequestParams
 from ling_jax.serve.allocator import PageAllocator
@@ -69,7 +69,7 @@ def test_paged_mla_equals_contiguous_cache(tiny_model, tiny_cfg):
         assert np.abs(c_pages[0]).sum() > 0 and not c_pages[0, 3:].any()  # row 0: 19 = 4·4 + 3
 
 
-def test_sample_rows_equals_sample():
+def test_sample_rows_draws_each_row_as_alone():
     rng = np.random.default_rng(0)
     ps = [SamplingParams(), SamplingParams(1.0, 0, 1.0, 3), SamplingParams(0.7, 5, 1.0, 1),
           SamplingParams(1.3, 0, 0.8, 9), SamplingParams(0.9, 10, 0.6, 2), SamplingParams(2.0, 1, 0.5, 5)]
@@ -77,13 +77,18 @@ def test_sample_rows_equals_sample():
     arr = lambda f, dt: jnp.asarray([getattr(p, f) for p in ps], dt)
     t, k, p = arr("temperature", jnp.float32), arr("top_k", jnp.int32), arr("top_p", jnp.float32)
     pr = processed_logits_rows(logits, t, k, p)
-    for b in range(len(ps)):
-        np.testing.assert_array_equal(np.asarray(pr[b]), np.asarray(processed_logits(logits[b:b + 1], ps[b])[0]))
+    alone = [np.asarray(processed_logits_rows(logits[b:b + 1], t[b:b + 1], k[b:b + 1], p[b:b + 1])[0])
+             for b in range(len(ps))]
+    for b in range(len(ps)):  # a row's mask does not depend on its neighbours, bit for bit
+        np.testing.assert_array_equal(np.asarray(pr[b]), alone[b])
     draws = []
     for n in range(12):
         keys = request_keys(arr("seed", jnp.uint32), jnp.full((len(ps),), n))
         got = np.asarray(sample_rows(logits, keys, t, k, p))
-        assert got.tolist() == [int(sample(logits[b:b + 1], keys[b], ps[b])[0]) for b in range(len(ps))]
+        # greedy: the argmax; sampled: the categorical draw of the row's own key from its processed row
+        want = [int(jnp.argmax(logits[b])) if ps[b].greedy else
+                int(jax.random.categorical(keys[b], jnp.asarray(alone[b])[None], axis=-1)[0]) for b in range(len(ps))]
+        assert got.tolist() == want
         draws.append(got)
     draws = np.array(draws)
     assert (draws[:, 0] == int(jnp.argmax(logits[0]))).all() and (draws[:, 5] == int(jnp.argmax(logits[5]))).all()

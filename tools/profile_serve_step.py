@@ -42,7 +42,8 @@ def op_names(hlo_text: str) -> dict:
     for line in hlo_text.splitlines():
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]+)\"", line)
         if m and m.group(1) not in out:
-            out[m.group(1)] = m.group(2)
+            t = re.search(r'custom_call_target="([^"]+)"', line)  # a native kernel: name it
+            out[m.group(1)] = m.group(2) + (f" {t.group(1)}" if t else "")
     return out
 
 
