@@ -22,13 +22,13 @@ from ling_jax.exec_config import ExecConfig
 from ling_jax.kv_quant import FP8, dequantize_per_token, quantize_per_token
 from ling_jax.linear import Linear, TableRows, reads_in_place, table_kernel
 from ling_jax.norms import RMSNorm
-from ling_jax.ops import einsum, linear, real_tokens
+from ling_jax.ops import einsum, real_tokens
 from ling_jax.rope import apply_rope, rope_parameters, softmax_scale
 from ling_jax.kernel_mesh import on_mesh
 from ling_jax.placement import param_mesh
 from pallas_kernels._common import backend_platform
 from pallas_kernels.mla import cpu_kernel
-from pallas_kernels.mla.blockwise import blockwise_expanded_attention, blockwise_latent_attention
+from pallas_kernels.mla.blockwise import blockwise_expanded_attention, blockwise_latent_attention, up_projection
 from pallas_kernels.mla.kernel import latent_attention_pallas
 from pallas_kernels.mla.paged import paged_latent_attention_pallas
 from pallas_kernels.mla.reference import attention_mask, gather_pages, latent_attention, masked_softmax
@@ -131,11 +131,11 @@ def mla_zero_cache(cfg: LingConfig, batch: int, max_len: int, dtype, kv_cache_dt
 def mla_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype):
     """Reference form (spec §10.4).
 
-    q_nope [B,T,H,dn]; q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; w_kv_b [H*(dn+dv), r];
-    mask [B,T,S]. Returns o [B,T,H,dv].
+    q_nope [B,T,H,dn]; q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; w_kv_b [H*(dn+dv), r] (or the
+    up-projection as a function, `up_projection`); mask [B,T,S]. Returns o [B,T,H,dv].
     """
     H, dn = q_nope.shape[2], q_nope.shape[3]
-    kv = linear(c, w_kv_b).reshape(c.shape[0], c.shape[1], H, -1)  # [B,S,H,dn+dv]
+    kv = up_projection(w_kv_b)(c).reshape(c.shape[0], c.shape[1], H, -1)  # [B,S,H,dn+dv]
     k_nope, v = kv[..., :dn], kv[..., dn:]
     s = (einsum("bthd,bshd->bhts", q_nope, k_nope, dtype=jnp.float32)
          + einsum("bthd,bsd->bhts", q_pe, k_pe, dtype=jnp.float32)) * scale
@@ -174,6 +174,11 @@ def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, co
     q_hat = einsum("nhd,hdr->nhr", q_rows, w_uk)[:n].reshape(B, T, H, -1)  # [B,T,H,r]
     c_hat = core(q_hat, q_pe, c, k_pe, mask, scale)
     return einsum("bthr,hdr->bthd", c_hat, w_uv)
+
+
+def _table_up_projection(w: TableRows, c):
+    """c [..., r] @ W^T for a scanned layer's kv_b_proj rows, read in place (`table_linear_cpu`)."""
+    return table_kernel.table_linear_cpu(c, w.table, w.base, w.rows)
 
 
 def absorbed_kv_b(proj: Linear, dtype):
@@ -238,15 +243,15 @@ def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dty
     form. All equal (tests/test_mla_blockwise.py).
 
     q_nope [B,T,H,dn]; q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; w_kv_b [H*(dn+dv), r] (or its
-    `linear.TableRows`, `absorbed_kv_b`; the expanded form slices it); q_pos [B,T] absolute positions;
-    kv_len [B] valid keys; fp8_cache: c and k_pe were dequantised from an FP8 cache
+    `linear.TableRows`, `absorbed_kv_b`; the expanded form up-projects from those in place too); q_pos
+    [B,T] absolute positions; kv_len [B] valid keys; fp8_cache: c and k_pe were dequantised from an FP8 cache
     (`native_attention_applies`). Returns o [B,T,H,dv] in `dtype`.
     """
     T, S = q_nope.shape[1], c.shape[1]
     blockwise = uses_blockwise(T, S, ex.attn_block)
     if form == "expanded":
-        if isinstance(w_kv_b, TableRows):
-            w_kv_b = w_kv_b.matrix()
+        if isinstance(w_kv_b, TableRows):  # up-projected by the native kernel over the stored rows: no slice
+            w_kv_b = partial(_table_up_projection, w_kv_b)
         if blockwise:
             return blockwise_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype,
                                                 ex.attn_block)

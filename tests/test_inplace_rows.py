@@ -206,3 +206,21 @@ def test_one_row_programs_do_not_copy_the_pools(tiny_model):
     from ling_jax.serve.snapshots import _restore
     restore = jax.jit(_restore, donate_argnums=(0,)).lower(pools, snaps, one, one, one, one).compile()
     assert _copies(restore.as_text(), arrays) == 0
+
+
+def test_cache_free_forward_reads_the_layer_weights_in_place(tiny_model):
+    """The cache-free forward (`forward`, the `logits` command; MLA in the expanded form) on a scanned
+    layer loop slices no layer's dense weight out of its stack either: kv_b_proj's up-projection of the
+    latents runs the native kernel over the stored rows (`mla._table_up_projection`)."""
+    assert tiny_model.model.layers.loop == "scan"
+    graphdef, state = nnx.split(tiny_model)
+
+    def logits(state, ids, n_valid):
+        model = nnx.merge(graphdef, state)
+        return model(ids, n_valid=n_valid, exec=model.exec)["logits"]
+
+    ids = jnp.zeros((2, 16), jnp.int32)
+    hlo = jax.jit(logits).lower(state, ids, jnp.full((2,), 16, jnp.int32)).compile().as_text()
+    assert "ling_table_linear" in hlo  # the kernel runs (so the check below has something to see)
+    sliced = _linear_slices(hlo, tiny_model)
+    assert not sliced, "the cache-free forward copies a layer's dense weights:\n" + "\n".join(sliced[:5])

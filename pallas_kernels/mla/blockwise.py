@@ -103,19 +103,27 @@ def blockwise_latent_attention(q_hat, q_pe, c, k_pe, q_pos, kv_len, scale, block
     return o.transpose(0, 2, 1, 3).astype(dt)
 
 
+def up_projection(w_kv_b) -> Callable:
+    """The keys/values up-projection c [..., r] -> [..., H*(dn+dv)]: w_kv_b itself when it is a function
+    (e.g. a kernel that reads the weight where it is stored), else `linear(c, w_kv_b)` of the matrix."""
+    return w_kv_b if callable(w_kv_b) else (lambda c: linear(c, w_kv_b))
+
+
 def blockwise_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype, block: int = 512):
     """The expanded form over key blocks (each block's keys/values up-projected from its latents when
     visited); equals `ling_jax.mla.mla_expanded_attention` under `attention_mask(q_pos, S, kv_len)`.
 
-    q_nope [B,T,H,dn]; q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; w_kv_b [H*(dn+dv), r];
-    q_pos [B,T] int; kv_len [B] int. Returns o [B,T,H,dv] in `dtype`.
+    q_nope [B,T,H,dn]; q_pe [B,T,H,dr]; c [B,S,r]; k_pe [B,S,dr]; w_kv_b [H*(dn+dv), r], or the
+    up-projection as a function (`up_projection`); q_pos [B,T] int; kv_len [B] int. Returns o
+    [B,T,H,dv] in `dtype`.
     """
     B, T, H, dn = q_nope.shape
     S = c.shape[1]
-    dv = w_kv_b.shape[0] // H - dn
+    up = up_projection(w_kv_b)
+    dv = jax.eval_shape(up, jax.ShapeDtypeStruct((1, c.shape[2]), c.dtype)).shape[-1] // H - dn
 
     def key_block(start, bk):
-        kv = linear(_key_block(c, start, bk), w_kv_b).reshape(B, bk, H, dn + dv)  # this block's keys/values
+        kv = up(_key_block(c, start, bk)).reshape(B, bk, H, dn + dv)  # this block's keys/values
         s = (einsum("bthd,bshd->bhts", q_nope, kv[..., :dn], dtype=F32)
              + einsum("bthd,bsd->bhts", q_pe, _key_block(k_pe, start, bk), dtype=F32)) * scale
         return s, lambda p: einsum("bhts,bshd->bhtd", p.astype(dtype), kv[..., dn:], dtype=F32)
