@@ -56,6 +56,11 @@ class TableRows:
     def matrix(self) -> jax.Array:
         return table_rows(self.table, self.base, self.rows)
 
+    def apply(self, x: jax.Array) -> jax.Array:
+        """x [..., in] @ Wᵀ -> [..., rows] float32, by the native kernel over the rows where they are
+        stored (`table_linear_cpu`; x float32, see `reads_in_place`)."""
+        return table_kernel.table_linear_cpu(x, self.table, self.base, self.rows)
+
 
 def reads_in_place(w, dtype) -> bool:
     """Whether a product of an input of `dtype` with weight w runs the native kernel over w's rows in
@@ -84,7 +89,7 @@ class Linear(nnx.Module):
         kernel `ex.kernels` selects (the dequantised weight is never stored)."""
         w = self.weight.get_value()
         if reads_in_place(w, x.dtype):
-            return table_kernel.table_linear_cpu(x, w.table, w.base, w.rows)
+            return w.apply(x)
         if isinstance(w, TableRows):
             return linear(x, w.matrix(), ex.weights_first_rows if ex is not None else 0)  # sliced, then cast
         if isinstance(w, BlockFP8):

@@ -176,11 +176,6 @@ def mla_absorbed_attention(q_nope, q_pe, c, k_pe, w_kv_b, mask, scale, dtype, co
     return einsum("bthr,hdr->bthd", c_hat, w_uv)
 
 
-def _table_up_projection(w: TableRows, c):
-    """c [..., r] @ W^T for a scanned layer's kv_b_proj rows, read in place (`table_linear_cpu`)."""
-    return table_kernel.table_linear_cpu(c, w.table, w.base, w.rows)
-
-
 def absorbed_kv_b(proj: Linear, dtype):
     """kv_b_proj as the absorbed form takes it: on XLA:CPU a scanned layer's float32 `TableRows` as
     they are (W_UK and W_UV read per head where they are stored, `table_heads_cpu`: XLA:CPU would copy
@@ -251,7 +246,7 @@ def mla_attention(form, q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dty
     blockwise = uses_blockwise(T, S, ex.attn_block)
     if form == "expanded":
         if isinstance(w_kv_b, TableRows):  # up-projected by the native kernel over the stored rows: no slice
-            w_kv_b = partial(_table_up_projection, w_kv_b)
+            w_kv_b = w_kv_b.apply
         if blockwise:
             return blockwise_expanded_attention(q_nope, q_pe, c, k_pe, w_kv_b, q_pos, kv_len, scale, dtype,
                                                 ex.attn_block)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
-from ling_jax.linear import TableRows, init_normal, reads_in_place, table_kernel
+from ling_jax.linear import TableRows, init_normal, reads_in_place
 from ling_jax.moe_active import experts_for_tokens, native_applies, uses_active_loop
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
 from ling_jax.ops import einsum, precision, real_tokens
@@ -61,7 +61,7 @@ def router_logits(x: jax.Array, w) -> jax.Array:
     (`linear.reads_in_place`)."""
     x = x.astype(jnp.float32)
     if reads_in_place(w, x.dtype):
-        return table_kernel.table_linear_cpu(x, w.table, w.base, w.rows)
+        return w.apply(x)
     if isinstance(w, TableRows):
         w = w.matrix()
     return jnp.einsum("nd,ed->ne", x, w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)

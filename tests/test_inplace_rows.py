@@ -211,7 +211,7 @@ def test_one_row_programs_do_not_copy_the_pools(tiny_model):
 def test_cache_free_forward_reads_the_layer_weights_in_place(tiny_model):
     """The cache-free forward (`forward`, the `logits` command; MLA in the expanded form) on a scanned
     layer loop slices no layer's dense weight out of its stack either: kv_b_proj's up-projection of the
-    latents runs the native kernel over the stored rows (`mla._table_up_projection`)."""
+    latents runs the native kernel over the stored rows (`linear.TableRows.apply`)."""
     assert tiny_model.model.layers.loop == "scan"
     graphdef, state = nnx.split(tiny_model)
 

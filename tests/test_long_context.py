@@ -32,7 +32,7 @@ def test_chunked_forward_equals_whole_and_float64(tiny_model, tiny_cfg, tiny_par
     ex = tiny_model.exec.replace(prefill_chunk=16, attn_block=8)
     chunked = forward(tiny_model, ids, n_valid=nv, mtp=True, exec=ex)
     # one call, the expanded form over key blocks of 8 (on a scanned CPU model its up-projection reads
-    # kv_b_proj's stored rows: `mla._table_up_projection`)
+    # kv_b_proj's stored rows: `linear.TableRows.apply`)
     blocks = forward(tiny_model, ids, n_valid=nv, exec=tiny_model.exec.replace(attn_block=8))
     for b, n in enumerate(nv):
         assert rel_err(chunked["logits"][b, :n], whole["logits"][b, :n]) < 1e-5
