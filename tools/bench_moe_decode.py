@@ -72,11 +72,16 @@ def native(x, idx, wts, wg, wu, wd):
 
 
 def interleaved(cases: dict, reps: int) -> dict:
+    """Times of each case over `reps` rounds, the order rotated every round. Why: a case timed right
+    after the capacity path (whose large buffers evict the caches) ran ~5% slower than the same kernel
+    timed later in the round (an A/A check, thirty-fifth session), which biased a variant comparison."""
     for f in cases.values():
         jax.block_until_ready(f())
     ts = {n: [] for n in cases}
-    for _ in range(reps):
-        for n, f in cases.items():
+    names = list(cases)
+    for r in range(reps):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            f = cases[n]
             t = time.perf_counter()
             jax.block_until_ready(f())
             ts[n].append(time.perf_counter() - t)

@@ -27,12 +27,21 @@ A policy is CHUNKxROWS, 'rb' = prefill programs per row bucket, '/N' = at most N
 
   python tools/simulate_load.py [--workload tools/results/serve_workload_full.json]
                                 [--policy 128x2,128x2rb,512x8rb/64] [--prefill-token-ms 1.5]
+                                [--order oldest,most-left]
+
+`--order most-left` replays a different prefill order than the scheduler's (oldest prompt first):
+the prompts with the most tokens left first, so a burst's backlog drains in fewer steps and the
+decodes start together. Each row also reports TTFT p50 / p99 (from when the client sends a request to
+the end of the step that emits its first token), since an order trades one against the other
+(BENCHMARKS.md, thirty-fifth
+session: not the engine's policy).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ling_jax.serve.allocator import PageAllocator, PoolSizes  # noqa: E402
 from ling_jax.serve.request import RequestParams  # noqa: E402
 from ling_jax.serve.runner import row_buckets, token_buckets  # noqa: E402
-from ling_jax.serve.scheduler import DECODE, Request, Scheduler  # noqa: E402
+from ling_jax.serve.scheduler import DECODE, PREFILL, Request, Scheduler  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -49,19 +58,34 @@ def experts_touched(tokens: int, experts: int = 64, k: int = 8) -> float:
     return experts * (1 - (1 - k / experts) ** tokens)
 
 
+class MostLeftFirst(Scheduler):
+    """The scheduler with prompts being fed ordered by tokens left (most first, then age); decoding
+    requests keep their order. A replay-only variant: the pool here never runs out, so the order of
+    `running()` decides nothing else (in the engine it also picks the preemption victim)."""
+
+    def running(self) -> list[Request]:
+        return sorted(super().running(), key=lambda r: (r.state == PREFILL) * (r.n_fed - len(r.feed)))
+
+
+ORDERS = {"oldest": Scheduler, "most-left": MostLeftFirst}
+
+
 def simulate(requests: list, concurrency: int, chunk: int, rows: int, per_row_buckets: bool, cost: dict,
-             row_tokens: int | None = None) -> tuple:
-    """(wall seconds, steps) of `requests` ([{"prompt", "max_tokens"}]) with at most `concurrency`
-    in flight, all submitted at once (as bench_serve's load rows)."""
+             row_tokens: int | None = None, order: str = "oldest") -> tuple:
+    """(wall seconds, steps, TTFT p50 s, TTFT p99 s) of `requests` ([{"prompt", "max_tokens"}]) with at
+    most `concurrency` in flight, a request sent as one finishes (as bench_serve's load rows: TTFT
+    from when it is sent); `order` names the scheduler (ORDERS)."""
     sizes = PoolSizes(max_slots=concurrency, page_size=16, num_pages=1 << 16, max_seq_len=1 << 12,
                       with_mtp=False, page_bytes=1, slot_bytes=1)
-    sched = Scheduler(PageAllocator(sizes), concurrency, chunk, rows, prefill_row_tokens=row_tokens)
+    sched = ORDERS[order](PageAllocator(sizes), concurrency, chunk, rows, prefill_row_tokens=row_tokens)
     decode_rows, prefill_rows = row_buckets(concurrency), row_buckets(rows)
     tbuckets = token_buckets(min(chunk, row_tokens or chunk))
     pending, live, done, wall, steps = list(enumerate(requests)), 0, 0, 0.0, 0
+    sent, first = {}, {}  # request id -> when the client sent it (it keeps `concurrency` in flight), its first token
     while done < len(requests):
         while pending and live < concurrency:
             i, r = pending.pop(0)
+            sent[i] = wall
             sched.queue.append(Request(i, r["prompt"], RequestParams(max_tokens=r["max_tokens"]), frozenset()))
             live += 1
         plan, ms = sched.schedule(), 0.0
@@ -69,6 +93,7 @@ def simulate(requests: list, concurrency: int, chunk: int, rows: int, per_row_bu
         def emit(req):
             nonlocal done, live
             req.generated.append(0)
+            first.setdefault(req.id, wall + ms / 1e3)
             if len(req.generated) >= req.params.max_tokens:
                 sched.finish(req, "length")
                 done, live = done + 1, live - 1
@@ -90,7 +115,8 @@ def simulate(requests: list, concurrency: int, chunk: int, rows: int, per_row_bu
                     emit(req)
         wall += ms / 1e3
         steps += 1
-    return wall, steps
+    ttft = sorted(first[i] - sent[i] for i in first)
+    return wall, steps, statistics.median(ttft), ttft[round(0.99 * (len(ttft) - 1))]
 
 
 def main():
@@ -100,6 +126,7 @@ def main():
                     help="comma list of CHUNKxROWS[rb][/N]: 'rb' = prefill programs per row bucket, "
                          "/N = at most N tokens a row a step")
     ap.add_argument("--concurrency", default="8,32")
+    ap.add_argument("--order", default="oldest", help=f"comma list of prefill orders: {', '.join(ORDERS)}")
     for name, v in (("decode-ms", 65.7), ("decode-row-ms", 3.84), ("expert-ms", 0.306), ("prefill-ms", 130.0),
                     ("prefill-slot-ms", 1.55), ("prefill-token-ms", 1.5)):
         ap.add_argument(f"--{name}", type=float, default=v)
@@ -111,15 +138,21 @@ def main():
     out_tokens = sum(r["max_tokens"] for r in reqs)
     conc = [int(c) for c in a.concurrency.split(",")]
     print(f"# {len(reqs)} requests, {out_tokens} output tokens; cost model {cost}")
-    print("| policy | " + " | ".join(f"c={c} s (tok/s, steps)" for c in conc) + f" | c={conc[-1]} / c={conc[0]} |")
-    print("|---|" + "---:|" * (len(conc) + 1))
+    orders = a.order.split(",")
+    unknown = [o for o in orders if o not in ORDERS]
+    if unknown:
+        ap.error(f"--order: unknown {unknown}; expected a comma list of {', '.join(ORDERS)}")
+    print("| policy | order | " + " | ".join(f"c={c} s (tok/s, steps; TTFT p50 / p99 s)" for c in conc)
+          + f" | c={conc[-1]} / c={conc[0]} |")
+    print("|---|---|" + "---:|" * (len(conc) + 1))
     for pol in a.policy.split(","):
         shape, _, cap = pol.partition("/")
         rb = shape.endswith("rb")
         chunk, rows = (int(x) for x in shape.removesuffix("rb").split("x"))
-        res = [simulate(reqs, c, chunk, rows, rb, cost, int(cap) if cap else None) for c in conc]
-        cells = " | ".join(f"{w:.1f} ({out_tokens / w:.1f}, {s})" for w, s in res)
-        print(f"| {pol} | {cells} | {res[0][0] / res[-1][0]:.2f}x |")
+        for order in orders:
+            res = [simulate(reqs, c, chunk, rows, rb, cost, int(cap) if cap else None, order) for c in conc]
+            cells = " | ".join(f"{w:.1f} ({out_tokens / w:.1f}, {s}; {p50:.1f} / {p99:.1f})" for w, s, p50, p99 in res)
+            print(f"| {pol} | {order} | {cells} | {res[0][0] / res[-1][0]:.2f}x |")
 
 
 if __name__ == "__main__":
