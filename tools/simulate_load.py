@@ -31,10 +31,9 @@ A policy is CHUNKxROWS, 'rb' = prefill programs per row bucket, '/N' = at most N
 
 `--order most-left` replays a different prefill order than the scheduler's (oldest prompt first):
 the prompts with the most tokens left first, so a burst's backlog drains in fewer steps and the
-decodes start together. Each row also reports TTFT p50 / p99 (from when the client sends a request to
-the end of the step that emits its first token), since an order trades one against the other
-(BENCHMARKS.md, thirty-fifth
-session: not the engine's policy).
+decodes start together. Each row also reports TTFT p50 / p99 (from when the client sends a request
+to the end of the step that emits its first token), since an order trades one against the other
+(BENCHMARKS.md, "Thirty-fifth session": not the engine's policy).
 """
 from __future__ import annotations
 
