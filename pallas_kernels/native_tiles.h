@@ -172,42 +172,90 @@ inline void pack_activations(const float* const* rows, int64_t N, int64_t K, std
     pack_panel(rows + p * PM, std::min<int64_t>(PM, N - p * PM), K, PM, ap.data() + p * PM * K);
 }
 
+// panel_pass over the first P < PM rows of a panel (its other rows are padding): the same chains for
+// those rows, without the padding rows' FMAs (a panel of one token does 2 a step, not 12).
+template <int P>
+__attribute__((noinline)) void part_pass(const float* __restrict a, const float* __restrict b, int64_t n,
+                                         vf8 (*__restrict s)[2]) {
+  vf8 A[P] = {}, B[P] = {};
+  for (int64_t j = 0; j < n; ++j, a += PM, b += PW) {
+    const vf8 w0 = load8(b), w1 = load8(b + L);
+    for (int t = 0; t < P; ++t) {
+      A[t] += a[t] * w0;
+      B[t] += a[t] * w1;
+    }
+  }
+  for (int t = 0; t < P; ++t) {
+    s[t][0] = s[t][0] + A[t];
+    s[t][1] = s[t][1] + B[t];
+  }
+}
+
+// One lane class's pass over a panel holding `rows` real activation rows (1 .. PM).
+inline void pass_rows(int64_t rows, const float* a, const float* b, int64_t n, vf8 (*s)[2]) {
+  switch (rows) {
+    case 1: return part_pass<1>(a, b, n, s);
+    case 2: return part_pass<2>(a, b, n, s);
+    case 3: return part_pass<3>(a, b, n, s);
+    case 4: return part_pass<4>(a, b, n, s);
+    case 5: return part_pass<5>(a, b, n, s);
+    default: return panel_pass(a, b, n, s);
+  }
+}
+
+// out[n * ostride + o0 + r] for r < mo, n < N: weight panel bp ([K][PW], pack_panel's order) against every
+// activation panel of ap (pack_activations); s: scratch of ceil(N / PM) panels' sums. For each lane class l
+// every activation panel runs against the panel's pass slice (K/8 x PW floats, in L1), summing into s.
+inline void panel_product(const float* bp, int64_t mo, int64_t o0, int64_t K, const float* ap, int64_t N, float* out,
+                          int64_t ostride, std::vector<vf8>& sbuf) {
+  const int64_t K8 = K / L, np = (N + PM - 1) / PM;
+  sbuf.assign(static_cast<size_t>(np * PM * 2), vf8{});
+  auto* s = reinterpret_cast<vf8(*)[PM][2]>(sbuf.data());
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t p = 0; p < np; ++p)
+      pass_rows(std::min<int64_t>(PM, N - p * PM), ap + p * PM * K + l * K8 * PM, bp + l * K8 * PW, K8, s[p]);
+  for (int64_t p = 0; p < np; ++p) {
+    const float* a = ap + p * PM * K;
+    for (int64_t d = L * K8; d < K; ++d) {
+      const vf8 b0 = load8(bp + d * PW), b1 = load8(bp + d * PW + L);
+      for (int t = 0; t < PM; ++t)
+        for (int q = 0; q < L; ++q) {
+          s[p][t][0][q] = __builtin_fmaf(b0[q], a[d * PM + t], s[p][t][0][q]);
+          s[p][t][1][q] = __builtin_fmaf(b1[q], a[d * PM + t], s[p][t][1][q]);
+        }
+    }
+    for (int64_t t = 0; t < std::min<int64_t>(PM, N - p * PM); ++t) {
+      float row[PW];
+      std::memcpy(row, &s[p][t][0], sizeof(vf8));
+      std::memcpy(row + L, &s[p][t][1], sizeof(vf8));
+      std::memcpy(out + (p * PM + t) * ostride + o0, row, static_cast<size_t>(mo) * sizeof(float));
+    }
+  }
+}
+
 // out[n * ostride + o] = dot_tile's sum of weight row o of w [O][K] (read in place) with activation row
-// n < N (ap from pack_activations). Per panel of PW weight rows: pack it, then for each lane class l
-// run every activation panel against it (the weights' pass slice, K/8 x PW floats, stays in L1), summing
-// into s. (Prefetching the next panel's rows during the passes was tried: no change at 16 or 64 rows.)
+// n < N (ap from pack_activations): per panel of PW weight rows, pack it, then `panel_product`.
+// (Prefetching the next panel's rows during the passes was tried: no change at 16 or 64 rows; again in
+// the thirty-fifth session: -1 to -4% at 128-512 rows of the experts kernel, worse at 16 in the linear one.)
 inline void panel_gemm(const float* w, int64_t O, int64_t K, const float* ap, int64_t N, float* out,
                        int64_t ostride) {
-  const int64_t K8 = K / L, np = (N + PM - 1) / PM;
   std::vector<float> bp(static_cast<size_t>(PW * K));
-  std::vector<vf8> sbuf(static_cast<size_t>(np * PM * 2));
-  auto* s = reinterpret_cast<vf8(*)[PM][2]>(sbuf.data());
+  std::vector<vf8> sbuf;
   const float* rows[PW];
   for (int64_t o0 = 0; o0 < O; o0 += PW) {
     const int64_t mo = std::min<int64_t>(PW, O - o0);
     for (int64_t r = 0; r < mo; ++r) rows[r] = w + (o0 + r) * K;
     pack_panel(rows, mo, K, PW, bp.data());
-    std::fill(sbuf.begin(), sbuf.end(), vf8{});
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t p = 0; p < np; ++p) panel_pass(ap + p * PM * K + l * K8 * PM, bp.data() + l * K8 * PW, K8, s[p]);
-    for (int64_t p = 0; p < np; ++p) {
-      const float* a = ap + p * PM * K;
-      for (int64_t d = L * K8; d < K; ++d) {
-        const vf8 b0 = load8(bp.data() + d * PW), b1 = load8(bp.data() + d * PW + L);
-        for (int t = 0; t < PM; ++t)
-          for (int q = 0; q < L; ++q) {
-            s[p][t][0][q] = __builtin_fmaf(b0[q], a[d * PM + t], s[p][t][0][q]);
-            s[p][t][1][q] = __builtin_fmaf(b1[q], a[d * PM + t], s[p][t][1][q]);
-          }
-      }
-      for (int64_t t = 0; t < std::min<int64_t>(PM, N - p * PM); ++t) {
-        float row[PW];
-        std::memcpy(row, &s[p][t][0], sizeof(vf8));
-        std::memcpy(row + L, &s[p][t][1], sizeof(vf8));
-        std::memcpy(out + (p * PM + t) * ostride + o0, row, static_cast<size_t>(mo) * sizeof(float));
-      }
-    }
+    panel_product(bp.data(), mo, o0, K, ap, N, out, ostride, sbuf);
   }
+}
+
+// panel_gemm over a weight stored packed ([O / PW] panels of [K][PW] in pack_panel's order, back to back;
+// O a multiple of PW): nothing packed in the call, the panels read in place. Same bits as panel_gemm.
+inline void packed_gemm(const float* wp, int64_t O, int64_t K, const float* ap, int64_t N, float* out,
+                        int64_t ostride) {
+  std::vector<vf8> sbuf;
+  for (int64_t o0 = 0; o0 < O; o0 += PW) panel_product(wp + o0 * K, PW, o0, K, ap, N, out, ostride, sbuf);
 }
 
 }  // namespace ling_tiles

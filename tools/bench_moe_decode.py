@@ -42,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 from ling_jax.moe_capacity import expert_capacity, experts_capacity  # noqa: E402
 from ling_jax.swiglu import swiglu_act  # noqa: E402
 from pallas_kernels.experts import cpu_kernel  # noqa: E402
+from pallas_kernels.experts.panels import pack_panels  # noqa: E402
 
 E, I, D, K = 64, 256, 1024, 8
 HI = jax.lax.Precision.HIGHEST
@@ -69,6 +70,12 @@ def dense(x, idx, wts, wg, wu, wd):
 def native(x, idx, wts, wg, wu, wd):
     """The native CPU kernel (`ExecConfig.native_experts`) at any token count."""
     return cpu_kernel.experts_decode_cpu(x, idx, wts, wg, wu, wd, 0.0)
+
+
+def native_packed(x, idx, wts, wg, wu, wd):
+    """The native kernel over weights stored in its panel order (`pallas_kernels/experts/panels.py`;
+    packed once, outside the timed call)."""
+    return cpu_kernel.experts_decode_cpu(x, idx, wts, wg, wu, wd, 0.0, packed=True)
 
 
 def interleaved(cases: dict, reps: int) -> dict:
@@ -112,16 +119,19 @@ def main():
         fns["dense (all experts)"] = dense
         if cpu_kernel.available():
             fns["native kernel (each used expert once)"] = native
+            fns["native kernel, weights prepacked"] = native_packed
         for n, f in variants.items():
             fns[n] = lambda x, idx, wts, wg, wu, wd, f=f: f(x, idx, wts, wg, wu, wd, 0.0)
         if a.only:
             keep = tuple(v.strip() for v in a.only.split(","))
             fns = {n: f for i, (n, f) in enumerate(fns.items()) if i == 0 or n.startswith(keep)}
         jf = {n: jax.jit(f) for n, f in fns.items()}
-        args = (x, idx, wts, wg, wu, wd)
-        ref = np.asarray(next(iter(jf.values()))(*args))
-        diff = {n: float(np.abs(np.asarray(f(*args)) - ref).max() / np.abs(ref).max()) for n, f in jf.items()}
-        ts = interleaved({n: (lambda f=f: f(*args)) for n, f in jf.items()}, a.reps)
+        rows = (x, idx, wts, wg, wu, wd)
+        packed = (x, idx, wts) + tuple(pack_panels(w) for w in (wg, wu, wd))
+        args = {n: packed if fns[n] is native_packed else rows for n in jf}
+        ref = np.asarray(next(iter(jf.values()))(*rows))
+        diff = {n: float(np.abs(np.asarray(f(*args[n])) - ref).max() / np.abs(ref).max()) for n, f in jf.items()}
+        ts = interleaved({n: (lambda f=f, n=n: f(*args[n])) for n, f in jf.items()}, a.reps)
         for n in jf:
             print(f"| {N} | {n} | {1e3 * min(ts[n]):.2f} | {1e3 * statistics.median(ts[n]):.2f} | {diff[n]:.1e} |",
                   flush=True)

@@ -79,6 +79,33 @@ void run_expert_gemm(const Job& job, const float* x, const float* wg, const floa
   for (int64_t r = 0; r < R; ++r) std::memcpy(ybuf + job.slots[r] * D, s.y.data() + r * D, D * sizeof(float));
 }
 
+// An expert stored packed (`packed` = 1: gate/up [E][I/16 panels][D][16], down [E][D/16 panels][I][16], each
+// panel in pack_panel's order; pallas_kernels/experts/panels.py): the GEMM form at every token count, its
+// panels read in place (no pack in the call). Same bits as the two forms over the [out, in] rows. Why: the
+// per-call pack is a memory stall between two panels' passes; on a Zen 3 host one mid-config MoE layer
+// (tools/native/bench_prepacked_experts.cc) took 0.69x the time at 128 tokens, 0.85-0.88x at 512, 0.99x at 8.
+void run_expert_packed(const Job& job, const float* x, const float* wg, const float* wu, const float* wd,
+                       float lim, int64_t k, int64_t D, int64_t I, float* ybuf, Scratch& s) {
+  const int64_t R = static_cast<int64_t>(job.slots.size());
+  s.xr.resize(R);
+  s.hr.resize(R);
+  for (int64_t r = 0; r < R; ++r) s.xr[r] = x + (job.slots[r] / k) * D;
+  pack_activations(s.xr.data(), R, D, s.xc);
+  s.g.resize(static_cast<size_t>(R * I));
+  s.u.resize(static_cast<size_t>(R * I));
+  packed_gemm(wg + job.expert * I * D, I, D, s.xc.data(), R, s.g.data(), I);
+  packed_gemm(wu + job.expert * I * D, I, D, s.xc.data(), R, s.u.data(), I);
+  for (int64_t r = 0; r < R; ++r) {
+    float* h = s.g.data() + r * I;
+    for (int64_t i = 0; i < I; ++i) h[i] = swiglu(h[i], s.u[r * I + i], lim);
+    s.hr[r] = h;
+  }
+  pack_activations(s.hr.data(), R, I, s.hc);
+  s.y.resize(static_cast<size_t>(R * D));
+  packed_gemm(wd + job.expert * D * I, D, I, s.hc.data(), R, s.y.data(), D);
+  for (int64_t r = 0; r < R; ++r) std::memcpy(ybuf + job.slots[r] * D, s.y.data() + r * D, D * sizeof(float));
+}
+
 void run_expert(const Job& job, const float* x, const float* wg, const float* wu, const float* wd, float lim,
                 int64_t k, int64_t D, int64_t I, float* ybuf, Scratch& s) {
   const int64_t R = static_cast<int64_t>(job.slots.size());
@@ -115,7 +142,8 @@ void run_expert(const Job& job, const float* x, const float* wg, const float* wu
 
 ffi::Error ExpertsDecodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> wts,
                              ffi::Buffer<ffi::F32> wg, ffi::Buffer<ffi::F32> wu, ffi::Buffer<ffi::F32> wd,
-                             ffi::Buffer<ffi::F32> limit, ffi::ResultBuffer<ffi::F32> out, int64_t threads) {
+                             ffi::Buffer<ffi::F32> limit, ffi::ResultBuffer<ffi::F32> out, int64_t threads,
+                             int64_t packed) {
   const auto xd = x.dimensions(), id = idx.dimensions(), gd = wg.dimensions(), dd = wd.dimensions();
   const auto ud = wu.dimensions(), td = wts.dimensions();
   if (xd.size() != 2 || id.size() != 2 || gd.size() != 3 || dd.size() != 3 || ud.size() != 3 || td.size() != 2 ||
@@ -124,6 +152,9 @@ ffi::Error ExpertsDecodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
       limit.element_count() != 1)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ling_experts_decode: inconsistent shapes");
   const int64_t N = xd[0], D = xd[1], k = id[1], E = gd[0], I = gd[1];
+  if (packed && (I % PW != 0 || D % PW != 0))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "ling_experts_decode: packed experts need D and I multiples of 16");
   const float lim = limit.typed_data()[0];
   const int32_t* ids = idx.typed_data();
   std::vector<int64_t> which(static_cast<size_t>(E), -1);
@@ -150,8 +181,8 @@ ffi::Error ExpertsDecodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
   auto work = [&](int64_t) {
     Scratch h;
     for (size_t j; (j = next.fetch_add(1, std::memory_order_relaxed)) < jobs.size();)
-      run_expert(jobs[j], x.typed_data(), wg.typed_data(), wu.typed_data(), wd.typed_data(), lim, k, D, I,
-                 ybuf.data(), h);
+      (packed ? run_expert_packed : run_expert)(jobs[j], x.typed_data(), wg.typed_data(), wu.typed_data(),
+                                                wd.typed_data(), lim, k, D, I, ybuf.data(), h);
   };
   std::vector<std::thread> pool;
   for (int64_t t = 1; t < T; ++t) pool.emplace_back(work, t);
@@ -185,4 +216,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LingExpertsDecode, ExpertsDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("packed"));
