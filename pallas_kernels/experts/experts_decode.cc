@@ -54,8 +54,15 @@ struct Scratch {
 // host, AVX2): 128 tokens 24.9 -> 21.2 ms, 512 tokens 87.7 -> 64.8 ms against the previous form.
 constexpr int64_t kGemmRows = 12;
 
+// The GEMM form of one expert. packed = false: its weights are [out, in] rows, each panel packed in the call
+// (panel_gemm). packed = true (the `packed` attribute: gate/up [E][I/16 panels][D][16], down [E][D/16
+// panels][I][16], each panel in pack_panel's order; pallas_kernels/experts/panels.py): the panels are read in
+// place (packed_gemm), at every token count. Same bits either way. Why packed: the per-call pack is a memory
+// stall between two panels' passes; one mid-config MoE layer on a Zen 3 host (tools/bench_moe_decode.py)
+// took 0.72x the time at 128 tokens, 0.87x at 512, 0.95x at 8.
 void run_expert_gemm(const Job& job, const float* x, const float* wg, const float* wu, const float* wd, float lim,
-                     int64_t k, int64_t D, int64_t I, float* ybuf, Scratch& s) {
+                     int64_t k, int64_t D, int64_t I, float* ybuf, Scratch& s, bool packed) {
+  const auto gemm = packed ? packed_gemm : panel_gemm;
   const int64_t R = static_cast<int64_t>(job.slots.size());
   const float* g_e = wg + job.expert * I * D;
   const float* u_e = wu + job.expert * I * D;
@@ -66,8 +73,8 @@ void run_expert_gemm(const Job& job, const float* x, const float* wg, const floa
   pack_activations(s.xr.data(), R, D, s.xc);
   s.g.resize(static_cast<size_t>(R * I));
   s.u.resize(static_cast<size_t>(R * I));
-  panel_gemm(g_e, I, D, s.xc.data(), R, s.g.data(), I);
-  panel_gemm(u_e, I, D, s.xc.data(), R, s.u.data(), I);
+  gemm(g_e, I, D, s.xc.data(), R, s.g.data(), I);
+  gemm(u_e, I, D, s.xc.data(), R, s.u.data(), I);
   for (int64_t r = 0; r < R; ++r) {  // token r's hidden vector, in place of its gate row
     float* h = s.g.data() + r * I;
     for (int64_t i = 0; i < I; ++i) h[i] = swiglu(h[i], s.u[r * I + i], lim);
@@ -75,41 +82,14 @@ void run_expert_gemm(const Job& job, const float* x, const float* wg, const floa
   }
   pack_activations(s.hr.data(), R, I, s.hc);
   s.y.resize(static_cast<size_t>(R * D));
-  panel_gemm(d_e, D, I, s.hc.data(), R, s.y.data(), D);
-  for (int64_t r = 0; r < R; ++r) std::memcpy(ybuf + job.slots[r] * D, s.y.data() + r * D, D * sizeof(float));
-}
-
-// An expert stored packed (`packed` = 1: gate/up [E][I/16 panels][D][16], down [E][D/16 panels][I][16], each
-// panel in pack_panel's order; pallas_kernels/experts/panels.py): the GEMM form at every token count, its
-// panels read in place (no pack in the call). Same bits as the two forms over the [out, in] rows. Why: the
-// per-call pack is a memory stall between two panels' passes; on a Zen 3 host one mid-config MoE layer
-// (tools/native/bench_prepacked_experts.cc) took 0.69x the time at 128 tokens, 0.85-0.88x at 512, 0.99x at 8.
-void run_expert_packed(const Job& job, const float* x, const float* wg, const float* wu, const float* wd,
-                       float lim, int64_t k, int64_t D, int64_t I, float* ybuf, Scratch& s) {
-  const int64_t R = static_cast<int64_t>(job.slots.size());
-  s.xr.resize(R);
-  s.hr.resize(R);
-  for (int64_t r = 0; r < R; ++r) s.xr[r] = x + (job.slots[r] / k) * D;
-  pack_activations(s.xr.data(), R, D, s.xc);
-  s.g.resize(static_cast<size_t>(R * I));
-  s.u.resize(static_cast<size_t>(R * I));
-  packed_gemm(wg + job.expert * I * D, I, D, s.xc.data(), R, s.g.data(), I);
-  packed_gemm(wu + job.expert * I * D, I, D, s.xc.data(), R, s.u.data(), I);
-  for (int64_t r = 0; r < R; ++r) {
-    float* h = s.g.data() + r * I;
-    for (int64_t i = 0; i < I; ++i) h[i] = swiglu(h[i], s.u[r * I + i], lim);
-    s.hr[r] = h;
-  }
-  pack_activations(s.hr.data(), R, I, s.hc);
-  s.y.resize(static_cast<size_t>(R * D));
-  packed_gemm(wd + job.expert * D * I, D, I, s.hc.data(), R, s.y.data(), D);
+  gemm(d_e, D, I, s.hc.data(), R, s.y.data(), D);
   for (int64_t r = 0; r < R; ++r) std::memcpy(ybuf + job.slots[r] * D, s.y.data() + r * D, D * sizeof(float));
 }
 
 void run_expert(const Job& job, const float* x, const float* wg, const float* wu, const float* wd, float lim,
-                int64_t k, int64_t D, int64_t I, float* ybuf, Scratch& s) {
+                int64_t k, int64_t D, int64_t I, float* ybuf, Scratch& s, bool packed) {
   const int64_t R = static_cast<int64_t>(job.slots.size());
-  if (R >= kGemmRows) return run_expert_gemm(job, x, wg, wu, wd, lim, k, D, I, ybuf, s);
+  if (packed || R >= kGemmRows) return run_expert_gemm(job, x, wg, wu, wd, lim, k, D, I, ybuf, s, packed);
   const float* g_e = wg + job.expert * I * D;
   const float* u_e = wu + job.expert * I * D;
   const float* d_e = wd + job.expert * D * I;
@@ -181,8 +161,8 @@ ffi::Error ExpertsDecodeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> idx,
   auto work = [&](int64_t) {
     Scratch h;
     for (size_t j; (j = next.fetch_add(1, std::memory_order_relaxed)) < jobs.size();)
-      (packed ? run_expert_packed : run_expert)(jobs[j], x.typed_data(), wg.typed_data(), wu.typed_data(),
-                                                wd.typed_data(), lim, k, D, I, ybuf.data(), h);
+      run_expert(jobs[j], x.typed_data(), wg.typed_data(), wu.typed_data(), wd.typed_data(), lim, k, D, I,
+                 ybuf.data(), h, packed != 0);
   };
   std::vector<std::thread> pool;
   for (int64_t t = 1; t < T; ++t) pool.emplace_back(work, t);

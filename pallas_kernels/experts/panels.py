@@ -29,21 +29,19 @@ def check_packable(shape, name: str = "w") -> None:
 def pack_panels(w):
     """w [..., O, K] ([out, in]) -> the same values in panel order, same shape: panel p = rows 16p..16p+15,
     stored as [K][16] with K in lane-class order. A copy (once, where the weights are stored)."""
-    check_packable(w.shape)
-    *lead, O, K = w.shape
-    P, K8 = O // PANEL_ROWS, K // LANES
-    t = w.reshape(*lead, P, PANEL_ROWS, K8, LANES)  # [.., p, r, j, l]
-    n = len(lead)
-    t = jnp.transpose(t, (*range(n), n, n + 3, n + 2, n + 1))  # [.., p, l, j, r]
-    return t.reshape(*lead, O, K)
+    return _regroup(w, PANEL_ROWS, LANES)
 
 
 def unpack_panels(wp):
     """The inverse of `pack_panels`: [..., O, K] in panel order -> [out, in] rows."""
-    check_packable(wp.shape)
-    *lead, O, K = wp.shape
-    P, K8 = O // PANEL_ROWS, K // LANES
-    t = wp.reshape(*lead, P, LANES, K8, PANEL_ROWS)  # [.., p, l, j, r]
+    return _regroup(wp, LANES, PANEL_ROWS)
+
+
+def _regroup(w, a: int, b: int):
+    """Each panel of 16·K values seen as [a, K/8, b] is rewritten as [b, K/8, a]: with (a, b) = (16, 8) the
+    rows [r][j][l] become [l][j][r] (pack), with (8, 16) back (unpack)."""
+    check_packable(w.shape)
+    *lead, O, K = w.shape
     n = len(lead)
-    t = jnp.transpose(t, (*range(n), n, n + 3, n + 2, n + 1))  # [.., p, r, j, l]
-    return t.reshape(*lead, O, K)
+    t = w.reshape(*lead, O // PANEL_ROWS, a, K // LANES, b)
+    return jnp.transpose(t, (*range(n), n, n + 3, n + 2, n + 1)).reshape(*lead, O, K)
