@@ -1,6 +1,7 @@
 // Register tiles shared by the native CPU kernels (float32, 8-lane vectors): the dot form (two weight
-// rows against up to four activation rows, `dot_rows`) and the packed-panel GEMM form (`panel_gemm`),
-// which computes the same sums in the same order (bit-identical results).
+// rows against up to four activation rows, `dot_rows`) and the packed-panel GEMM form (`panel_gemm` over
+// [out, in] rows, `packed_gemm` over weights stored already packed), which computes the same sums in the
+// same order (bit-identical results).
 // Included by experts/experts_decode.cc, linear/table_linear.cc and (the vector type)
 // kda/recurrent_cpu.cc; `pallas_kernels.native` keys a kernel's build on the headers it includes too.
 #pragma once
