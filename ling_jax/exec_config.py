@@ -128,6 +128,12 @@ class ExecConfig:
         code stack out once per prefill call (the real config: 26 of the prefill's 30.6 GiB of
         temporaries, 173 -> 26 GB a call stored by columns; BENCHMARKS.md "A faster host, and what
         the compiled programs copy"). `for_backend`: True on TPU/GPU; CPU keeps rows.
+    expert_panels: routed experts held in float32 on one device are stored, when the model is loaded,
+        in the native CPU experts kernel's panel order (`ling_jax.expert_panels.PanelOrdered`; D and I
+        multiples of 16), which the kernel reads in place: over `[out, in]` rows it packs every weight
+        panel in every call (one mid-config MoE layer 0.72-0.95x the time, the same bits; BENCHMARKS.md
+        "Thirty-sixth session"). Any other path reads them as rows (a copy). A load-time choice, like
+        the layer loop. `for_backend`: True on CPU (where `native_experts` is).
     loop_stack_layouts: weight stacks of the scanned layer loop are stored in the layouts XLA:TPU
         compiles the loop for where those differ from jax's default (`placement.stack_format`): on
         TPU7x the bfloat16 stacks [repeats, n, rows, cols] (the KDA b_proj, the MLA
@@ -156,6 +162,7 @@ class ExecConfig:
     platform: Optional[str] = None
     pool_layout: str = "default"
     mxfp4_columns: bool = False
+    expert_panels: bool = False
     loop_stack_layouts: bool = False
 
     def __post_init__(self):
@@ -168,7 +175,7 @@ class ExecConfig:
         for name, low in (("kda_chunk", 1), ("attn_block", 1), ("prefill_chunk", 1), ("weights_first_rows", 0)):
             check_int(getattr(self, name), f"ExecConfig.{name}", field=name, low=low)
         for name in ("native_experts", "native_attention", "native_kda", "native_linear", "mxfp4_columns",
-                     "loop_stack_layouts"):
+                     "expert_panels", "loop_stack_layouts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExecConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.platform is not None:
@@ -198,6 +205,7 @@ class ExecConfig:
                     layer_loop="unroll" if unroll else "scan",
                     pool_layout="token_rows" if platform == "tpu" else "default",
                     mxfp4_columns=accel,
+                    expert_panels=not accel,
                     loop_stack_layouts=platform == "tpu",
                     platform=platform)
         base.update({k: v for k, v in overrides.items() if v is not None or k == "remat"})

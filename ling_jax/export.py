@@ -30,6 +30,7 @@ from ling_jax.checkpoint.safetensors_io import nbytes
 from ling_jax.checkpoint.writer import (checkpoint_config_dict, plan_shards, stored_values, write_generation_config,
                                        write_shards, write_tensor)
 from ling_jax.config import LingConfig, write_json
+from ling_jax.expert_panels import as_rows
 from ling_jax.layer_stack import per_layer_arrays
 from ling_jax.loader import load_model
 from ling_jax.quantized import is_quantized
@@ -55,10 +56,11 @@ def model_tensors(model) -> dict[str, np.ndarray]:
     cfg: LingConfig = model.cfg
     out: dict[str, np.ndarray] = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if is_quantized(var.get_value()) or np.dtype(var.get_value().dtype) == FP8_NP:
+        value = as_rows(var.get_value())  # experts stored in the CPU kernel's panel order: back to [out, in]
+        if is_quantized(value) or np.dtype(value.dtype) == FP8_NP:
             raise ValueError("export needs a float model: this one keeps FP8 weights + block scales or MXFP4 "
                              "experts (loaded with --keep-quantized, alias --keep-fp8); load it without that option")
-        for lp, a in per_layer_arrays(path, np.asarray(var.get_value(), np.float32), cfg):
+        for lp, a in per_layer_arrays(path, np.asarray(value, np.float32), cfg):
             out.update(_checkpoint_tensors(lp, a, checkpoint_names(lp, cfg)[1]))
     return out
 
@@ -137,7 +139,7 @@ def quantize_like_export(model, dtype: str = "fp8"):
     for path, var in flat:
         if not isinstance(var, nnx.Param):
             continue
-        a = np.asarray(var.get_value(), np.float32)
+        a = np.asarray(as_rows(var.get_value()), np.float32)
         out = np.empty_like(a)
         for (lp, x), (_, o) in zip(per_layer_arrays(path, a, cfg), per_layer_arrays(path, out, cfg)):
             parts = [stored_values(t, "F8_E4M3" if specs[n].quantizable and dtype == "fp8" else specs[n].dtype, block)

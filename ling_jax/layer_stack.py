@@ -47,6 +47,7 @@ from ling_jax.checkpoint.layout import canonical_path
 from ling_jax.config import KDA, LingConfig
 from ling_jax.decoder_layer import DecoderLayer
 from ling_jax.exec_config import LAYER_LOOPS, ExecConfig
+from ling_jax.expert_panels import PanelOrdered
 from ling_jax.kda import CONV_FIELDS, KDAState, SlotKDAState, conv_like, conv_window, kda_in_place, kda_rollback
 from ling_jax.linear import Linear, TableRows
 from ling_jax.mla import MLACache, PagedMLACache
@@ -459,11 +460,14 @@ def _expert_table(stack, g, j, ex: ExecConfig) -> ExpertTable | None:
         return None
     ws = tuple(stack["mlp"]["experts"][k] for k in ("gate_proj", "up_proj", "down_proj"))
     ws = tuple(w.get_value() if isinstance(w, nnx.Variable) else w for w in ws)
+    packed = isinstance(ws[0], PanelOrdered)  # stored in the kernel's panel order: each expert's block intact
+    if packed:
+        ws = tuple(w.values for w in ws)
     if not all(isinstance(w, jax.Array) and w.ndim == 5 for w in ws):  # kept quantised: BlockFP8 / MXFP4
         return None
     m, n, E = ws[0].shape[:3]
     return ExpertTable(tuple(w.reshape((m * n * E,) + w.shape[3:]) for w in ws),
-                       ((g * n + j) * E).astype(jnp.int32))
+                       ((g * n + j) * E).astype(jnp.int32), packed)
 
 
 def _linear_weights(run, ex: ExecConfig) -> frozenset:

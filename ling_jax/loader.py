@@ -42,6 +42,7 @@ from ling_jax.checkpoint.orbax_validate import check_param_shapes, storage_error
 from ling_jax.checkpoint.reader import CheckpointReader
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
+from ling_jax.expert_panels import store_experts
 from ling_jax.layer_stack import layer_plan
 from ling_jax.model import LingForCausalLM
 from ling_jax.ops import as_dtype, default_dtype
@@ -288,11 +289,14 @@ def place_constants(flat, mesh, cfg: LingConfig) -> None:
 def _finish(graphdef, flat, mesh, cfg: LingConfig, layer_loop: str | None) -> LingForCausalLM:
     """The loaded per-layer model, its layers then stored for the layer loop (stacked per run for
     "scan", each layer's arrays freed once stacked: device memory peaks at the model plus one
-    stacked parameter), on `mesh`."""
+    stacked parameter) and, on one CPU device, its float32 routed experts in the native kernel's
+    panel order (`ExecConfig.expert_panels`), on `mesh`."""
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))  # its exec: this backend's, layer loop "unroll"
     if model.exec.mxfp4_columns:
         store_mxfp4_by_columns(model, mesh)
     model.set_layer_loop(default_layer_loop(cfg, layer_loop), free=True)
+    if model.exec.expert_panels and model.exec.native_experts and (mesh is None or mesh.devices.size == 1):
+        store_experts(model, panels=True)  # float32 experts on one device: in the native kernel's order
     return attach_mesh(model, mesh)
 
 

@@ -5,7 +5,9 @@ down `[E, D, I]`) and computed with no Python loop over experts. `ExecConfig.exp
 path: "grouped" runs every expert once over the tokens routed to it (`ExecConfig.grouped_matmul`:
 one `ragged_dot_general` per projection on TPU/GPU, or the capacity buffers of
 `ling_jax.moe_capacity` on XLA:CPU), "gather" reads only the selected experts' weights (decode),
-"auto" picks by the bytes each moves. All give the same result.
+"auto" picks by the bytes each moves. All give the same result. A model loaded to run on one CPU
+device stores its float32 experts in the native kernel's panel order instead (`ling_jax.expert_panels`,
+`ExecConfig.expert_panels`): the kernel reads them in place, every other path as rows.
 
 Expert parallelism: when `ExecConfig.mesh` is set, the routed experts run inside `jax.shard_map`
 (`experts_ep`): every device computes its own experts (and its slice of their intermediate width)
@@ -17,7 +19,7 @@ the gather path dequantises the picked experts only, the grouped "ragged" path a
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import LingConfig
 from ling_jax.exec_config import ExecConfig
+from ling_jax.expert_panels import PanelOrdered, as_rows
 from ling_jax.linear import TableRows, init_normal, reads_in_place
 from ling_jax.moe_active import experts_for_tokens, native_applies, uses_active_loop
 from ling_jax.moe_capacity import expert_capacity, experts_capacity
@@ -213,7 +216,8 @@ class Experts(nnx.Module):
     down [E,D,I] (the orientation XLA:CPU's batched matmuls read fastest, see `experts_capacity`).
     Each holds a float array or, kept quantised, a `BlockFP8` with block (1, bi) for gate/up and
     (bo, 1) for down, or an `MXFP4Blocks` (groups of 32 along the last, input axis: D for gate/up,
-    I for down), built by `ling_jax.loader`."""
+    I for down), built by `ling_jax.loader`; loaded onto one CPU device, a float32 weight is a
+    `expert_panels.PanelOrdered` (the same values in the native kernel's panel order)."""
 
     def __init__(self, cfg: LingConfig, *, dtype, rngs: nnx.Rngs):
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -257,15 +261,20 @@ def experts_local(x, idx, wts, e0, weights, limit, path: str, grouped_matmul: st
                       precision=jax.lax.Precision.HIGHEST)
 
 
-class ExpertTable(NamedTuple):
-    """A scanned run's routed experts as one table per weight, for the native CPU kernel to read a
-    layer's experts in place: gate/up [L·E,I,D], down [L·E,D,I] (the run's stacks `[repeats, n, E,
-    ...]` with their leading axes merged: a reshape, no copy) and `base` (int32 scalar) = the first row
-    of this layer's experts. Why: inside a scan a layer's weights are slices of the stacks, and XLA:CPU
-    copies a dynamic slice before the custom call that reads it (the mid config scanned: 247 of a
-    381 ms 8-row decode step copying experts; BENCHMARKS.md "Experts read in place in a scan")."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertTable:
+    """Routed experts as one table per weight, for the native CPU kernel to read a layer's experts in
+    place: gate/up [L·E,I,D], down [L·E,D,I] (a scanned run's stacks `[repeats, n, E, ...]` with their
+    leading axes merged: a reshape, no copy; or one layer's own weights, L = 1), `base` (int32
+    scalar) = the first row of this layer's experts, and `packed`: the tables hold each expert in the
+    kernel's panel order (`expert_panels.PanelOrdered`). Why: inside a scan a layer's weights are
+    slices of the stacks, and XLA:CPU copies a dynamic slice before the custom call that reads it (the
+    mid config scanned: 247 of a 381 ms 8-row decode step copying experts; BENCHMARKS.md "Experts
+    read in place in a scan")."""
     weights: tuple
     base: jax.Array
+    packed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def experts_from_table(x, idx, wts, table: ExpertTable, n_experts: int, limit):
@@ -275,7 +284,7 @@ def experts_from_table(x, idx, wts, table: ExpertTable, n_experts: int, limit):
     mine = (idx >= 0) & (idx < n_experts)
     rows = table.weights[0].shape[0]
     return experts_for_tokens(x, jnp.where(mine, idx + table.base, rows), jnp.where(mine, wts, 0.0),
-                              *table.weights, limit, True)
+                              *table.weights, limit, True, packed=table.packed)
 
 
 def experts_ep(x, idx, wts, weights, specs, limit, mesh, path: str, grouped_matmul: str, native: bool = False):
@@ -358,14 +367,19 @@ class MoE(nnx.Module):
         if n_valid is not None:
             ids = jnp.where(real_tokens(n_valid, T).reshape(B * T, 1), idx, self.cfg.num_experts)
         mesh = param_mesh(self.experts.gate_proj)  # where the experts were placed (static under jit)
-        if (table is not None and mesh is None and path == "grouped" and ex.grouped_matmul == "capacity"
-                and native_applies(ex.native_experts, xf, *table.weights)):
+        native = (path == "grouped" and ex.grouped_matmul == "capacity" and mesh is None
+                  and native_applies(ex.native_experts, xf))
+        if native and table is None and isinstance(weights[0], PanelOrdered):  # stored for the kernel: read in place
+            table = ExpertTable(tuple(w.values for w in weights), jnp.zeros((), jnp.int32), packed=True)
+        if table is not None and native and native_applies(True, *table.weights):
             y = experts_from_table(xf, ids, wts, table, self.cfg.num_experts, limit)
-        elif mesh is not None:
-            specs = weight_specs(self.experts, names, mesh, self.cfg.num_attention_heads)
-            y = experts_ep(xf, ids, wts, weights, specs, limit, mesh, path, ex.grouped_matmul, ex.native_experts)
-        else:  # one device holds every expert: the local kernel with all of them
-            y = experts_local(xf, ids, wts, 0, weights, limit, path, ex.grouped_matmul, ex.native_experts)
+        else:
+            weights = tuple(as_rows(w) for w in weights)  # stored in panel order: a copy, for another path
+            if mesh is not None:
+                specs = weight_specs(self.experts, names, mesh, self.cfg.num_attention_heads)
+                y = experts_ep(xf, ids, wts, weights, specs, limit, mesh, path, ex.grouped_matmul, ex.native_experts)
+            else:  # one device holds every expert: the local kernel with all of them
+                y = experts_local(xf, ids, wts, 0, weights, limit, path, ex.grouped_matmul, ex.native_experts)
         y = y.astype(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf, ex)

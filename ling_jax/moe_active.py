@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 from pallas_kernels.experts import cpu_kernel
+from pallas_kernels.experts.panels import unpack_panels
 from pallas_kernels.experts.reference import experts_active_loop
 
 log = logging.getLogger(__name__)
@@ -38,12 +39,15 @@ def native_applies(native: bool, *arrays) -> bool:
     return native and all(a.dtype == "float32" for a in arrays) and cpu_kernel.available()
 
 
-def experts_for_tokens(x, idx, wts, wg, wu, wd, limit, native: bool):
+def experts_for_tokens(x, idx, wts, wg, wu, wd, limit, native: bool, packed: bool = False):
     """Σ_j wts[n,j] · expert_{idx[n,j]}(x[n]) → [N,D] float32 (contract of `experts_active_loop`);
-    the native kernel when asked for, float32 and available (a warning once when it cannot be built)."""
+    the native kernel when asked for, float32 and available (a warning once when it cannot be built).
+    packed: the weights are stored in the kernel's panel order (`expert_panels.PanelOrdered`'s values)."""
     if native_applies(native, x, wg, wu, wd):
-        return cpu_kernel.experts_decode_cpu(x, idx, wts, wg, wu, wd, limit)
+        return cpu_kernel.experts_decode_cpu(x, idx, wts, wg, wu, wd, limit, packed=packed)
     if native and not cpu_kernel.available() and not _warned:
         _warned.append(True)
         log.warning("native CPU experts kernel unavailable, using the XLA loop: %s", cpu_kernel.load_error())
+    if packed:
+        wg, wu, wd = (unpack_panels(w) for w in (wg, wu, wd))
     return experts_active_loop(x, idx, wts, wg, wu, wd, limit)

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ling_jax.expert_panels import store_experts
 from ling_jax.quantized import BlockFP8, MXFP4Blocks, mxfp4_scale_shape
 from sharding.rules import UnknownParameterError, path_str, spec
 
@@ -175,8 +176,12 @@ def shard_model(model, mesh):
     """Place an already-built model's variables on `mesh` by their axes (updated in place; returned).
 
     Single-process only for arbitrary values (`jax.device_put` of host-visible arrays); multi-host
-    runs load with `ling_jax.loader.load_model`, which reads only each process's slices.
+    runs load with `ling_jax.loader.load_model`, which reads only each process's slices. Routed experts
+    a one-device load stored in the CPU kernel's panel order go back to rows first (placed by their
+    logical axes; `ling_jax.expert_panels`).
     """
+    if mesh is not None and mesh.devices.size > 1:
+        store_experts(model, panels=False)
     heads = model.cfg.num_attention_heads
     for path, var in nnx.to_flat_state(nnx.state(model)):  # Variables are shared with the model
         var.set_value(jax.device_put(var.get_value(), variable_sharding(path, var, mesh, heads)))

@@ -70,3 +70,124 @@ def test_named_refusals():
     x, idx, wts, w = _case(np.random.default_rng(3), 2, 3, 2, D=32, I=24)
     with pytest.raises(ValueError, match="experts_decode_cpu: wg: panel order needs"):
         experts_decode_cpu(f32(x), jnp.asarray(idx), f32(wts), *map(f32, w), 0.0, packed=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# the model stores its experts so (ExecConfig.expert_panels, ling_jax/expert_panels.py)
+# ------------------------------------------------------------------------------------------------
+def _panel_cfg():
+    import np_reference as R
+    return R.tiny_config(moe_intermediate_size=32)  # D = 64, I = 32: both multiples of 16
+
+
+def _expert_values(model) -> dict:
+    from flax import nnx
+    out = {}
+    for p, v in nnx.to_flat_state(nnx.state(model)):
+        keys = [str(k) for k in p]
+        if "experts" in keys and keys[-1] in ("gate_proj", "up_proj", "down_proj"):
+            out[tuple(keys)] = v.get_value()
+    return out
+
+
+@pytest.fixture(scope="module")
+def panel_case():
+    import np_reference as R
+    cfg = _panel_cfg()
+    return cfg, R.random_params(cfg, seed=5)
+
+
+def _load(case, loop, **kw):
+    from conftest import DictReader
+    from ling_jax.loader import load_from_reader
+    cfg, params = case
+    return load_from_reader(DictReader(params), cfg, progress=False, layer_loop=loop, **kw)
+
+
+@pytest.mark.parametrize("loop", ["unroll", "scan"])
+def test_a_loaded_model_runs_its_experts_from_panels_with_the_bits_of_rows(panel_case, loop):
+    """Loaded on one CPU device in float32, every routed expert weight (main layers and MTP) is stored
+    `PanelOrdered` (the shared experts and dense weights are not); the forward pass equals the float64
+    reference, and bit for bit the same model with its experts stored back as rows; at call time with
+    the native kernel off (every other path reads `rows()`) within the float32 tolerance."""
+    import np_reference as R
+    from conftest import rel_err
+    from ling_jax.expert_panels import PanelOrdered, as_rows, store_experts
+    cfg, params = panel_case
+    model = _load(panel_case, loop)
+    values = _expert_values(model)
+    assert values and all(isinstance(v, PanelOrdered) for k, v in values.items() if "shared_experts" not in k)
+    assert any(k[0] == "mtp" for k in values) and model.exec.expert_panels
+    assert not any(isinstance(v, PanelOrdered) for k, v in values.items() if "shared_experts" in k)
+    # the stored values are the checkpoint's experts in panel order
+    g = np.asarray(as_rows(model.model.layers[1].mlp.experts.gate_proj.get_value()))
+    np.testing.assert_array_equal(g[3], np.asarray(params["model.layers.1.mlp.experts.3.gate_proj.weight"], np.float32))
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 21)
+    packed = np.asarray(model(jnp.asarray(ids[None], jnp.int32))["logits"][0])
+    ref = R.forward(params, cfg, ids)["logits"]
+    assert rel_err(packed, ref) <= 1e-4
+    xla = np.asarray(model(jnp.asarray(ids[None], jnp.int32), exec=model.exec.replace(native_experts=False))["logits"][0])
+    assert rel_err(xla, ref) <= 1e-4
+    assert store_experts(model, panels=False) == len(values) - sum("shared_experts" in k for k in values)
+    assert not any(isinstance(v, PanelOrdered) for v in _expert_values(model).values())
+    np.testing.assert_array_equal(np.asarray(model(jnp.asarray(ids[None], jnp.int32))["logits"][0]), packed)
+
+
+def test_weights_that_do_not_fit_panels_keep_rows(tiny_cfg, tiny_params):
+    """I = 24 is not a multiple of 16: the loaded model keeps every expert as rows (and runs as before);
+    `store_experts` converts nothing either."""
+    from conftest import load_from_dict
+    from ling_jax.expert_panels import PanelOrdered, store_experts
+    model = load_from_dict(tiny_cfg, tiny_params)
+    assert tiny_cfg.moe_intermediate_size % 16
+    assert not any(isinstance(v, PanelOrdered) for v in _expert_values(model).values())
+    assert store_experts(model, panels=True) == 0
+
+
+def test_export_reads_panel_stored_experts_as_rows(panel_case):
+    """The exporter writes the checkpoint's [out, in] experts from a model that stores them in panel
+    order (`as_rows`): the same tensors as the checkpoint it was loaded from."""
+    from ling_jax.export import model_tensors
+    cfg, params = panel_case
+    model = _load(panel_case, "scan")
+    out = model_tensors(model)
+    for name in ("model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.9.mlp.experts.7.down_proj.weight",
+                 "model.layers.10.mlp.experts.0.up_proj.weight"):
+        np.testing.assert_array_equal(out[name], np.asarray(params[name], np.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", ["unroll", "scan"])
+def test_engine_over_panels_serves_the_tokens_of_rows_and_reads_them_in_place(panel_case, loop):
+    """The engine over a panel-stored model: the same greedy tokens and logprobs as over the same model
+    with rows; and no program it compiles unpacks (transposes or copies) an expert weight: the native
+    kernel reads the panels where they are stored, a scanned run's as one table (`moe.ExpertTable`)."""
+    import re
+    from ling_jax.expert_panels import store_experts
+    from ling_jax.serve import Engine, RequestParams
+    cfg, _ = panel_case
+    E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    prompts = [np.random.default_rng(s).integers(0, cfg.vocab_size, n).tolist() for s, n in ((1, 13), (2, 6))]
+
+    def serve(model):
+        eng = Engine(model, max_slots=2, page_size=8, num_pages=12, prefill_chunk=16, max_seq_len=32)
+        hs = [eng.submit(p, RequestParams(max_tokens=5, stop_ids=(), logprobs=0)) for p in prompts]
+        while not all(h.finished for h in hs):
+            eng.step()
+        return eng, [(h.generated, h.logprobs) for h in hs]
+
+    eng, packed = serve(_load(panel_case, loop))
+    names = []
+    for name, program, args in eng.program_calls():
+        names.append(name)
+        hlo = program.lower(*args).compile().as_text()
+        for line in hlo.splitlines():  # an array of one or more experts' [I, D] / [D, I] built by an op
+            m = re.search(r"= f32\[([\d,]*)\]\S* (transpose|copy|fusion|dynamic-slice|gather)\(", line)
+            dims = tuple(int(d) for d in m.group(1).split(",")) if m and m.group(1) else ()
+            assert not (len(dims) >= 3 and dims[-2:] in ((I, D), (D, I)) and np.prod(dims[:-2]) >= E), \
+                f"{loop}: {name} builds an expert-sized array: {line.strip()[:160]}"
+    assert any(n.startswith("decode") for n in names) and any(n.startswith("prefill") for n in names), names
+    rows_model = _load(panel_case, loop)
+    store_experts(rows_model, panels=False)
+    _, rows = serve(rows_model)
+    assert packed == rows

@@ -11,7 +11,8 @@ capacity path: 8 tokens 9.2 / 21.7 ms, 256 tokens 76.7 / 103.1, 2,048 654 / 879
 (`tools/bench_moe_decode.py`; BENCHMARKS.md "Native experts kernel, fourteenth session").
 
 Weights stored in the GEMM's panel order (`panels.pack_panels`, `packed=True`) are read in place without
-a pack per call: the GEMM form at every token count, the same bits (BENCHMARKS.md "Thirty-fifth session").
+a pack per call: the GEMM form at every token count, the same bits (BENCHMARKS.md "Thirty-fifth session");
+ling-jax stores a model's experts so when it loads one onto a CPU (`ling_jax.expert_panels`).
 
 The shared library is compiled on first use and cached (`pallas_kernels.native`). `available()` tells whether it
 could be built and loaded; the model falls back to the XLA loop when not. CPU only, float32 only,
