@@ -56,6 +56,17 @@ class PanelOrdered:
         """The weight as `[out, in]` rows (a copy: for the paths that are not the native kernel)."""
         return unpack_panels(self.values)
 
+    def __getitem__(self, index):
+        raise TypeError(_AS_ROWS)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError(_AS_ROWS)
+
+
+_AS_ROWS = ("this routed-expert weight is stored in the native CPU kernel's panel order (a model loaded onto one "
+            "CPU device, ExecConfig.expert_panels): read its [out, in] values with "
+            "ling_jax.expert_panels.as_rows(value) or value.rows()")
+
 
 def as_rows(w):
     """`w` as `[out, in]` rows when it is stored `PanelOrdered`, else `w` itself."""

@@ -191,3 +191,37 @@ def test_engine_over_panels_serves_the_tokens_of_rows_and_reads_them_in_place(pa
     store_experts(rows_model, panels=False)
     _, rows = serve(rows_model)
     assert packed == rows
+
+
+def test_panels_are_a_one_device_cpu_choice(panel_case):
+    """`ExecConfig.for_backend` stores panels on CPU only; a load onto a mesh of several devices keeps
+    rows (the panels would be split), and `shard_model` puts a panel-stored model back to rows before
+    placing it: the sharded forward equals the one-device one."""
+    from ling_jax.exec_config import ExecConfig
+    from ling_jax.expert_panels import PanelOrdered
+    from ling_jax.placement import shard_model
+    from sharding.mesh import parse_mesh
+    assert ExecConfig.for_backend("cpu").expert_panels
+    assert not ExecConfig.for_backend("tpu").expert_panels and not ExecConfig.for_backend("gpu").expert_panels
+    mesh = parse_mesh("expert=2", jax.devices()[:2])
+    sharded = _load(panel_case, "unroll", mesh=mesh)
+    assert _expert_values(sharded) and not any(isinstance(v, PanelOrdered) for v in _expert_values(sharded).values())
+    one = _load(panel_case, "unroll")
+    ids = jnp.asarray(np.random.default_rng(8).integers(0, panel_case[0].vocab_size, (2, 9)), jnp.int32)
+    want = np.asarray(one(ids)["logits"])
+    placed = shard_model(one, mesh)
+    assert not any(isinstance(v, PanelOrdered) for v in _expert_values(placed).values())
+    np.testing.assert_allclose(np.asarray(placed(ids)["logits"]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_reading_a_panel_stored_weight_as_an_array_is_refused_by_name():
+    """Indexing or converting a `PanelOrdered` (what `experts.gate_proj[...]` does) would hand out values
+    in panel order as if they were rows: refused, naming the reader to use."""
+    from ling_jax.expert_panels import PanelOrdered, as_rows
+    w = jnp.asarray(np.random.default_rng(4).standard_normal((2, 16, 8)), jnp.float32)
+    p = PanelOrdered(pack_panels(w))
+    for read in (lambda: p[...], lambda: np.asarray(p), lambda: p[0]):
+        with pytest.raises(TypeError, match=r"panel order.*ling_jax\.expert_panels\.as_rows\(value\) or value\.rows\(\)"):
+            read()
+    np.testing.assert_array_equal(np.asarray(as_rows(p)), np.asarray(w))
+    assert p.shape == (2, 16, 8) and p.dtype == jnp.float32 and p.nbytes == w.nbytes and as_rows(w) is w
