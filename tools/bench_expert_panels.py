@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -30,6 +29,7 @@ from ling_jax.commands.demo import cache_dir  # noqa: E402
 from ling_jax.expert_panels import store_experts  # noqa: E402
 from ling_jax.loader import load_model  # noqa: E402
 from ling_jax.serve import Engine, RequestParams  # noqa: E402
+from profile_serve_step import timed_steps  # noqa: E402  (tools/, this script's directory)
 
 
 def decode_engine(model, rows: int, rng) -> Engine:
@@ -57,15 +57,6 @@ def prefill_engine(model, rows: int, chunk: int, steps: int, rng) -> Engine:
     return eng
 
 
-def timed(eng, n: int) -> list:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        eng.step()
-        out.append(time.perf_counter() - t)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=os.path.join(cache_dir(), "bench-config.mid"),
@@ -90,7 +81,7 @@ def main() -> None:
     times = {k: [] for k in engines}
     for r in range(a.rounds):
         for k in (("panels", "rows") if r % 2 == 0 else ("rows", "panels")):
-            times[k] += timed(engines[k], n)
+            times[k] += timed_steps(engines[k], n)
     what = f"decode, {a.rows} rows" if a.step == "decode" else f"prefill [{a.rows}, {a.chunk // a.rows}]"
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"| {what} | {1e3 * med['panels']:.1f} (min {1e3 * min(times['panels']):.1f}) | "
