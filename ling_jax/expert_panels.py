@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.experts import cpu_kernel
-from pallas_kernels.experts.panels import LANES, PANEL_ROWS, pack_panels, unpack_panels
+from pallas_kernels.experts.panels import pack_panels, packable, unpack_panels
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -76,10 +76,7 @@ def as_rows(w):
 def fits_panels(w) -> bool:
     """Whether expert weight `w` can be stored in panel order: a float32 array (not kept quantised),
     its last two dims [O, K] with O a multiple of 16 and K of 8."""
-    if not isinstance(w, jax.Array) or w.dtype != jnp.float32 or w.ndim < 3:
-        return False
-    O, K = w.shape[-2:]
-    return O % PANEL_ROWS == 0 and K % LANES == 0
+    return isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim >= 3 and packable(w.shape)
 
 
 @jax.jit

@@ -295,8 +295,8 @@ def _finish(graphdef, flat, mesh, cfg: LingConfig, layer_loop: str | None) -> Li
     if model.exec.mxfp4_columns:
         store_mxfp4_by_columns(model, mesh)
     model.set_layer_loop(default_layer_loop(cfg, layer_loop), free=True)
-    if model.exec.expert_panels and model.exec.native_experts and (mesh is None or mesh.devices.size == 1):
-        store_experts(model, panels=True)  # float32 experts on one device: in the native kernel's order
+    if model.exec.expert_panels and model.exec.native_experts:
+        store_experts(model, panels=True)  # float32 experts on one device (it checks): in the kernel's order
     return attach_mesh(model, mesh)
 
 

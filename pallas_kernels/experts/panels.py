@@ -18,10 +18,16 @@ PANEL_ROWS = 16  # weight rows per panel (native_tiles.h PW)
 LANES = 8  # float lanes of the kernel's vectors (native_tiles.h L)
 
 
-def check_packable(shape, name: str = "w") -> None:
-    """Raises ValueError naming `name` unless its last two dims [O, K] have O % 16 == 0 and K % 8 == 0."""
+def packable(shape) -> bool:
+    """Whether a weight of `shape` can be stored in panel order: its last two dims [O, K] with O % 16 == 0
+    and K % 8 == 0."""
     O, K = shape[-2:]
-    if O % PANEL_ROWS or K % LANES:
+    return O % PANEL_ROWS == 0 and K % LANES == 0
+
+
+def check_packable(shape, name: str = "w") -> None:
+    """Raises ValueError naming `name` unless `packable(shape)`."""
+    if not packable(shape):
         raise ValueError(f"{name}: panel order needs [out, in] with out a multiple of {PANEL_ROWS} and in a multiple "
                          f"of {LANES}, got {tuple(shape)}")
 
