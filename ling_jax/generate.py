@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import io_callback
 
 from ling_jax.call_mode import DECODE, PREFILL
 from ling_jax.checks import check_int
@@ -107,9 +106,12 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, *, 
     return new, logits, tok, hid
 
 
-@functools.partial(jax.jit, static_argnames=("sampling",))
-def _sample_first(logits, *, sampling: SamplingParams):
-    return RowSampling.broadcast(sampling, logits.shape[0]).draw(logits)
+@functools.partial(jax.jit, static_argnames=("sampling", "vocab_sharding"))
+def _first_token(logits, stats: TokenStats | None, *, sampling: SamplingParams, vocab_sharding=None):
+    """Each row's token 0 from its last prompt logits [B,V] (penalised by the prompt's statistics
+    when penalties are on), drawn as `RowSampling.broadcast(sampling, B)`."""
+    rows = RowSampling.broadcast(sampling, logits.shape[0])
+    return rows.draw(_penalized(logits, stats, rows), vocab_sharding=vocab_sharding)
 
 
 def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, lens: np.ndarray, hidden0,
@@ -121,8 +123,8 @@ def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, len
     pairs the first call's tokens among themselves (`fresh`) and each later token with the hidden
     before it (`prev_hidden`, the previous call's last). A row whose prompt ended in an earlier chunk
     feeds nothing more (n_valid 0: padding never enters a state) and keeps its logits and hidden.
-    Returns (cache, logits at each row's last prompt token [B,V], last hidden [B,D]); the first
-    token is drawn by the caller from those logits as a single `prefill` would.
+    Returns (cache, logits at each row's last prompt token [B,V], last hidden [B,D]); the caller
+    draws the first token from those logits (`prefill`'s own draw is greedy and unused).
     """
     B, W = ids.shape
     logits, hid = None, hidden0
@@ -182,13 +184,7 @@ def _penalized(logits, stats: TokenStats | None, rows: RowSampling):
     return penalize_rows(logits, stats, rows.presence, rows.frequency, rows.repetition)
 
 
-def _stream(stream_fn, toks, take):
-    if stream_fn is not None:
-        io_callback(lambda t, n: stream_fn(np.asarray(t), np.asarray(n)), None, toks, take,
-                                     ordered=True)
-
-
-def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
+def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, ex: ExecConfig):
     active = ~state.done
     B = active.shape[0]
     stats = state.stats
@@ -204,12 +200,11 @@ def _plain_step(model, state: DecodeState, sampling, stop_ids, max_new, stream_f
     hidden = jnp.where(active[:, None], out["hidden"][:, 0], state.hidden)
     new, take = _emit(state, nxt[:, None], jnp.ones_like(state.n_out), stop_ids, max_new,
                       _logprob_values(logits[:, None], nxt[:, None], state, vocab_sharding))
-    _stream(stream_fn, nxt[:, None], take)
     return new._replace(cache=cache, hidden=hidden, token=jnp.where(active, nxt, state.token), stats=stats,
                         rounds=state.rounds + active, accepted=state.accepted + take)
 
 
-def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream_fn, ex: ExecConfig):
+def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, ex: ExecConfig):
     """One `speculative_round`; a row with r tokens left verifies min(k, r - 1) drafts (the engine's
     `Scheduler.drafts_for`), so its draws are the engine's for the same seed."""
     active = ~state.done
@@ -219,30 +214,27 @@ def _spec_step(model, state: DecodeState, k, sampling, stop_ids, max_new, stream
     # emitted token j was drawn from the verify logits at position j: its logprobs are those
     lp = _logprob_values(r.logits, r.emitted, state, logits_sharding(model))
     new, take = _emit(state, r.emitted, r.n_emitted, stop_ids, max_new, lp)
-    _stream(stream_fn, r.emitted, take)
     return new._replace(cache=r.cache, hidden=r.hidden, token=jnp.where(active, r.next_token, state.token),
                         rounds=state.rounds + active, accepted=state.accepted + take)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "stop_ids", "speculative",
-                                             "stream_fn", "exec"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "stop_ids", "speculative", "exec"),
+                   donate_argnames=("state",))
 def decode_loop(graphdef, params, state: DecodeState, *, sampling: SamplingParams, stop_ids: tuple,
-                max_new, speculative: int = 0, stream_fn: Callable | None = None,
-                exec: ExecConfig | None = None, max_steps=None) -> DecodeState:
+                max_new, speculative: int = 0, exec: ExecConfig | None = None, max_steps=None) -> DecodeState:
     """Run decode steps until every sequence is done, all inside one `lax.while_loop`.
 
     max_new: new tokens per sequence, a traced int (not a static shape: a new value does not
     compile again), at most `state.out`'s width. max_steps: None, or a traced int: stop after that
     many steps even if not done (`generate` streams by calling the loop again with the returned
     state: the same steps, the same tokens, and no host callback in the program, so the persistent
-    compilation cache can store it). stream_fn: a host callback inside the loop (`io_callback`;
-    such a program is never written to the persistent cache)."""
+    compilation cache can store it)."""
     model = nnx.merge(graphdef, params)
     ex = exec or model.exec
     if speculative:
-        body = lambda s: _spec_step(model, s, speculative, sampling, stop_ids, max_new, stream_fn, ex)
+        body = lambda s: _spec_step(model, s, speculative, sampling, stop_ids, max_new, ex)
     else:
-        body = lambda s: _plain_step(model, s, sampling, stop_ids, max_new, stream_fn, ex)
+        body = lambda s: _plain_step(model, s, sampling, stop_ids, max_new, ex)
     if max_steps is None:
         return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done) & (c[1] < max_steps),
@@ -359,9 +351,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     check_logprobs(logprobs)
     ids, lens = pad_prompts(prompts, cfg.vocab_size)
     B = len(prompts)
-    ex = exec or model.exec
-    chunk = ex.prefill_chunk
-    one_call = ids.shape[1] <= chunk
+    chunk = (exec or model.exec).prefill_chunk
     width = prompt_width(ids.shape[1], chunk)  # right padding is exact
     ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])))
     need = int(lens.max()) + max_new_tokens + speculative + 1
@@ -375,44 +365,29 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     graphdef, params = nnx.split(model)
     with_mtp = bool(speculative)
     cache = init_cache(cfg, B, max_len, model.dtype, with_mtp=with_mtp, kv_cache_dtype=kv_cache_dtype)
-    hidden0 = jnp.zeros((B, cfg.hidden_size), model.dtype)
-    penalized = sampling.penalized
-    # with penalties the first token is drawn below (prefill's own draw, then a cheap argmax, is unused)
-    if one_call:
-        cache, logits, tok, hid = prefill(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(lens), hidden0,
-                                          sampling=SamplingParams() if penalized else sampling, with_mtp=with_mtp,
-                                          exec=exec)
-    else:
-        cache, logits, hid = prefill_in_chunks(graphdef, params, cache, ids, lens, hidden0, chunk,
-                                               with_mtp=with_mtp, exec=exec)
-        tok = _sample_first(logits, sampling=SamplingParams() if penalized else sampling)
-    zeros = lambda: jnp.zeros((B,), jnp.int32)  # distinct buffers: the loop state is donated
+    cache, logits, hid = prefill_in_chunks(graphdef, params, cache, ids, lens, jnp.zeros((B, cfg.hidden_size),
+                                           model.dtype), min(width, chunk), with_mtp=with_mtp, exec=exec)
     stats = None  # penalties: the prompt's tokens fed (prompt_len = its length), nothing generated yet
-    if penalized:
+    if sampling.penalized:
         stats = update_rows(init_token_stats(B, cfg.vocab_size), jnp.asarray(ids), jnp.asarray(lens),
                             jnp.zeros((B,), jnp.int32), jnp.asarray(lens), jnp.zeros((B,), bool))
+    tok = _first_token(logits, stats, sampling=sampling, vocab_sharding=logits_sharding(model))
     out_width = length_bucket(max_new_tokens)  # the output buffer is bucketed; max_new is traced
-    V = cfg.vocab_size
-    n_top = 0 if logprobs is None else min(MAX_LOGPROBS, V)  # always the top 20: one program for any N
+    n_top = 0 if logprobs is None else min(MAX_LOGPROBS, cfg.vocab_size)  # always the top 20: one program for any N
     lp_bufs = None if logprobs is None else LogprobBuffers(
         jnp.zeros((B, out_width), jnp.float32), jnp.zeros((B, out_width, n_top), jnp.int32),
         jnp.zeros((B, out_width, n_top), jnp.float32))
+    zeros = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (distinct buffers: the loop state is donated)
     state = DecodeState(cache, tok, hid, jnp.zeros((B,), bool), jnp.zeros((B, out_width), jnp.int32),
-                        zeros(), zeros(), zeros(),
-                        stats=stats, logprobs=lp_bufs)
-    if penalized:
-        tok = _sample_first(_penalized(logits, stats, RowSampling.broadcast(sampling, B)), sampling=sampling)
-        state = state._replace(token=tok)
+                        zeros(), zeros(), zeros(), stats=stats, logprobs=lp_bufs)
     state, take = _emit(state, tok[:, None], jnp.ones((B,), jnp.int32), stop, max_new_tokens,
                         _logprob_values(logits[:, None], tok[:, None], state))
-    if stream is not None:
-        stream(np.asarray(tok[:, None]), np.asarray(take))
+    kw = dict(sampling=sampling, stop_ids=stop, max_new=np.int32(max_new_tokens), speculative=speculative, exec=exec)
     if stream is None:
-        state = decode_loop(graphdef, params, state, sampling=sampling, stop_ids=stop,
-                            max_new=np.int32(max_new_tokens), speculative=speculative, exec=exec)
+        state = decode_loop(graphdef, params, state, **kw)
     else:
-        state = _decode_streamed(graphdef, params, state, stream, stream_chunk, sampling=sampling, stop_ids=stop,
-                                 max_new=np.int32(max_new_tokens), speculative=speculative, exec=exec)
+        stream(np.asarray(tok[:, None]), np.asarray(take))
+        state = _decode_streamed(graphdef, params, state, stream, stream_chunk, **kw)
     out, n_out = np.asarray(state.out), np.asarray(state.n_out)
     toks = [out[b, :n_out[b]].tolist() for b in range(B)]
     finished = [bool(len(t) and t[-1] in stop) for t in toks]

@@ -482,12 +482,12 @@ def test_prefill_row_tokens_caps_a_lone_prompt_and_keeps_the_tokens(tiny_model, 
                  prefill_row_buckets=(1, 4), prefill_row_tokens=8, max_seq_len=MAX_SEQ, prefix_cache=False)
     assert eng.runner.buckets == (8,) and eng.sched.prefill_row_tokens == 8
     shapes = []
-    fn = eng.runner.prefill
+    fn = eng.runner._run_prefill
 
-    def spy(rows, ids, *a, **k):
-        shapes.append(ids.shape)
-        return fn(rows, ids, *a, **k)
-    eng.runner.prefill = spy
+    def spy(inp):
+        shapes.append(inp.ids.shape)
+        return fn(inp)
+    eng.runner._run_prefill = spy
     long_one = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     h = eng.submit(prompts[long_one], params[long_one])
     eng.run_until_done()

@@ -10,25 +10,21 @@ Single-threaded and deterministic: nothing runs between calls, and the same subm
 same order give the same tokens. A server drives `step()` from one thread and routes the
 `{handle: new tokens}` it returns; `submit` / `cancel` are called between steps.
 
-Compile bound: the decode program has one shape ([R, 1]) per row bucket R in `decode_rows` and
-block-table width in `widths` (a step runs the fewest rows that hold its decoding slots, so idle
-slots cost nothing, and attends over the pages of its longest decoding sequence, rounded up to a
-width); the prefill program one per row bucket, token bucket and width ([R, T], R in
-`prefill_row_buckets`, default just `prefill_rows`; a chunk runs the fewest that hold its prompts;
-T in `buckets`: powers of two up to `prefill_chunk`; its block table cut to the width that holds its
-rows' pages after the chunk, so a chunk gathers the pages its keys need, not all max_blocks). `warmup()`
-runs each once on padding rows (which change nothing), so afterwards no request of any length
-within `max_seq_len` compiles anything (`compiled_shapes()` counts them). With `speculative=K`
-the speculative program (`speculative.py`: [R, K+1] verify) takes decode's place, one per row
-bucket and width. The prefix cache adds two copy programs of one shape each (snapshots.py), warmed up
-with them.
+Compile bound: every program has one shape per bucket (`ModelRunner.program_shapes`), and
+`warmup()` runs each once on padding rows (which change nothing), so afterwards no request of any
+length within `max_seq_len` compiles anything (`compiled_shapes()` counts them). Decode runs [R, 1]
+for R in `decode_rows` (a step runs the fewest rows that hold its decoding slots, so idle slots
+cost nothing) over a block-table width in `widths` (its longest sequence's pages, rounded up: a
+short sequence does not pay for the longest allowed); with `speculative=K` the verify program
+[R, K+1] (`speculative.py`) takes its place. Prefill runs [R, T] for R in `prefill_row_buckets`, T
+in `buckets` (powers of two up to the tokens one prompt is fed a step), at the width its rows'
+pages need after the chunk (it gathers the pages its keys need, not all max_blocks). The prefix
+cache adds two copy programs of one shape each (snapshots.py).
 
-Engine and runner: the engine is the request lifecycle (the queue and admission, the scheduler, the
-prefix cache's host tree, stop and length rules, handles and callbacks, statistics); what runs on
-the devices (parameters, pools, the compiled programs, their shapes, warm-up, input packing, the
-multi-host link) is its `ModelRunner` (`self.runner`, runner.py), which a compile-only run, a
-multi-host follower and a future second engine need without any of the lifecycle. A step asks the
-scheduler what to run, calls the runner once per program and emits the tokens it returns.
+Engine and runner: the engine is the request lifecycle (queue and admission, the scheduler, the
+prefix cache's host tree, stop and length rules, handles and callbacks, statistics); the device
+side is its `ModelRunner` (`self.runner`, runner.py says why apart). A step asks the scheduler what
+to run, calls the runner once per program and emits the tokens it returns.
 
 Multi-host (`serve/multihost.py`): every process builds the same Engine; process 0 drives it as
 above and its runner broadcasts each program call (the snapshot copies included); processes > 0
@@ -98,42 +94,32 @@ class Engine:
     """Continuous-batching engine over one model (see the module docstring and serve/README.md).
 
     max_slots: sequences in flight; page_size: tokens per latent page; num_pages or
-    cache_memory_gib: the page pool (pages cost `describe()`'s bytes); prefill_chunk: prompt
-    tokens fed per step at most (a running decode waits at most one chunk); prefill_rows:
-    prompts fed side by side in one chunk (at most max_slots: a prefill row no slot can fill would only
-    double the chunk's work, e.g. one long prompt on a 1-slot server); max_seq_len: prompt + new tokens of one request;
-    (These keyword defaults, 64 tokens over 2 rows, are the explicit API's; the commands and the
-    serving benchmark default to the platform's policy, `prefill_policy.default_prefill_policy`:
-    on CPU 8 rows x 64 tokens.)
-    prefill_row_tokens: prompt tokens one prompt is fed per step at most (default prefill_chunk; at
-    most prefill_chunk): with many prompts waiting a step feeds up to prefill_chunk tokens over
-    prefill_rows rows, a lone prompt at most this many, so a decoding request waits for at most a
-    [1, prefill_row_tokens] chunk beside its step while a backlog is fed in large batched steps;
-    with_mtp: keep the MTP layer's pages filled too (for speculative decoding; default: the
-    model has an MTP layer); exec: how to run (default `model.exec`); buckets: prefill widths
-    (default `token_buckets(min(prefill_chunk, prefill_row_tokens))`); widths: decode block-table
-    widths in pages (default
-    `decode_widths(max_blocks, 256 // page_size)`; prefill chunks are bucketed by the same widths);
-    decode_rows: decode row counts (default `row_buckets(max_slots)`; must end at max_slots);
-    prefill_row_buckets: prefill row counts compiled (default `(prefill_rows,)`; must end at
-    prefill_rows; `row_buckets(prefill_rows)` for the decode rule's): a chunk of m prompts runs the
-    smallest that holds them, since a prefill program computes its idle rows (one prompt alone
-    through a [2, 128] program costs 30% more than through [1, 128]). Not the default: on the
-    serving benchmark it gained nothing measurable end to end and cost 70 s more warm-up
-    (BENCHMARKS.md, "Prefill programs per row count");
+    cache_memory_gib: the page pool (pages cost `describe()`'s bytes); max_seq_len: prompt + new
+    tokens of one request; kv_cache_dtype: "auto" or "fp8" (the latent pages as float8 with
+    per-token scales, `pools.plan_pools`); with_mtp: keep the MTP layer's pages filled (default:
+    the model has an MTP layer); exec: how to run (default `model.exec`).
+    Prefill (the keyword defaults, 64 tokens over 2 rows, are the explicit API's; the commands use
+    the platform's `prefill_policy.default_prefill_policy`, on CPU 8 rows x 64 tokens):
+    prefill_chunk: prompt tokens a step at most (a running decode waits at most one chunk);
+    prefill_rows: prompts fed side by side (at most max_slots: a row no slot can fill only adds
+    work); prefill_row_tokens: one prompt's tokens a step at most (default and at most
+    prefill_chunk), so a decode waits beside at most a [1, prefill_row_tokens] chunk while a
+    backlog is fed in large batched steps; prefill_row_buckets: prefill row counts compiled
+    (default `(prefill_rows,)`, must end at prefill_rows): a chunk of m prompts runs the smallest
+    that holds them (a program computes its idle rows too).
+    Shapes (module docstring): buckets: prefill token widths (default `token_buckets(min(prefill_chunk,
+    prefill_row_tokens))`); widths: block-table widths in pages (default `decode_widths(max_blocks,
+    256 // page_size)`); decode_rows: decode row counts (default `row_buckets(max_slots)`, must end
+    at max_slots).
     speculative: MTP drafts verified per decode step, 0 (off) … `MAX_SPECULATIVE` (needs the MTP
-    layer and with_mtp; the speculative program then replaces decode, one per width; README).
-    prefix_cache: keep an exact prefix cache (shared pages + KDA snapshots, prefix_cache.py);
+    layer and with_mtp). prefix_cache: keep an exact prefix cache (prefix_cache.py);
     prefix_cache_memory_gib: its byte budget (pages + snapshots; default `DEFAULT_BUDGET_FRACTION`
-    of the page pool), which also sizes the snapshot pool (`snapshots.plan_snapshots`).
+    of the page pool), which also sizes the snapshot pool (`snapshots.plan_snapshots`);
     snapshot_interval: tokens between the KDA snapshots a prefill chunk takes inside itself (a
-    multiple of page_size; default `default_snapshot_interval`: lcm(page_size, exec.kda_chunk), the
-    block boundaries the chunked scan passes through anyway); chunk ends on a page are snapshotted too.
+    multiple of page_size; default lcm(page_size, exec.kda_chunk), `default_snapshot_interval`).
 
-    The engine keeps the host side (`sizes`, `alloc`, `sched`, `prefix`, the handles and counters);
-    `runner` (a `ModelRunner`, runner.py) holds the device side built from these settings: params,
-    pools, programs, the shapes (`runner.buckets`, `.widths`, `.decode_rows`, `.prefill_rows`,
-    `.snapshot_interval`) and the prefix cache's snapshot rows (`runner.snapshots`).
+    The engine keeps the host side (`sizes`, `alloc`, `sched`, `prefix`, the handles, counters);
+    `runner` (runner.py) the device side: params, pools, programs and their shapes.
     """
 
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
@@ -237,41 +223,33 @@ class Engine:
                 f"{sz.page_bytes}) (one per {every} tokens: snapshots every {interval} tokens inside a "
                 f"prefill chunk and at chunk ends) = {self.runner.snapshots.bytes / GIB:.4f} GiB beside the pools\n")
 
+    # -- the runner's (runner.py) ---------------------------------------------------------------
     def warmup(self, progress=None) -> None:
-        """Compile every step shape now, on padding rows that change no state. On processes > 0 of
-        a multi-host run it does nothing: they run process 0's warm-up calls inside `follow()`.
-        progress(done, total, label, seconds): called after each item of `warmup_items()`."""
+        """Compile every step shape now, on padding rows that change no state (nothing on processes > 0
+        of a multi-host run: they run process 0's warm-up inside `follow()`). progress(done, total,
+        label, seconds): called after each item of `warmup_items()`."""
         self.runner.warmup(progress)
 
     def warmup_items(self) -> list:
-        """The warm-up as [(label, call)]: one item per step program (each call compiles it, on
-        padding rows that change no state), those a first short request needs first (the smallest
-        prefill bucket, then one-row decode at the narrowest width), then the rest, the prefix
-        cache's copies, and a last item running every program once more (it compiles nothing: it
-        records the steady-state argument placement in the dispatch cache). Running them one by one
-        between steps (`ling-jax serve --warmup lazy`) is as safe as at start-up. Empty on
-        processes > 0 of a multi-host run."""
+        """The warm-up as [(label, call)]: one item per program shape (each call compiles it), those a
+        first short request needs first (the smallest prefill, then one-row decode at the narrowest
+        width), then the rest, the prefix cache's copies, and a last item running every program once
+        more (it compiles nothing: it records the steady-state argument placement in the dispatch
+        cache). Running them one by one between steps (`ling-jax serve --warmup lazy`) is as safe as
+        at start-up. Empty on processes > 0 of a multi-host run."""
         return self.runner.warmup_items()
 
     def program_calls(self) -> list:
-        """[(name, jitted program, arguments)] of every program `warmup()` compiles (`ModelRunner.program_calls`)."""
         return self.runner.program_calls()
 
     def compiled_shapes(self) -> int:
-        """How many programs the step functions hold ((len(decode_rows) + len(prefill_row_buckets) x
-        len(buckets)) x len(widths) after warmup; the prefix cache's two copy programs:
-        `runner.snapshots.compiled_shapes()`)."""
         return self.runner.compiled_shapes()
 
-    # -- multi-host (serve/multihost.py) ----------------------------------------------------
     @property
     def is_follower(self) -> bool:
-        """True on processes > 0 of a multi-process run: they call `follow()`, not submit / step."""
         return self.runner.is_follower
 
     def follow(self) -> None:
-        """Processes > 0: run every program call process 0 broadcasts (its warm-up and steps), on
-        the same global params and pools, until process 0 calls `shutdown()`; then return."""
         self.runner.follow()
 
     def shutdown(self) -> None:
@@ -329,51 +307,17 @@ class Engine:
             req.state = DECODE
 
     def step(self) -> dict:
-        """One engine step: admit, decode one token for every decoding slot, feed one prefill
-        chunk. Returns {handle: [new tokens]} (finished handles included, their last tokens)."""
+        """One engine step: admit, decode one token (a verify round with speculation) for every
+        decoding slot, feed one prefill chunk. Returns {handle: [new tokens]} (finished handles
+        included, their last tokens)."""
         plan = self.sched.schedule()
-        run = self.runner
         if self.prefix is not None:  # hits admitted by schedule(): their slots' KDA rows and page copies
-            run.restore(self.prefix.take_restores())
+            self.runner.restore(self.prefix.take_restores())
         out: dict = {}
-        S = self.sizes.max_slots
-        if plan.decode and self.speculative:
-            self._spec_decode(plan.decode, out)
-        elif plan.decode:
-            R, rows, reqs = run.decode_rows_for(plan.decode)
-            ids, n_valid = np.zeros((R, 1), np.int32), np.zeros(R, np.int32)
-            for i, r in enumerate(reqs):
-                if r is not None:
-                    ids[i, 0], n_valid[i] = r.generated[-1], 1
-            width = run.width_for(max(len(self.alloc.pages[r.slot]) for r in plan.decode))
-            tok, lp = run.decode(rows, ids, n_valid, reqs, width)
-            for i, r in enumerate(reqs):
-                if r is not None:
-                    r.n_fed += 1
-                    self._emit(r, int(tok[i]), out, lp, i)
+        if plan.decode:
+            self._decode(plan.decode, out)
         if plan.prefill:
-            R = run.prefill_rows_for(len(plan.prefill))
-            T = run.token_bucket(max(n for _, n in plan.prefill))
-            reqs, rows = [None] * R, np.full(R, S)
-            ids, n_valid = np.zeros((R, T), np.int32), np.zeros(R, np.int32)
-            for i, (r, n) in enumerate(plan.prefill):
-                reqs[i], rows[i] = r, r.slot
-                ids[i, :n], n_valid[i] = r.feed[r.n_fed:r.n_fed + n], n
-            # snapshots inside the chunks: planned now, written by the program, inserted once fed
-            inner = (self.prefix.plan_boundaries(plan.prefill, run.snapshot_interval)
-                     if self.prefix is not None else [])
-            tok, lp = run.prefill(rows, ids, n_valid, reqs, run.prefill_width(plan.prefill), inner)
-            for r, n in plan.prefill:
-                r.n_fed += n
-                self.prompt_tokens_fed += n
-            if self.prefix is not None:  # then the snapshots of chunks that ended on a page boundary
-                self.prefix.insert_boundaries(plan.prefill, inner)
-                run.save(self.prefix.after_prefill([r for r, _ in plan.prefill]))
-            for i, (r, n) in enumerate(plan.prefill):
-                if r.n_fed == len(r.feed) and self.sched.holds_pending(r):
-                    r.state = DECODE  # a speculative recompute: its pending token decodes next
-                elif r.n_fed == len(r.feed):
-                    self._emit(r, int(tok[i]), out, lp, i)
+            self._prefill(plan.prefill, out)
         if self.prefix is not None:
             self.prefix.commit(self.sched.running())
         self.steps += 1
@@ -385,31 +329,44 @@ class Engine:
                 self._handles.pop(h.id, None)
         return out
 
-    def _spec_decode(self, decode: list, out: dict) -> None:
-        """One speculative step for the decoding requests (pages for 1 + drafts tokens each were
-        ensured by the scheduler): every slot's emitted run goes through the stop / max_tokens
-        rules token by token, so a stop inside an accepted run ends it there."""
-        run = self.runner
-        R, rows, reqs = run.decode_rows_for(decode)
-        ids, n_valid = np.zeros((R, 1), np.int32), np.zeros(R, np.int32)
-        for i, r in enumerate(reqs):
-            if r is not None:
-                ids[i, 0], n_valid[i] = r.generated[-1], 1 + self.sched.drafts_for(r)
-        width = run.width_for(max(len(self.alloc.pages[r.slot]) for r in decode))
-        emitted, n_emit, lp = run.verify(rows, ids, n_valid, reqs, width)
-        self.spec_steps += 1
+    def _decode(self, decode: list, out: dict) -> None:
+        """One decode step for the decoding requests (the scheduler ensured pages for 1 + drafts
+        tokens each): each emitted run goes through the stop / max_tokens rules token by token, so a
+        stop inside an accepted run ends it there."""
+        drafts = {r.id: self.sched.drafts_for(r) for r in decode}
+        reqs, emitted, n_emit, lp = self.runner.decode(decode, drafts)
+        if self.speculative:
+            self.spec_steps += 1
+            self.spec_rounds += len(decode)
+            self.spec_drafted += sum(drafts.values())
         for i, r in enumerate(reqs):
             if r is None:
                 continue
             n = int(n_emit[i])
-            self.spec_rounds += 1
             self.spec_accepted += n - 1
-            self.spec_drafted += int(n_valid[i]) - 1
             r.n_fed += n
-            for j, t in enumerate(emitted[i, :n]):
-                self._emit(r, int(t), out, None if lp is None else tuple(x[:, j] for x in lp), i)
+            for j in range(n):
+                self._emit(r, int(emitted[i, j]), out, None if lp is None else tuple(x[:, j] for x in lp), i)
                 if r.state == DONE:
                     break
+
+    def _prefill(self, chunk: list, out: dict) -> None:
+        """Feed one prefill chunk [(request, n)]; with a prefix cache, snapshots inside the chunks
+        are planned now, written by the program and inserted once fed, then those of chunks that
+        ended on a page boundary are taken."""
+        inner = self.prefix.plan_boundaries(chunk, self.runner.snapshot_interval) if self.prefix is not None else []
+        tok, lp = self.runner.prefill(chunk, inner)
+        for r, n in chunk:
+            r.n_fed += n
+            self.prompt_tokens_fed += n
+        if self.prefix is not None:
+            self.prefix.insert_boundaries(chunk, inner)
+            self.runner.save(self.prefix.after_prefill([r for r, _ in chunk]))
+        for i, (r, n) in enumerate(chunk):
+            if r.n_fed == len(r.feed) and self.sched.holds_pending(r):
+                r.state = DECODE  # a speculative recompute: its pending token decodes next
+            elif r.n_fed == len(r.feed):
+                self._emit(r, int(tok[i]), out, lp, i)
 
     def has_work(self) -> bool:
         return bool(self.sched.queue) or any(s is not None for s in self.sched.slots)

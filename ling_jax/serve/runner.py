@@ -1,21 +1,17 @@
 """`ModelRunner`: the device side of the engine, the model's compiled programs over the pools.
 
-Why a runner apart from the engine (`engine.py`, the request lifecycle): what runs on the devices
-(parameters, pools and their placement, the compiled programs, the shapes they are compiled for,
-their warm-up, the packing of one call's inputs, the multi-host link) is what a compile-only run
-(`ling-jax aot`: `program_calls()` on a shape-only model), a multi-host follower (`follow()`, which
-has no requests at all) and a future second engine over the same model need, without a queue,
-stop rules or handles. The engine decides what to run (scheduler, prefix cache, stop / length
-rules); the runner runs it: `decode`, `verify`, `prefill` take a step's rows and return its tokens
-(and logprobs) on the host; `restore` / `save` run the prefix cache's copy orders.
-
-Shapes (see `engine.py`'s docstring for the compile bound): decode [R, 1] per row bucket R in
-`decode_rows` and block-table width in `widths`; prefill [R, T] per row bucket R in
-`prefill_row_buckets`, token bucket T in `buckets` and width; with `speculative=K` the verify
-program [R, K+1] takes decode's place.
+Why apart from the engine (`engine.py`, the request lifecycle): parameters, pools and their
+placement, the compiled programs and their shapes, warm-up, the packing of a call's inputs and the
+multi-host link are what a compile-only run (`ling-jax aot`: `program_calls()` on a shape-only
+model), a multi-host follower (`follow()`, no requests at all) and a future second engine need,
+without a queue, stop rules or handles. The engine decides what runs; `decode` and `prefill` take
+a step's requests, pack them and return the tokens (and logprobs) on the host; `restore` / `save`
+run the prefix cache's copy orders. The compiled shapes: `program_shapes()` (engine.py's docstring
+says why these).
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -64,15 +60,19 @@ def host_logprobs(lp, reqs):
     return tuple(np.asarray(a) for a in lp) if any(r.params.logprobs is not None for r in reqs) else None
 
 
+def _smallest(sizes, n: int) -> int:
+    """The smallest of the compiled `sizes` that holds n."""
+    return next(s for s in sizes if s >= n)
+
+
 class ModelRunner:
-    """The model's programs over the pools (module docstring). Built by `Engine` from its checked
+    """The model's programs over the pools (module docstring), built by `Engine` from its checked
     settings: sizes (the pools' plan), exec, alloc (the page allocator whose block table a call's
-    rows read), buckets / widths / decode_rows / prefill_row_buckets (the compiled shapes, checked by
-    the engine; `prefill_rows`, their largest, is also the prefix cache's copies per call), speculative
-    (drafts per verify, 0 = plain decode), snapshot_rows (the prefix cache's snapshot pool, None =
-    no prefix cache) and snapshot_interval (tokens between the snapshots a prefill takes inside
-    itself). A call's rows are given as `reqs` (None = padding): the runner reads a request's slot,
-    tokens fed and generated and its sampling parameters, nothing of its lifecycle."""
+    rows read), the compiled shapes (buckets, widths, decode_rows, prefill_row_buckets; the largest
+    prefill row bucket is also the prefix cache's copies per call), speculative (drafts per verify,
+    0 = plain decode), snapshot_rows (the prefix cache's snapshot pool, None = no prefix cache) and
+    snapshot_interval. The runner reads a request's slot, feed, tokens fed and generated and its
+    sampling parameters, nothing of its lifecycle."""
 
     def __init__(self, model, sizes: PoolSizes, exec: ExecConfig, alloc: PageAllocator, *, buckets, widths,
                  decode_rows, prefill_row_buckets, speculative: int = 0, snapshot_rows: int | None = None,
@@ -84,21 +84,16 @@ class ModelRunner:
         self.prefill_rows = self.prefill_row_buckets[-1]
         self.speculative, self.snapshot_interval = speculative, snapshot_interval
         self.graphdef, self.params = nnx.split(model)
-        # compile-only (`ling-jax aot`): shape-only parameters on devices that cannot hold data; the
-        # pools are then shapes too, and `program_calls()` lists what warmup() would compile
+        # compile-only (`ling-jax aot`): shape-only parameters, so the pools are shapes too
         self.abstract = is_abstract(self.params)
-        # Placed next to the parameters (a loaded model lives on a mesh, one device by default): KDA
-        # states split by head over `model`, the rest replicated (`pools.pool_shardings`). Every program
-        # that returns pools returns them with exactly these shardings (out_shardings), so the first call
-        # of each shape and every later call run one compiled program.
-        # "token_rows" (TPU): the KDA conv windows as lane-dense taps (`kda.conv_taps`) and the k_pe pages
-        # row-major (below)
+        # Placed next to the parameters (`pools.pool_shardings`); every program returns the pools with
+        # exactly these shardings (out_shardings), so the first call of a shape and every later one run
+        # one compiled program. "token_rows" (TPU): the KDA conv windows as lane-dense taps and the k_pe
+        # pages row-major, every program pinned to it (`pools.token_row_formats` says why)
         token_rows = exec.pool_layout == "token_rows"
         make = lambda: init_pools(cfg, sizes, model.dtype, token_rows)  # noqa: E731
         placement = lambda pools: placed_like(cfg, pools, self.params)  # noqa: E731
         if token_rows:
-            # the k_pe pages row-major, every program pinned to it (ExecConfig.pool_layout: on TPU the
-            # default layout made every step relayout each k_pe pool into and out of it)
             shapes, sharding = make_placed(make, placement, abstract=True)
             self.pool_sharding = token_row_formats(shapes, sharding)
             self.pools = shapes if self.abstract else jax.device_put(make(), self.pool_sharding)
@@ -113,7 +108,7 @@ class ModelRunner:
             self.graphdef, exec, snapshot_interval if self.snapshots is not None else 0,
             self.snapshots.sharding if self.snapshots is not None else None, self.pool_sharding)
         self.spec_fn = make_spec_fn(self.graphdef, exec, speculative, self.pool_sharding) if speculative else None
-        self._link = make_link(self.padding_inputs, self._program_shapes(),
+        self._link = make_link(self.padding_inputs, self.program_shapes(),
                                self.snapshots.index_words if self.snapshots is not None else 0)
         if self._link is not None:  # multi-process: process 0 broadcasts each program call (serve/multihost.py)
             self.prefill_fn = self._link.wrap(OP_PREFILL, self.prefill_fn)
@@ -129,7 +124,6 @@ class ModelRunner:
         return describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n" + self._describe_placement()
 
     def describe_programs(self) -> str:
-        """The compiled shapes."""
         decode = (f"speculative decode (K={self.speculative}: [R, {self.speculative + 1}] verify)"
                   if self.speculative else "decode [R, 1]")
         return (f"  compiled shapes: {decode} for R in {list(self.decode_rows)} over block-table widths "
@@ -149,33 +143,26 @@ class ModelRunner:
                 f"{per_device_bytes(self.pools) / GIB:.4f} GiB of the pools' {total / GIB:.4f} GiB per device\n")
 
     # -- shapes ---------------------------------------------------------------------------------
+    def program_shapes(self) -> list[ProgramShape]:
+        """Every (op, R, T, W) compiled, narrow block tables first: decode (`OP_SPEC`: the verify
+        program [R, K+1] in its place) [R, 1] per row bucket R in `decode_rows` and width W in
+        `widths`; prefill [R, T] per row bucket in `prefill_row_buckets`, token bucket T in `buckets`
+        and width."""
+        dec = OP_SPEC if self.speculative else OP_DECODE
+        return ([ProgramShape(dec, n, 1, w) for w in self.widths for n in self.decode_rows]
+                + [ProgramShape(OP_PREFILL, n, t, w) for w in self.widths for t in self.buckets
+                   for n in self.prefill_row_buckets])
+
     def width_for(self, pages: int) -> int:
         """The smallest block-table width (pages) of `widths` holding `pages`."""
-        return next(w for w in self.widths if w >= pages)
-
-    def prefill_rows_for(self, prompts: int) -> int:
-        """The smallest prefill row bucket holding `prompts` rows (a prefill program computes its
-        idle rows too, so a lone prompt runs a 1-row program)."""
-        return next(n for n in self.prefill_row_buckets if n >= prompts)
-
-    def token_bucket(self, tokens: int) -> int:
-        """The smallest prefill token bucket holding `tokens`."""
-        return next(b for b in self.buckets if b >= tokens)
-
-    def prefill_width(self, chunk: list) -> int:
-        """The block-table width (pages) a prefill chunk [(request, tokens fed now)] runs at: the
-        smallest of `widths` holding every row's pages up to the chunk's last token. Why: the chunk
-        attends over (and gathers) width·page_size keys per row, so its cost and temporaries follow
-        its rows' lengths, not `max_seq_len`."""
-        P = self.sizes.page_size
-        return self.width_for(max(-(-(r.n_fed + n) // P) for r, n in chunk))
+        return _smallest(self.widths, pages)
 
     def decode_rows_for(self, reqs: list) -> tuple[int, np.ndarray, list]:
         """(R, rows [R], requests by row) for a decode-like step over `reqs`: the smallest row bucket
         that holds them; with R = max_slots every request sits at its slot's row (in place),
         otherwise they are packed into the first rows and the rest are padding (slot max_slots)."""
         S = self.sizes.max_slots
-        R = next(n for n in self.decode_rows if n >= len(reqs))
+        R = _smallest(self.decode_rows, len(reqs))
         if R == S:
             by_row = [None] * S
             for r in reqs:
@@ -221,25 +208,41 @@ class ModelRunner:
         return out
 
     # -- running one program ----------------------------------------------------------------------
-    def decode(self, rows, ids, n_valid, reqs, width: int):
-        """The decode program on these rows (`decode_rows_for`); returns (tokens [R], logprob arrays
-        or None when no row asked) on the host."""
-        self.pools, tok, lp = self.decode_fn(self.params, self.pools, self.inputs(rows, ids, n_valid, reqs, width))
-        return np.asarray(tok), host_logprobs(lp, [r for r in reqs if r is not None])
+    def decode(self, reqs: list, drafts: dict):
+        """One decode step over the decoding requests `reqs`, the verify program with speculation
+        (request r verifies drafts[r.id] MTP drafts), at the smallest row bucket (`decode_rows_for`)
+        and width holding them. Returns (requests by row, None = padding; emitted [R, K+1]; n_emitted
+        [R]; logprob arrays [R, K+1, ...] or None when no row asked) on the host, K = 0 without
+        speculation."""
+        R, rows, by_row = self.decode_rows_for(reqs)
+        ids, n_valid = np.zeros((R, 1), np.int32), np.zeros(R, np.int32)
+        for i, r in enumerate(by_row):
+            if r is not None:
+                ids[i, 0], n_valid[i] = r.generated[-1], 1 + drafts.get(r.id, 0)
+        inp = self.inputs(rows, ids, n_valid, by_row, self.width_for(max(len(self.alloc.pages[r.slot]) for r in reqs)))
+        if self.spec_fn is not None:
+            self.pools, emitted, n_emit, lp = self.spec_fn(self.params, self.pools, inp)
+            return by_row, np.asarray(emitted), np.asarray(n_emit), host_logprobs(lp, reqs)
+        self.pools, tok, lp = self.decode_fn(self.params, self.pools, inp)
+        lp = host_logprobs(lp, reqs)
+        return by_row, np.asarray(tok)[:, None], np.ones(R, np.int32), lp and tuple(x[:, None] for x in lp)
 
-    def verify(self, rows, ids, n_valid, reqs, width: int):
-        """The speculative program (MTP drafts, one verify pass) on these rows; returns (emitted
-        [R, K+1], n_emitted [R], logprob arrays or None) on the host."""
-        self.pools, emitted, n_emit, lp = self.spec_fn(self.params, self.pools,
-                                                       self.inputs(rows, ids, n_valid, reqs, width))
-        return np.asarray(emitted), np.asarray(n_emit), host_logprobs(lp, [r for r in reqs if r is not None])
-
-    def prefill(self, rows, ids, n_valid, reqs, width: int, boundaries: list = ()):
-        """The prefill program on these rows; boundaries: `PrefixCache.plan_boundaries`' plans (the
-        snapshots it takes inside the chunks). Returns (tokens [R], logprob arrays or None) on the host."""
-        R, T = ids.shape
+    def prefill(self, chunk: list, boundaries: list = ()):
+        """The prefill program on a chunk [(request, n)] (row i feeds the next n tokens of chunk[i]'s
+        `feed`) at the smallest row bucket, token bucket and block-table width that hold it (the
+        width: every row's pages up to the chunk's last token, so a chunk attends over its rows'
+        lengths, not max_seq_len); boundaries: `PrefixCache.plan_boundaries`' plans (the snapshots
+        it takes inside the chunks). Returns (tokens [R], logprob arrays or None) on the host."""
+        R = _smallest(self.prefill_row_buckets, len(chunk))
+        T = _smallest(self.buckets, max(n for _, n in chunk))
+        reqs, rows = [None] * R, np.full(R, self.sizes.max_slots)
+        ids, n_valid = np.zeros((R, T), np.int32), np.zeros(R, np.int32)
+        for i, (r, n) in enumerate(chunk):
+            reqs[i], rows[i] = r, r.slot
+            ids[i, :n], n_valid[i] = r.feed[r.n_fed:r.n_fed + n], n
+        width = self.width_for(max(-(-(r.n_fed + n) // self.sizes.page_size) for r, n in chunk))
         tok, lp = self._run_prefill(self.inputs(rows, ids, n_valid, reqs, width, self._snap_rows(R, T, boundaries)))
-        return np.asarray(tok), host_logprobs(lp, [r for r in reqs if r is not None])
+        return np.asarray(tok), host_logprobs(lp, [r for r, _ in chunk])
 
     def _run_prefill(self, inp: StepInputs):
         """The prefill program on `inp` (with a prefix cache it also writes `inp.snap_rows`' snapshot
@@ -251,6 +254,14 @@ class ModelRunner:
                                                                         self.snapshots.snaps)
         return tok, lp
 
+    def _run_padding(self, shape: ProgramShape) -> None:
+        """Program `shape.op` on padding rows of that shape (they change no state)."""
+        inp = self.padding_inputs(*shape)
+        if shape.op == OP_PREFILL:
+            self._run_prefill(inp)
+        else:
+            self.pools = (self.spec_fn or self.decode_fn)(self.params, self.pools, inp)[0]
+
     def restore(self, ops: list) -> None:
         """The prefix cache's restore orders (`PrefixCache.take_restores`): snapshot rows -> slots, page copies."""
         self.pools = self.snapshots.restore(self.pools, ops)
@@ -260,11 +271,9 @@ class ModelRunner:
         self.snapshots.save(self.pools, copies)
 
     def compiled_shapes(self) -> int:
-        """How many programs the step functions hold ((len(decode_rows) + len(prefill_row_buckets) x
-        len(buckets)) x len(widths) after warmup; the prefix cache's two copy programs:
-        `snapshots.compiled_shapes()`)."""
-        return (self.prefill_fn._cache_size() + self.decode_fn._cache_size()
-                + (self.spec_fn._cache_size() if self.spec_fn is not None else 0))
+        """How many programs the step functions hold (len(program_shapes()) after warm-up; the prefix
+        cache's two copy programs: `snapshots.compiled_shapes()`)."""
+        return sum(f._cache_size() for f in (self.prefill_fn, self.decode_fn, self.spec_fn) if f is not None)
 
     # -- warm-up ----------------------------------------------------------------------------------
     def warmup(self, progress=None) -> None:
@@ -280,30 +289,16 @@ class ModelRunner:
         """The warm-up as [(label, call)] (see `Engine.warmup_items`); empty on a follower."""
         if self.is_follower:
             return []
-        spec = self.speculative
-
-        def decode(n, w):
-            def call():
-                program = self.spec_fn if self.speculative else self.decode_fn
-                self.pools = program(self.params, self.pools, self.padding_inputs(OP_DECODE, n, 1, w))[0]
-            return (f"{'speculative decode' if spec else 'decode'} {n} row(s) x {w} page(s)", call)
-
-        def prefill(n, T, w):
-            return (f"prefill {n} row(s) x {T} tokens x {w} page(s)",
-                    lambda: self._run_prefill(self.padding_inputs(OP_PREFILL, n, T, w)))
-
-        P = self.prefill_row_buckets
-        first = [prefill(P[0], self.buckets[0], self.widths[0]), decode(self.decode_rows[0], self.widths[0])]
-        rest = ([decode(n, w) for w in self.widths for n in self.decode_rows
-                 if (n, w) != (self.decode_rows[0], self.widths[0])]
-                + [prefill(n, T, w) for w in self.widths for T in self.buckets for n in P
-                   if (n, T, w) != (P[0], self.buckets[0], self.widths[0])])
-        items = first + rest
+        shapes = self.program_shapes()
+        first = [next(s for s in shapes if s.op == OP_PREFILL), shapes[0]]  # what a first short request runs
+        items = [(_label(s), functools.partial(self._run_padding, s))
+                 for s in first + [s for s in shapes if s not in first]]
         if self.snapshots is not None:
             items.append(("prefix-cache snapshot copies", self._warmup_snapshots))
 
         def again():
-            self._warmup_round()
+            for s in shapes:
+                self._run_padding(s)
             if self.snapshots is not None:
                 self._warmup_snapshots()
         items.append(("every program once more (placement; no compile)", again))
@@ -323,32 +318,20 @@ class ModelRunner:
     def _warmup_snapshots(self) -> None:
         self.pools = self.snapshots.warmup(self.pools)
 
-    def _warmup_round(self) -> None:
-        program = self.spec_fn if self.speculative else self.decode_fn  # speculative replaces decode
-        for n in self.decode_rows:
-            for w in self.widths:
-                self.pools = program(self.params, self.pools, self.padding_inputs(OP_DECODE, n, 1, w))[0]
-        for n in self.prefill_row_buckets:
-            for T in self.buckets:
-                for w in self.widths:
-                    self._run_prefill(self.padding_inputs(OP_PREFILL, n, T, w))
-
     def program_calls(self) -> list:
-        """[(name, jitted program, arguments)] of every program `warmup()` compiles, in its order:
-        decode (or the speculative verify) per row bucket R and block-table width W, prefill per row
-        bucket R, token bucket T and width W, and the prefix cache's two copy programs. A compile-only
-        run (`ling-jax aot`) lowers each with `program.lower(*arguments)`; the arguments are the
-        warm-up's padding inputs."""
-        name, program = ("verify", self.spec_fn) if self.speculative else ("decode", self.decode_fn)
-        calls = [(f"{name}[R={n},W={w}]", program, (self.params, self.pools, self.padding_inputs(OP_DECODE, n, 1, w)))
-                 for n in self.decode_rows for w in self.widths]
+        """[(name, jitted program, arguments)] of every program `warmup()` compiles (`program_shapes()`,
+        then the prefix cache's two copy programs), on the warm-up's padding inputs. A compile-only
+        run (`ling-jax aot`) lowers each with `program.lower(*arguments)`."""
         snaps = (self.snapshots.snaps,) if self.snapshots is not None else ()
-        calls += [(f"prefill[R={n},T={T},W={w}]", self.prefill_fn,
-                   (self.params, self.pools, self.padding_inputs(OP_PREFILL, n, T, w)) + snaps)
-                  for n in self.prefill_row_buckets for T in self.buckets for w in self.widths]
-        if self.snapshots is not None:
-            calls += self.snapshots.program_calls(self.pools)
-        return calls
+        calls = []
+        for s in self.program_shapes():
+            args = (self.params, self.pools, self.padding_inputs(*s))
+            if s.op == OP_PREFILL:
+                calls.append((f"prefill[R={s.rows},T={s.tokens},W={s.width}]", self.prefill_fn, args + snaps))
+            else:
+                name = "verify" if self.speculative else "decode"
+                calls.append((f"{name}[R={s.rows},W={s.width}]", self.spec_fn or self.decode_fn, args))
+        return calls + (self.snapshots.program_calls(self.pools) if self.snapshots is not None else [])
 
     # -- multi-host (serve/multihost.py) ------------------------------------------------------------
     @property
@@ -362,9 +345,7 @@ class ModelRunner:
         if not self.is_follower:
             raise RuntimeError("Engine.follow() is for processes > 0 of a multi-process run (jax.distributed); "
                                "process 0 drives submit() / step()")
-        programs = {OP_DECODE: self.decode_fn.program, OP_PREFILL: self.prefill_fn.program}
-        if self.spec_fn is not None:
-            programs[OP_SPEC] = self.spec_fn.program
+        programs = {OP_DECODE: self.decode_fn, OP_PREFILL: self.prefill_fn, OP_SPEC: self.spec_fn}
         for op, inputs in self._link.messages():
             if op in (OP_SAVE, OP_RESTORE):  # the prefix cache's copies (snapshots.py)
                 self.pools = self.snapshots.follow(self.pools, op, inputs)
@@ -372,7 +353,7 @@ class ModelRunner:
                 self.pools, _, _, self.snapshots.snaps = self.prefill_fn.program(
                     self.params, self.pools, inputs, self.snapshots.snaps)
             else:
-                self.pools = programs[op](self.params, self.pools, inputs)[0]
+                self.pools = programs[op].program(self.params, self.pools, inputs)[0]
 
     def shutdown(self) -> None:
         """Process 0: release the followers (their `follow()` returns). Idempotent; does nothing
@@ -380,10 +361,9 @@ class ModelRunner:
         if self._link is not None:
             self._link.shutdown()
 
-    def _program_shapes(self) -> list:
-        """Every (op, R, T, W) the runner runs: decode [R, 1] per row bucket and width, prefill
-        [R, T] per row bucket, token bucket and width."""
-        dec = OP_SPEC if self.speculative else OP_DECODE
-        return ([ProgramShape(dec, n, 1, w) for n in self.decode_rows for w in self.widths]
-                + [ProgramShape(OP_PREFILL, n, t, w) for n in self.prefill_row_buckets for t in self.buckets
-                   for w in self.widths])
+
+def _label(s: ProgramShape) -> str:
+    """A warm-up item's name for program shape `s`."""
+    if s.op == OP_PREFILL:
+        return f"prefill {s.rows} row(s) x {s.tokens} tokens x {s.width} page(s)"
+    return f"{'speculative decode' if s.op == OP_SPEC else 'decode'} {s.rows} row(s) x {s.width} page(s)"
