@@ -1,5 +1,5 @@
 """One speculative round — MTP drafts, one verify pass, per-row acceptance, rollback — shared by
-`generate`'s decode loop and the engine's verify program (`serve/speculative.py`).
+`generate`'s decode loop and the engine's verify program (`serve/step.py`).
 
 Why one: the two callers differ only in where the cache lives (`generate`: a dense `HybridCache`
 carried by the loop; the engine: page pools seen through `pools.as_cache`) and in what they do

@@ -16,7 +16,7 @@ length within `max_seq_len` compiles anything (`compiled_shapes()` counts them).
 for R in `decode_rows` (a step runs the fewest rows that hold its decoding slots, so idle slots
 cost nothing) over a block-table width in `widths` (its longest sequence's pages, rounded up: a
 short sequence does not pay for the longest allowed); with `speculative=K` the verify program
-[R, K+1] (`speculative.py`) takes its place. Prefill runs [R, T] for R in `prefill_row_buckets`, T
+[R, K+1] (`step.py`) takes its place. Prefill runs [R, T] for R in `prefill_row_buckets`, T
 in `buckets` (powers of two up to the tokens one prompt is fed a step), at the width its rows'
 pages need after the chunk (it gathers the pages its keys need, not all max_blocks). The prefix
 cache adds two copy programs of one shape each (snapshots.py).
@@ -36,7 +36,6 @@ import itertools
 import math
 from typing import Callable, Iterator, Optional, Sequence
 
-import numpy as np
 
 from ling_jax.checks import check_int
 from ling_jax.exec_config import ExecConfig
@@ -421,7 +420,7 @@ class Engine:
 
 def _check_speculative_params(params: "RequestParams") -> None:
     """What the speculative program does not do yet, refused by field name: penalties (they would
-    depend on the tokens drafted inside a round). Logprobs are the verify positions' (`_spec`)."""
+    depend on the tokens drafted inside a round). Logprobs are the verify positions' (`step._verify`)."""
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
         if getattr(params, name) != neutral:
             raise RequestFieldError(name, f"RequestParams.{name}={getattr(params, name)!r} is not supported with speculative "

@@ -18,7 +18,7 @@ reads the leaves back from the buffer in pytree order (4-byte dtypes bit-exact v
 and small ints through int32). The call number catches a follower out of step with the leader
 (it would otherwise run a different program than the leader and hang in a collective).
 The prefix cache's copy programs (`OP_SAVE`, `OP_RESTORE`, serve/snapshots.py) are sent the same
-way with their int32 index arrays as the payload (`send_words`): the leader's PrefixCache decides
+way with their int32 index arrays as the payload: the leader's PrefixCache decides
 which slot, snapshot row and pages to copy; every process runs the copy.
 
 Transport: `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over the global devices).
@@ -75,7 +75,7 @@ def pack(header: Sequence[int], inputs, size: int) -> np.ndarray:
     parts = [np.asarray(header, np.int32)] + [_as_words(np.asarray(x)) for x in jax.tree.leaves(inputs)]
     n = sum(p.size for p in parts)
     if n > size:
-        raise ValueError(f"multihost: step inputs of {n} words exceed the message size {size}")
+        raise ValueError(f"multihost: a message of {n} words exceeds the message size {size}")
     buf = np.zeros(size, np.int32)
     buf[:n] = np.concatenate(parts)
     return buf
@@ -98,7 +98,7 @@ class StepLink:
 
     template(op, R, T, W) -> a numpy StepInputs of that program's shapes (values unused);
     shapes: every ProgramShape the engine compiles (they size the message); index_words: the
-    largest `send_words` payload (the snapshot copies')."""
+    largest index payload (the snapshot copies')."""
 
     def __init__(self, template: Callable[[int, int, int, int], StepInputs], shapes: Sequence[ProgramShape],
                  index_words: int = 0):
@@ -112,24 +112,15 @@ class StepLink:
         return np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=self.is_leader))
 
     def send(self, op: int, inputs) -> None:
-        """Leader: tell every follower to run program `op` on `inputs` (blocks until they take it)."""
+        """Leader: tell every follower to run program `op` on `inputs` (blocks until they take it): a
+        StepInputs, the int32 index words of an INDEX_OPS copy, or None (OP_SHUTDOWN)."""
         if self.closed:
             raise RuntimeError("the engine was shut down (Engine.shutdown): it runs no more steps")
-        R, T, W = (0, 0, 0) if inputs is None else (*inputs.ids.shape, inputs.block_table.shape[1])
-        self._broadcast(pack((op, R, T, W, self.calls), () if inputs is None else inputs, self.size))
-        self.calls += 1
-
-    def send_words(self, op: int, words: np.ndarray) -> None:
-        """Leader: tell every follower to run index program `op` (INDEX_OPS) on these int32 words."""
-        if self.closed:
-            raise RuntimeError("the engine was shut down (Engine.shutdown): it runs no more steps")
-        words = np.asarray(words, np.int32).reshape(-1)
-        if HEADER + words.size > self.size:
-            raise ValueError(f"multihost: {words.size} index words exceed the message size {self.size}")
-        buf = np.zeros(self.size, np.int32)
-        buf[:HEADER] = (op, 0, 0, 0, self.calls)
-        buf[HEADER:HEADER + words.size] = words
-        self._broadcast(buf)
+        if isinstance(inputs, StepInputs):
+            shape = (*inputs.ids.shape, inputs.block_table.shape[1])
+        else:
+            shape, inputs = (0, 0, 0), () if inputs is None else np.asarray(inputs, np.int32).reshape(-1)
+        self._broadcast(pack((op, *shape, self.calls), inputs, self.size))
         self.calls += 1
 
     def receive(self) -> tuple[int, StepInputs | None]:

@@ -27,7 +27,6 @@ from ling_jax.serve.pools import (GIB, describe, init_pools, is_abstract, make_p
                                   shardings_of, token_row_formats)
 from ling_jax.serve.slot_sampling import SlotSampling
 from ling_jax.serve.snapshots import SnapshotPool
-from ling_jax.serve.speculative import make_spec_fn
 from ling_jax.sampling import RowSampling
 from ling_jax.serve.step import StepInputs, make_step_fns
 
@@ -104,10 +103,9 @@ class ModelRunner:
             cfg, sizes, snapshot_rows, model.dtype, self.prefill_rows,
             lambda snaps: placed_like(cfg, snaps, self.params), self.pool_sharding, abstract=self.abstract,
             conv_taps=token_rows)
-        self.prefill_fn, self.decode_fn = make_step_fns(
+        self.prefill_fn, self.decode_fn, self.spec_fn = make_step_fns(
             self.graphdef, exec, snapshot_interval if self.snapshots is not None else 0,
-            self.snapshots.sharding if self.snapshots is not None else None, self.pool_sharding)
-        self.spec_fn = make_spec_fn(self.graphdef, exec, speculative, self.pool_sharding) if speculative else None
+            self.snapshots.sharding if self.snapshots is not None else None, self.pool_sharding, speculative)
         self._link = make_link(self.padding_inputs, self.program_shapes(),
                                self.snapshots.index_words if self.snapshots is not None else 0)
         if self._link is not None:  # multi-process: process 0 broadcasts each program call (serve/multihost.py)

@@ -141,26 +141,36 @@ class SnapshotPool:
     def compiled_shapes(self) -> int:
         return self._save._cache_size() + self._restore._cache_size()
 
-    def _index(self, values, pad: int) -> np.ndarray:
-        out = np.full(self.copies, pad, np.int32)
-        out[:len(values)] = values
-        return out
-
     @property
     def index_words(self) -> int:
         """int32 words of the largest copy order (restore: 4 index arrays of `copies`)."""
         return 4 * self.copies
 
+    def _index(self, values, pad: int) -> np.ndarray:
+        out = np.full(self.copies, pad, np.int32)
+        out[:len(values)] = values
+        return out
+
+    def _save_index(self, copies) -> tuple:
+        """(slots, rows) of one padded save call over [(slot, row)]."""
+        return self._index([s for s, _ in copies], self.sizes.max_slots), self._index([r for _, r in copies], self.rows)
+
+    def _restore_index(self, ops: list[Restore]) -> tuple:
+        """(rows, slots, dst, src) of one padded restore call."""
+        S, NP = self.sizes.max_slots, self.sizes.num_pages
+        return (self._index([o.snapshot for o in ops], self.rows), self._index([o.slot for o in ops], S),
+                self._index([o.dst_page for o in ops], NP), self._index([o.src_page for o in ops], NP))
+
     def run_save(self, pools: Pools, slots: np.ndarray, rows: np.ndarray) -> None:
         """One padded save call (every process of a multi-host run makes it, see `follow`)."""
         if self.link is not None and self.link.is_leader:
-            self.link.send_words(OP_SAVE, np.concatenate([slots, rows]))
+            self.link.send(OP_SAVE, np.concatenate([slots, rows]))
         self.snaps = self._save(self.snaps, pools, slots, rows)
 
     def run_restore(self, pools: Pools, rows, slots, dst, src) -> Pools:
         """One padded restore call."""
         if self.link is not None and self.link.is_leader:
-            self.link.send_words(OP_RESTORE, np.concatenate([rows, slots, dst, src]))
+            self.link.send(OP_RESTORE, np.concatenate([rows, slots, dst, src]))
         return self._restore(pools, self.snaps, rows, slots, dst, src)
 
     def follow(self, pools: Pools, op: int, words: np.ndarray) -> Pools:
@@ -172,31 +182,23 @@ class SnapshotPool:
         return self.run_restore(pools, *(words[i * c:(i + 1) * c] for i in range(4)))
 
     def save(self, pools: Pools, copies) -> None:
-        S = self.sizes.max_slots
+        """Run the host cache's (slot, row) copies, `copies` per padded call."""
         for i in range(0, len(copies), self.copies):
-            group = copies[i:i + self.copies]
-            self.run_save(pools, self._index([s for s, _ in group], S), self._index([r for _, r in group], self.rows))
+            self.run_save(pools, *self._save_index(copies[i:i + self.copies]))
 
     def restore(self, pools: Pools, ops: list[Restore]) -> Pools:
         """Run the host cache's restore orders, `copies` per padded call."""
-        S, NP = self.sizes.max_slots, self.sizes.num_pages
         for i in range(0, len(ops), self.copies):
-            g = ops[i:i + self.copies]
-            pools = self.run_restore(pools, self._index([o.snapshot for o in g], self.rows),
-                                     self._index([o.slot for o in g], S), self._index([o.dst_page for o in g], NP),
-                                     self._index([o.src_page for o in g], NP))
+            pools = self.run_restore(pools, *self._restore_index(ops[i:i + self.copies]))
         return pools
 
     def program_calls(self, pools: Pools) -> list:
         """[(name, jitted program, arguments)] of the two copy programs on the warm-up's padding copies."""
-        S, NP, c = self.sizes.max_slots, self.sizes.num_pages, self.copies
-        save = (self.snaps, pools, self._index([], S), self._index([], self.rows))
-        restore = (pools, self.snaps, self._index([], self.rows), self._index([], S), self._index([], NP),
-                   self._index([], NP))
-        return [(f"snapshot-save[C={c}]", self._save, save), (f"snapshot-restore[C={c}]", self._restore, restore)]
+        c = self.copies
+        return [(f"snapshot-save[C={c}]", self._save, (self.snaps, pools) + self._save_index([])),
+                (f"snapshot-restore[C={c}]", self._restore, (pools, self.snaps) + self._restore_index([]))]
 
     def warmup(self, pools: Pools) -> Pools:
         """Run both programs on padding copies (they change nothing)."""
-        S, NP = self.sizes.max_slots, self.sizes.num_pages
-        self.run_save(pools, self._index([], S), self._index([], self.rows))
-        return self.restore(pools, [Restore(None, S, self.rows, NP, NP)])
+        self.run_save(pools, *self._save_index([]))
+        return self.run_restore(pools, *self._restore_index([]))

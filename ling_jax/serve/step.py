@@ -1,23 +1,27 @@
-"""The engine's two compiled programs: a prefill chunk over a few slot rows, a decode step over the decoding slots.
+"""The engine's compiled programs: a prefill chunk over a few slot rows, a decode step over the
+decoding slots, and with speculation the verify step that takes decode's place.
 
-Both are pure functions `(params, pools, inputs) -> (pools, next tokens)`; the pools are donated,
-so the page pools are updated in place. Why two programs and not one: a decode step feeds one
-token per slot through the token-by-token KDA recurrence (what `generate` decodes with), a
-prefill chunk feeds up to `prefill_chunk` tokens of a few rows through the chunked scan; fused
-into one [slots, chunk] batch every decoding row would pay for a whole chunk. Each is compiled
-for a fixed set of shapes: decode for [R, 1] with R one of the row buckets (a step costs what its
-rows cost, so 3 decoding slots of 32 run a 4-row program, not a 32-row one), prefill for
-[prefill_rows, T] with T one of the token buckets (see `ling_jax.serve.engine`).
+Each is a pure function `(params, pools, inputs) -> (pools, tokens, ...)`; the pools are donated,
+so the page pools are updated in place. Why prefill apart from decode: a decode step feeds one
+token per slot through the token-by-token KDA recurrence (what `generate` decodes with), a prefill
+chunk feeds up to `prefill_chunk` tokens of a few rows through the chunked scan; fused into one
+[slots, chunk] batch every decoding row would pay for a whole chunk. Each is compiled for a fixed
+set of shapes (`ModelRunner.program_shapes`).
 
 Rows and slots: a program with fewer rows than slots gathers its rows' KDA states, hidden and
 token statistics from the pools (`rows` [R] = each row's slot, max_slots = padding) and scatters
 them back; a decode program with R = max_slots runs every slot in place (rows = arange(max_slots):
 nothing gathered, nothing copied). A decode on XLA:CPU leaves the KDA recurrent states in the slot
 pool whatever its rows: the native kernel updates each row's state where it lies (`kda.SlotKDAState`).
+Rows with nothing to do get n_valid = 0: their KDA state passes through unchanged, their latents
+are never written to a page (`mla.paged_write` drops them), and their outputs are ignored.
 
-Rows that have nothing to do (idle slots in decode, unused rows of a prefill batch) get
-n_valid = 0: their KDA state passes through unchanged (g = 0, beta = 0, conv state kept), their
-latents are never written to a page (`mla.paged_write` drops them), and their outputs are ignored.
+The verify program is one `speculation.speculative_round` (drafting, verification, acceptance and
+rollback, shared with `generate`) over the slots' pages: row b verifies `n_valid[b] - 1` drafts,
+cut by the host so that it never writes past the pages it holds nor emits past max_tokens
+(`Scheduler.drafts_for`); a row's random streams depend only on its seed and token index, so a
+sampled request draws the same tokens alone, in any batch, after a preemption, and as a `generate`
+row with that seed.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from ling_jax.rows import put_rows, take_rows
 from ling_jax.sampling import MAX_LOGPROBS, RowSampling, token_logprobs
 from ling_jax.token_stats import gather_stats, penalize_rows, scatter_stats, update_rows
 from ling_jax.serve.pools import Pools, as_cache, pin_pools, with_cache
+from ling_jax.speculation import speculative_round
 
 
 class StepInputs(NamedTuple):
@@ -76,17 +81,27 @@ def _save_boundaries(snaps, bounds: dict, hidden, snap_rows, interval: int):
     return snaps._replace(layers=layers, hidden=put_rows(snaps.hidden, idx, h))
 
 
+def _slot_view(model, pools: Pools, inp: StepInputs, gather_rows: bool, fresh, in_place: bool = False):
+    """(rows, or None for every slot in place; the rows' cache (`pools.as_cache`); their last hidden)."""
+    rows = inp.rows if gather_rows else None
+    cache = as_cache(model.cfg, pools, inp.block_table, inp.lengths, rows, fresh, in_place)
+    return rows, cache, (take_rows(pools.hidden, rows) if gather_rows else pools.hidden)
+
+
+def _write_back(model, pools: Pools, cache, rows, hidden) -> Pools:
+    """The pools after a call: its cache's rows (`pools.with_cache`) and each row's last hidden."""
+    hidden = hidden.astype(pools.hidden.dtype) if rows is None else put_rows(pools.hidden, rows, hidden)
+    return with_cache(model.cfg, pools, cache, rows)._replace(hidden=hidden)
+
+
 def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: CallMode, gather_rows: bool,
          snaps=None):
     model = nnx.merge(graphdef, params)
-    cfg = model.cfg
-    rows = inp.rows if gather_rows else None
     fresh = (inp.lengths == 0) & (inp.n_valid > 0)  # a new sequence, maybe in a reused slot
     # a decode's KDA states stay in the slot pool, updated there by the native kernel (no gather of
     # the rows' states and no scatter back: `kda.kda_in_place`; a model on a mesh keeps the gather)
     in_place = kda_in_place(ex, mode, jnp.float32) and model_mesh(model) is None
-    cache = as_cache(cfg, pools, inp.block_table, inp.lengths, rows, fresh, in_place)
-    prev_hidden = take_rows(pools.hidden, inp.rows) if gather_rows else pools.hidden
+    rows, cache, prev_hidden = _slot_view(model, pools, inp, gather_rows, fresh, in_place)
     out = model(inp.ids, cache, inp.n_valid, exec=ex, mode=mode)
     new_cache = out["cache"]
     if pools.mtp is not None:
@@ -103,16 +118,31 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
         stats = scatter_stats(stats, inp.rows, rs) if gather_rows else rs
     tok = s.draw(x, vocab_sharding=vocab_sharding)
     hid = jnp.where((inp.n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
-    new_pools = with_cache(cfg, pools, new_cache, rows)
-    hidden = put_rows(pools.hidden, inp.rows, hid) if gather_rows else hid.astype(pools.hidden.dtype)
     lp = row_logprobs(logits, tok, s.logprobs, vocab_sharding)
-    result = (new_pools._replace(hidden=hidden, stats=stats), tok, lp)
+    result = (_write_back(model, pools, new_cache, rows, hid)._replace(stats=stats), tok, lp)
     if snaps is None:
         return result
     if "kda_boundary_states" in out and inp.snap_rows is not None and inp.snap_rows.shape[1] > 0:
         snaps = _save_boundaries(snaps, out["kda_boundary_states"], out["hidden"], inp.snap_rows,
                                  mode.snapshot_every)
     return result + (snaps,)
+
+
+def _verify(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: int):
+    """(pools, emitted [R, k+1] int32, n_emitted [R] int32, logprobs per verify position): one
+    speculative round (module docstring). inp.ids [R, 1]: each row's pending token; inp.n_valid [R]:
+    1 + drafts to verify (0 idle)."""
+    model = nnx.merge(graphdef, params)
+    R = inp.ids.shape[0]
+    rows, cache, prev_hidden = _slot_view(model, pools, inp, gathers_rows(pools, inp), jnp.zeros((R,), bool))
+    r = speculative_round(model, cache, inp.ids[:, 0], prev_hidden, jnp.maximum(inp.n_valid - 1, 0),
+                          inp.n_valid > 0, inp.sampling, k, ex)
+    # emitted token j was drawn at verify position j: its logprobs are that position's (the model's
+    # raw distribution, as plain decoding reports them), for every position of a row that asked
+    wanted = None if inp.sampling.logprobs is None else jnp.repeat(inp.sampling.logprobs, k + 1)
+    lp = row_logprobs(r.logits.reshape(R * (k + 1), -1), r.emitted.reshape(-1), wanted, logits_sharding(model))
+    return (_write_back(model, pools, r.cache, rows, r.hidden), r.emitted, r.n_emitted,
+            tuple(x.reshape((R, k + 1) + x.shape[1:]) for x in lp))
 
 
 def row_logprobs(logits, tok, wanted, vocab_sharding=None):
@@ -134,14 +164,16 @@ def gathers_rows(pools: Pools, inp: StepInputs) -> bool:
     return inp.rows.shape[0] != pools.hidden.shape[0]
 
 
-def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sharding=None, pool_sharding=None):
-    """(prefill, decode): jitted `(params, pools, StepInputs) -> (pools, tokens [R], logprobs)`,
-    pools donated; logprobs = `row_logprobs`' triple.
+def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sharding=None, pool_sharding=None,
+                  speculative: int = 0):
+    """(prefill, decode, verify): jitted `(params, pools, StepInputs) -> (pools, tokens [R], logprobs)`,
+    pools donated; logprobs = `row_logprobs`' triple. verify (None when speculative = 0):
+    `-> (pools, emitted [R, K+1], n_emitted [R], logprobs [R, K+1, ...])`, K = speculative drafts.
 
-    prefill runs the chunked KDA scan over the gathered rows; decode the recurrent KDA step over
-    the gathered rows, or in place over every slot when it has max_slots rows (rows =
-    arange(max_slots); decided by the static shapes). Each call of one function object with new
-    shapes compiles once; `_cache_size()` counts them (the engine's compile bound).
+    prefill runs the chunked KDA scan over the gathered rows; decode and verify the recurrent KDA
+    step over the gathered rows, or in place over every slot when they have max_slots rows (decided
+    by the static shapes). Each call of one function object with new shapes compiles once;
+    `_cache_size()` counts them (the engine's compile bound).
 
     snapshot_interval > 0 (an engine with a prefix cache): prefill is `(params, pools, StepInputs,
     snaps) -> (pools, tokens, logprobs, snaps)`, both pools and snapshot rows donated: it also writes
@@ -154,14 +186,18 @@ def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sha
     (None: left to propagation); `Format`s (`ExecConfig.pool_layout` "token_rows") fix their layout
     too, read and written (`pools.pin_pools`)."""
     prefill_mode, decode_mode = CallMode.prefill(snapshot_interval), CallMode.decode(logits=False)
+    pinned = dict(donate_argnums=(1,), **pin_pools(pool_sharding, 3))
     if snapshot_interval:
         prefill = jax.jit(lambda params, pools, inp, snaps: _run(graphdef, params, pools, inp, ex, prefill_mode, True, snaps),
                           donate_argnums=(1, 3), out_shardings=(pool_sharding, None, None, snap_sharding),
                           **pin_pools(pool_sharding, 4))
     else:
         prefill = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, ex, prefill_mode, True),
-                          donate_argnums=(1,), out_shardings=(pool_sharding, None, None), **pin_pools(pool_sharding, 3))
+                          out_shardings=(pool_sharding, None, None), **pinned)
     decode = jax.jit(lambda params, pools, inp: _run(graphdef, params, pools, inp, ex, decode_mode,
-                                                            gathers_rows(pools, inp)),
-                     donate_argnums=(1,), out_shardings=(pool_sharding, None, None), **pin_pools(pool_sharding, 3))
-    return prefill, decode
+                                                     gathers_rows(pools, inp)),
+                     out_shardings=(pool_sharding, None, None), **pinned)
+    verify = None if not speculative else jax.jit(
+        lambda params, pools, inp: _verify(graphdef, params, pools, inp, ex, speculative),
+        out_shardings=(pool_sharding, None, None, None), **pinned)
+    return prefill, decode, verify
