@@ -1,19 +1,11 @@
 """Jit-compiled generation: prefill, a decode loop inside one `lax.while_loop`, MTP speculation.
 
-State is explicit: `DecodeState` carries the hybrid cache, the last emitted (not yet processed)
-token, the final-normed hidden of the last processed token (the MTP layer's input), per-sequence
-done flags and the output buffer. Prompts of different lengths are right-padded and handled
-exactly (padding never enters a KDA/conv state or an MLA softmax).
-
-Sampling goes through the engine's row API (`sampling.RowSampling`): the call's one
-`SamplingParams` is a broadcast row, row b seeded with seed + b, and token n of a row is drawn with
-fold_in(key(seed), n). So a row's tokens depend only on its seed and prompt, and equal those of an
-engine request with that seed.
-
-Speculative decoding (k = 1..3 drafts): one `speculation.speculative_round` per loop step, the
-engine's own (MTP drafts, one verify forward keeping every per-token KDA state, per-row acceptance,
-rollback to the accepted prefix, the MTP cache re-filled from the main model's true hidden states).
-A row near its max_new_tokens verifies fewer drafts, so a round never emits past it.
+State is explicit: `DecodeState` carries the hybrid cache, the last emitted (not yet fed) token,
+the final-normed hidden of the last fed token (the MTP layer's input), done flags and the output
+buffer. Prompts of different lengths are right-padded and handled exactly (padding never enters a
+KDA/conv state or an MLA softmax). Sampling, speculation (`speculation.speculative_round`) and
+token statistics are the engine's own, row b seeded with seed + b, so a row's tokens equal those
+of an engine request with that seed.
 """
 from __future__ import annotations
 
@@ -31,6 +23,7 @@ from ling_jax.checks import check_int
 from ling_jax.exec_config import ExecConfig
 from ling_jax.model import HybridCache, init_cache
 from ling_jax.placement import logits_sharding, model_mesh
+from ling_jax.rows import take_last
 from ling_jax.sampling import MAX_LOGPROBS, RowSampling, SamplingParams, TokenLogprob, check_logprobs, token_logprobs
 from ling_jax.speculation import MAX_SPECULATIVE, speculative_round
 from ling_jax.token_stats import TokenStats, init_token_stats, penalize_rows, update_rows
@@ -65,11 +58,6 @@ class GenerationResult:
     logprobs: Optional[list] = None            # per prompt, per new token: TokenLogprob (when asked for)
 
 
-def _take(x, idx):
-    """x[b, idx[b]] for x [B,T,...]."""
-    return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
-
-
 def _is_stop(tok, stop_ids):
     if len(stop_ids) == 0:
         return jnp.zeros(tok.shape, bool)
@@ -96,8 +84,7 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, *, 
     start = cache.lengths
     out = model(ids, cache, n_valid, exec=ex, mode=PREFILL)
     new = out["cache"]
-    last = jnp.maximum(n_valid - 1, 0)
-    hid = _take(out["hidden"], last)
+    hid = take_last(out["hidden"], n_valid)
     logits = model.logits(hid, ex)
     if with_mtp:
         new = new._replace(mtp=model.mtp_fill(cache.mtp, ids, out["hidden"], prev_hidden, start, n_valid, ex))

@@ -87,3 +87,10 @@ def _put_rows_looped(x, idx, values, axis):
                                                    allow_negative_indices=False)
 
     return jax.lax.fori_loop(0, idx.shape[0], one, x)
+
+
+def take_last(x: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """x[b, max(n_valid[b] - 1, 0)] for x [B, T, ...]: each row's last valid position (a right-padded
+    call's last fed token)."""
+    idx = jnp.maximum(n_valid - 1, 0)
+    return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]

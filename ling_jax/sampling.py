@@ -42,21 +42,9 @@ import numpy as np
 from ling_jax.sampling_params import (MAX_LOGPROBS, SamplingParams, TokenLogprob, check_logprobs,  # noqa: F401
                                       check_penalties)
 
-__all__ = [
-    "MAX_LOGPROBS",
-    "SamplingParams",
-    "TokenLogprob",
-    "apply_penalties_rows",
-    "check_logprobs",
-    "check_penalties",
-    "token_logprobs",
-    "processed_logits_rows",
-    "request_keys",
-    "RowSampling",
-    "sample_rows",
-    "speculative_accept",
-    "speculative_accept_greedy",
-]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "apply_penalties_rows", "check_logprobs",
+           "check_penalties", "token_logprobs", "processed_logits_rows", "request_keys", "RowSampling", "sample_rows",
+           "speculative_accept", "speculative_accept_greedy"]
 
 _NEG_INF = float("-inf")
 
@@ -319,21 +307,14 @@ def speculative_accept(
 ) -> Tuple[jax.Array, jax.Array]:
     """Speculative-sampling accept/reject (Leviathan et al. 2023; Chen et al. 2023).
 
-    Args:
-      draft_tokens: [B, k] tokens the draft model sampled.
-      draft_probs: [B, k, V] the full distributions those tokens were drawn from.
-      target_probs: [B, k+1, V] target distributions at the same k positions plus one more
-        (the bonus position after the last draft token). Use `RowSampling.probs` with the same
-        rows for both models to sample from the processed target distribution.
-      key: PRNG key.
-
-    Returns:
-      (num_accepted [B] int32 in [0, k], next_token [B] int32). The emitted sequence is
-      draft_tokens[b, :num_accepted[b]] followed by next_token[b]. Draft token i is accepted
-      with probability min(1, p_target/p_draft), left to right; at the first rejection
-      next_token ~ normalize(max(0, p_target - p_draft)) at that position; if all k are
-      accepted next_token ~ target_probs[:, k]. The emitted tokens are distributed exactly as
-      sampling from the target alone.
+    draft_tokens [B, k] the draft sampled from draft_probs [B, k, V]; target_probs [B, k+1, V] the
+    target distributions at those positions and the bonus one after (`RowSampling.probs` of the
+    same rows for both, to sample from the processed target). Returns (num_accepted [B] int32 in
+    [0, k], next_token [B] int32): the row emits draft_tokens[b, :num_accepted[b]], then
+    next_token[b]. Draft i is accepted with probability min(1, p_target / p_draft), left to right;
+    at the first rejection next_token ~ normalize(max(0, p_target - p_draft)) there, after k
+    acceptances next_token ~ target_probs[:, k]: the tokens are distributed exactly as sampling the
+    target alone.
     """
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
     draft_probs = jnp.asarray(draft_probs, jnp.float32)
@@ -375,16 +356,9 @@ def speculative_accept(
 def speculative_accept_greedy(
     draft_tokens: jax.Array, target_logits: jax.Array
 ) -> Tuple[jax.Array, jax.Array]:
-    """Greedy verification: accept draft tokens while they equal the target argmax.
-
-    Args:
-      draft_tokens: [B, k].
-      target_logits: [B, k+1, V] (probabilities work too; only the argmax is used).
-
-    Returns:
-      (num_accepted [B] int32, next_token [B] int32): next_token is the target argmax at the
-      first mismatch, or at position k (the bonus token) when every draft token matched.
-    """
+    """Greedy verification: draft_tokens [B, k] are accepted while they equal the argmax of
+    target_logits [B, k+1, V] (probabilities work too). Returns (num_accepted [B] int32, next_token
+    [B] int32: the target argmax at the first mismatch, or at position k when all matched)."""
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
     k = draft_tokens.shape[1]
     best = jnp.argmax(jnp.asarray(target_logits, jnp.float32), axis=-1).astype(jnp.int32)

@@ -1,35 +1,24 @@
-"""One speculative round — MTP drafts, one verify pass, per-row acceptance, rollback — shared by
-`generate`'s decode loop and the engine's verify program (`serve/step.py`).
+"""One speculative round (MTP drafts, one verify pass, per-row acceptance, rollback), shared by
+`generate`'s decode loop and the engine's verify program (`serve/step.py`): the two differ only in
+where the cache lives (a dense `HybridCache`; page pools seen through `pools.as_cache`), so both
+emit the same tokens for the same seed. A round advances every active row by 1 … k+1 tokens:
 
-Why one: the two callers differ only in where the cache lives (`generate`: a dense `HybridCache`
-carried by the loop; the engine: page pools seen through `pools.as_cache`) and in what they do
-with the emitted tokens. Drafting, verification, acceptance and rollback are the same arithmetic,
-so they are written once and both paths emit the same tokens for the same seed.
-
-A round advances every active row by 1 … k+1 tokens:
-
-1. **Draft** (MTP layer, token by token; a `lax.scan`, so the layer is compiled once): draft j of
-   row b pairs the row's last token with the hidden before it (j = 0: the pending token and the
-   main model's true hidden; j ≥ 1: the previous draft and the MTP layer's own hidden). Draft 0
-   also completes the MTP slot plain decoding would write for the pending token, so it runs for
-   every active row, even one with no drafts.
-2. **Verify**: [pending, d_1 … d_k] through the main model in one [B, k+1] pass (`VERIFY`: the
-   token-by-token KDA recurrence, returning every per-token KDA state).
-3. **Accept** per row (`accept_rows`): greedy rows keep the longest prefix of drafts equal to the
-   target argmax plus the target's token after it; sampled rows use `speculative_accept` with the
-   row's own key, so the emitted tokens are distributed exactly as plain sampling.
-4. **Roll back** to the accepted length a+1: KDA states picked from the per-token states
-   (`layer_stack.roll_back_kda`); MLA entries past the new length are masked by length and
-   overwritten later; the MTP slots of the accepted drafts are rewritten from the main model's
-   true hidden states, so the MTP cache is exactly what plain decoding would have built.
-
-Row b verifies n_drafts[b] ≤ k drafts (callers cut it so the round never emits past the row's
-max_tokens; the engine also never writes past the pages a row holds). Drafts beyond n_drafts[b]
-are computed (one shape for all rows) but never written, verified or accepted.
-
-Random streams (`sampling.RowSampling`): a round starting at a row's token index n uses
-base = fold_in(key(seed), n); draft j draws with fold_in(base, 1 + j), the acceptance with
-fold_in(base, 0). A row's draws depend only on its seed and token index, never on its batch.
+1. **Draft** (the MTP layer, a `lax.scan` over k): draft j pairs the row's last token with the
+   hidden before it (j = 0: the pending token and the main model's hidden; then the previous draft
+   and the MTP layer's own hidden). Draft 0 also completes the MTP slot plain decoding would write
+   for the pending token, so it runs for every active row.
+2. **Verify** [pending, d_1 … d_k] through the main model in one [B, k+1] `VERIFY` pass (the
+   token-by-token KDA recurrence, every per-token state returned).
+3. **Accept** per row (`accept_rows`): greedy rows keep the drafts equal to the target argmax;
+   sampled rows use `speculative_accept`, so the tokens are distributed exactly as plain sampling.
+4. **Roll back** to the accepted length: KDA states picked from the per-token states
+   (`layer_stack.roll_back_kda`), MLA entries past the length masked and later overwritten, the
+   accepted drafts' MTP slots rewritten from the main model's hidden states (the MTP cache is then
+   what plain decoding builds).
+Row b verifies n_drafts[b] <= k drafts (callers cut it to the row's max_tokens and pages); the rest
+are computed (one shape) but never written or accepted. Random streams: a round at token index n
+uses base = fold_in(key(seed), n), draft j fold_in(base, 1 + j), the acceptance fold_in(base, 0),
+so a row's draws never depend on its batch.
 """
 from __future__ import annotations
 
@@ -43,6 +32,7 @@ from ling_jax.exec_config import ExecConfig
 from ling_jax.layer_stack import roll_back_kda
 from ling_jax.model import HybridCache
 from ling_jax.placement import logits_sharding
+from ling_jax.rows import take_last
 from ling_jax.sampling import RowSampling, request_keys, speculative_accept, speculative_accept_greedy
 
 #: The most drafts per verify round (the MTP layer is trained for the next token; drafts further
@@ -135,8 +125,7 @@ def speculative_round(model, cache: HybridCache, token, hidden, n_drafts, active
     adv = jnp.where(active, a + 1, 0)
     layers = roll_back_kda(cfg, out["cache"].layers, out["kda_states"], adv)
     _, _, mtp = model.mtp_forward(drafts, out["hidden"][:, :k], mtp, P, a, ex)
-    last = jnp.take_along_axis(out["hidden"], jnp.maximum(adv - 1, 0)[:, None, None], axis=1)[:, 0]
-    new_hidden = jnp.where(active[:, None], last.astype(hidden.dtype), hidden)
+    new_hidden = jnp.where(active[:, None], take_last(out["hidden"], adv).astype(hidden.dtype), hidden)
     j = jnp.arange(k + 1)[None, :]
     emitted = jnp.where(j < a[:, None], jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1),
                         jnp.where(j == a[:, None], nxt[:, None], 0)).astype(jnp.int32)

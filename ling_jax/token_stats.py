@@ -1,30 +1,16 @@
-"""Per-row token statistics on the device, for presence / frequency / repetition penalties: the one
-form used by `generate`'s decode loop (rows = prompts) and the engine's steps (rows = slots).
+"""Per-row token statistics on the device for the presence / frequency / repetition penalties: the one
+form used by `generate`'s decode loop (rows = prompts) and the engine's steps (rows = slots, the
+`Pools` field `stats`).
 
-Why on the device, inside the compiled step: a penalty changes every logit of a token the
-sequence has seen, so the step needs, per slot, how often each token was generated and which
-tokens the prompt holds; sending that from the host each step would cost [slots, V] transfers.
-
-`TokenStats` (part of the engine's `Pools` pytree, rows = slots; of `generate.DecodeState`, rows =
-prompts):
-* gen_counts [max_slots, V] int32: how often each token was generated (frequency, presence);
-* prompt_seen [max_slots, V] bool: the tokens of the prompt (repetition, with gen_counts > 0).
-Memory: 5·V bytes per slot (`stats_bytes_per_slot`), e.g. 0.75 MiB at V = 157,184.
-
-Maintenance is exact and needs no host bookkeeping: the statistics are rebuilt from the tokens
-each step *feeds*. A fed token at sequence position p (p = lengths + t) is a prompt token when
-p < prompt_len, else a generated one (the engine feeds generated tokens back one by one while
-decoding, and prompt + generated tokens when it recomputes a preempted request). A row starting
-a new sequence (lengths == 0, `fresh`) is cleared first, so nothing of a slot's previous owner
-survives and a recompute rebuilds the statistics exactly. So before the step samples token n,
-the row holds the counts of tokens 0..n-1 and its prompt's seen-mask. `generate` keeps them the
-same way: its prompt fed once (prompt_len = its length), then each decode step's fed token (the
-previous one emitted) counted as generated.
-(A prefix-cache hit that starts a new sequence at lengths > 0 without feeding the cached
-prompt tokens would have to clear and seed the rows itself.)
-
-An all-neutral batch costs one scatter of the fed ids and nothing else: clearing and the
-penalty arithmetic run under `lax.cond`.
+Why on the device, inside the compiled step: a penalty changes every logit of a token the sequence
+has seen, so the step needs per row how often each token was generated (`gen_counts [S, V]`
+int32) and which tokens the prompt holds (`prompt_seen [S, V]` bool, 5·V bytes a row); sending
+them each step would cost [slots, V] transfers. They are rebuilt from the tokens each step *feeds*
+(a fed token at position p < prompt_len is a prompt token, else a generated one; a row starting a
+new sequence is cleared first), so before token n is drawn a row holds exactly tokens 0..n-1 and
+its prompt, in a reused slot and after a preemption's recompute alike, with no host bookkeeping
+(serve/README.md, *Penalties and logprobs*). An all-neutral batch costs one scatter of the fed ids:
+clearing and the penalty arithmetic run under `lax.cond`.
 """
 from __future__ import annotations
 
@@ -33,7 +19,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ling_jax.rows import put_rows, take_rows
 from ling_jax.sampling import apply_penalties_rows
 
 
@@ -89,12 +74,3 @@ def penalize_rows(logits: jax.Array, stats: TokenStats, presence: jax.Array, fre
                         lambda: apply_penalties_rows(x, stats.gen_counts, stats.prompt_seen, presence,
                                                      frequency, repetition))
 
-
-def gather_stats(stats: TokenStats, rows: jax.Array) -> TokenStats:
-    """Rows of the slots `rows` [R] (index max_slots = padding: clipped on read)."""
-    return TokenStats(*(take_rows(x, rows) for x in stats))
-
-
-def scatter_stats(stats: TokenStats, rows: jax.Array, new: TokenStats) -> TokenStats:
-    """Inverse of `gather_stats` (padding rows dropped)."""
-    return TokenStats(*(put_rows(x, rows, n) for x, n in zip(stats, new)))

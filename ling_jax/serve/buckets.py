@@ -20,10 +20,11 @@ def row_buckets(max_slots: int) -> tuple[int, ...]:
     return tuple(out) + (max_slots,)
 
 
-def token_buckets(prefill_chunk: int, smallest: int = 8) -> tuple[int, ...]:
-    """Prefill widths compiled: powers of two from `smallest` below `prefill_chunk`, and the chunk."""
-    out, t = [], min(smallest, prefill_chunk)
-    while t < prefill_chunk:
+def token_buckets(top: int, smallest: int = 8) -> tuple[int, ...]:
+    """Powers of two from `smallest` below `top`, and `top`: the prefill token widths compiled (top:
+    the tokens one prompt is fed a step) and the decode block-table widths (`runner.decode_widths`)."""
+    out, t = [], min(smallest, top)
+    while t < top:
         out.append(t)
         t *= 2
-    return tuple(out) + (prefill_chunk,)
+    return tuple(out) + (top,)

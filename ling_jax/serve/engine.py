@@ -10,25 +10,14 @@ Single-threaded and deterministic: nothing runs between calls, and the same subm
 same order give the same tokens. A server drives `step()` from one thread and routes the
 `{handle: new tokens}` it returns; `submit` / `cancel` are called between steps.
 
-Compile bound: every program has one shape per bucket (`ModelRunner.program_shapes`), and
-`warmup()` runs each once on padding rows (which change nothing), so afterwards no request of any
-length within `max_seq_len` compiles anything (`compiled_shapes()` counts them). Decode runs [R, 1]
-for R in `decode_rows` (a step runs the fewest rows that hold its decoding slots, so idle slots
-cost nothing) over a block-table width in `widths` (its longest sequence's pages, rounded up: a
-short sequence does not pay for the longest allowed); with `speculative=K` the verify program
-[R, K+1] (`step.py`) takes its place. Prefill runs [R, T] for R in `prefill_row_buckets`, T
-in `buckets` (powers of two up to the tokens one prompt is fed a step), at the width its rows'
-pages need after the chunk (it gathers the pages its keys need, not all max_blocks). The prefix
-cache adds two copy programs of one shape each (snapshots.py).
-
-Engine and runner: the engine is the request lifecycle (queue and admission, the scheduler, the
-prefix cache's host tree, stop and length rules, handles and callbacks, statistics); the device
-side is its `ModelRunner` (`self.runner`, runner.py says why apart). A step asks the scheduler what
-to run, calls the runner once per program and emits the tokens it returns.
-
-Multi-host (`serve/multihost.py`): every process builds the same Engine; process 0 drives it as
-above and its runner broadcasts each program call (the snapshot copies included); processes > 0
-call `follow()` until process 0's `shutdown()`.
+The engine is the request lifecycle (queue and admission through the scheduler, the prefix cache's
+host tree, stop and length rules, handles, callbacks, statistics); the device side is its
+`ModelRunner` (`self.runner`, runner.py says why apart): a step asks the scheduler what to run,
+calls the runner once per program and emits the tokens it returns. Every program has one shape per
+bucket (`ModelRunner.program_shapes`) and `warmup()` runs each on padding rows, so afterwards no
+request within `max_seq_len` compiles anything (serve/README.md, *Compile bound*). Multi-host
+(`multihost.py`): every process builds the same Engine; process 0 drives it and its runner
+broadcasts each program call; processes > 0 call `follow()` until process 0's `shutdown()`.
 """
 from __future__ import annotations
 

@@ -1,27 +1,16 @@
 """Multi-host serving: process 0 schedules, every process runs the same step programs.
 
-Under `jax.distributed` the parameters and the pools are global arrays on a mesh spanning every
-process, so each compiled step is one SPMD program that every process must launch, in the same
-order, with the same inputs. Only process 0 (the leader) holds the queue and the scheduler; before
-each program call it broadcasts what to run; the other processes (followers) sit in
-`Engine.follow()` (its `ModelRunner.follow`), receive and run it, until the leader's
-`Engine.shutdown()`.
-
-The message: one int32 buffer of a fixed size (`StepLink.size`), so the broadcast compiles exactly
-one program however the steps vary:
-
-    [op, rows R, tokens T, block-table width W, call number, flattened StepInputs..., zero padding]
-
-op names the program (`OP_DECODE`, `OP_PREFILL`, `OP_SPEC`; `OP_SHUTDOWN` ends `follow()`); from (op, R, T, W)
-the follower builds a template StepInputs of the right shapes (`ModelRunner.padding_inputs`) and
-reads the leaves back from the buffer in pytree order (4-byte dtypes bit-exact via a view, bools
-and small ints through int32). The call number catches a follower out of step with the leader
-(it would otherwise run a different program than the leader and hang in a collective).
-The prefix cache's copy programs (`OP_SAVE`, `OP_RESTORE`, serve/snapshots.py) are sent the same
-way with their int32 index arrays as the payload: the leader's PrefixCache decides
-which slot, snapshot row and pages to copy; every process runs the copy.
-
-Transport: `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over the global devices).
+Under `jax.distributed` the parameters and pools are global arrays on a mesh spanning every
+process, so each compiled step is one SPMD program every process must launch, in the same order,
+with the same inputs. Only process 0 (the leader) holds the queue and the scheduler; before each
+program call it broadcasts what to run, and the followers, in `Engine.follow()`, receive and run
+it until the leader's `Engine.shutdown()`. The message is one int32 buffer of a fixed size
+(`StepLink.size`, so the broadcast compiles once): [op, R, T, W, call number, the StepInputs'
+leaves in pytree order (4-byte dtypes bit-exact through a view, bools and small ints through
+int32), zero padding]; a follower rebuilds the StepInputs from a template of shape (op, R, T, W)
+(`ModelRunner.padding_inputs`); the call number catches a follower out of step (it would run
+another program and hang in a collective). The prefix cache's copies (`OP_SAVE`, `OP_RESTORE`)
+carry their int32 index arrays instead. Transport: `multihost_utils.broadcast_one_to_all`.
 """
 from __future__ import annotations
 
@@ -75,7 +64,7 @@ def pack(header: Sequence[int], inputs, size: int) -> np.ndarray:
     parts = [np.asarray(header, np.int32)] + [_as_words(np.asarray(x)) for x in jax.tree.leaves(inputs)]
     n = sum(p.size for p in parts)
     if n > size:
-        raise ValueError(f"multihost: a message of {n} words exceeds the message size {size}")
+        raise ValueError(f"multihost: step inputs of {n} words exceed the message size {size}")
     buf = np.zeros(size, np.int32)
     buf[:n] = np.concatenate(parts)
     return buf
@@ -123,59 +112,39 @@ class StepLink:
         self._broadcast(pack((op, *shape, self.calls), inputs, self.size))
         self.calls += 1
 
-    def receive(self) -> tuple[int, StepInputs | None]:
-        """Follower: the next (op, inputs) the leader sends (inputs None for OP_SHUTDOWN; for
-        INDEX_OPS the payload words [size - HEADER])."""
-        buf = self._broadcast(np.zeros(self.size, np.int32))
-        op, R, T, W, n = (int(v) for v in buf[:HEADER])
-        if n != self.calls:
-            raise RuntimeError(f"multihost: process {jax.process_index()} received call {n}, expected {self.calls} "
-                               "(out of step with process 0)")
-        self.calls += 1
-        if op == OP_SHUTDOWN:
-            self.closed = True
-            return op, None
-        if op in INDEX_OPS:
-            return op, buf[HEADER:].copy()
-        return op, unpack(buf, self.template(op, R, T, W))
-
     def shutdown(self) -> None:
         """Leader: end the followers' `follow()` (idempotent)."""
         if self.is_leader and not self.closed:
             self.send(OP_SHUTDOWN, None)
             self.closed = True
 
-    def messages(self) -> Iterator[tuple[int, StepInputs]]:
-        """Follower: every (op, inputs) until the leader shuts down."""
+    def messages(self) -> Iterator[tuple[int, StepInputs | np.ndarray]]:
+        """Follower: every (op, inputs) the leader sends (for INDEX_OPS the payload words [size -
+        HEADER]), until it shuts down."""
         while True:
-            op, inputs = self.receive()
+            buf = self._broadcast(np.zeros(self.size, np.int32))
+            op, R, T, W, n = (int(v) for v in buf[:HEADER])
+            if n != self.calls:
+                raise RuntimeError(f"multihost: process {jax.process_index()} received call {n}, expected "
+                                   f"{self.calls} (out of step with process 0)")
+            self.calls += 1
             if op == OP_SHUTDOWN:
+                self.closed = True
                 return
-            yield op, inputs
+            yield op, buf[HEADER:].copy() if op in INDEX_OPS else unpack(buf, self.template(op, R, T, W))
 
     def wrap(self, op: int, program):
-        """`program(params, pools, inputs)` that the leader broadcasts before running, and that a
-        follower may run only inside `follow()` (called directly it raises)."""
-        return _LinkedProgram(self, op, program)
-
-
-class _LinkedProgram:
-    """A step program seen through the link: same call signature, `_cache_size()` forwarded."""
-
-    def __init__(self, link: StepLink, op: int, program):
-        self.link, self.op, self.program = link, op, program
-
-    def __call__(self, params, pools, inputs, *state):
-        """state: device arrays the program also takes (a prefill's snapshot rows), the same on every
-        process (each runs the same calls on them)."""
-        if not self.link.is_leader:
-            raise RuntimeError(f"process {jax.process_index()} follows process 0's steps: call engine.follow() "
-                               "there (submit / step / warmup run on process 0 only)")
-        self.link.send(self.op, inputs)
-        return self.program(params, pools, inputs, *state)
-
-    def _cache_size(self) -> int:
-        return self.program._cache_size()
+        """`program(params, pools, inputs, *state)` (state: device arrays it also takes, a prefill's
+        snapshot rows) that the leader broadcasts before running and that a follower may run only
+        inside `follow()` (called directly it raises); `.program` is the unwrapped one."""
+        def linked(params, pools, inputs, *state):
+            if not self.is_leader:
+                raise RuntimeError(f"process {jax.process_index()} follows process 0's steps: call engine.follow() "
+                                   "there (submit / step / warmup run on process 0 only)")
+            self.send(op, inputs)
+            return program(params, pools, inputs, *state)
+        linked.program, linked._cache_size = program, program._cache_size
+        return linked
 
 
 def make_link(template: Callable[[int, int, int, int], StepInputs], shapes: Sequence[ProgramShape],

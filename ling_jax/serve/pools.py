@@ -1,22 +1,13 @@
 """The serving engine's device memory: sequence slots and latent-cache pages, as explicit pytrees.
 
-Two kinds of memory, sized once at start-up (nothing is allocated per request):
-
-* **Slots** (`max_slots`): row s of every KDA layer's recurrent state [H,dk,dv] f32 and three conv
-  states [K-1, H·dk] (on TPU as K-1 lane-dense taps [H·dk]: `kda.conv_taps`), and of `hidden` (the
-  last processed token's final-normed hidden, the MTP layer's next input). KDA memory is
-  length-independent, so a slot is all a sequence needs of it.
-* **Pages** (`num_pages` × `page_size` tokens): every MLA layer (and the MTP layer's) keeps its
-  latent `c` [kv_lora_rank] and rotated key `k_pe` [rope_dim] in one page pool per layer; a
-  sequence owns a list of pages (its block table row), so a short sequence holds few pages and
-  many lengths share one pool. All layers share one page numbering: page i of every layer's pool
-  belongs to the same sequence, hence one block table serves all layers.
-
-The pools are stacked like the model's cache (`HybridCache`: per block of `layer_plan`, per run,
-arrays `[repeats, n, ...]`), so `as_cache` turns them into the cache the model consumes without
-copying the pools. Their sizes (`PoolSizes`) and the host-side bookkeeping of which slot owns which
-pages (`PageAllocator`) are `allocator.py`'s (host-only).
-Byte counts use the arithmetic of `ling_jax.accounting.cache_bytes`.
+Sized once at start-up (nothing is allocated per request): **slots** (`max_slots`), row s of every
+KDA layer's recurrent and conv states, of `hidden` (the MTP layer's next input) and of the token
+statistics (KDA memory is length-independent, so a slot is all a sequence needs of it); **pages**
+(`num_pages` x `page_size` tokens) of every MLA layer's (and the MTP layer's) latent `c` and `k_pe`,
+one numbering for all layers, so one block table serves them all. The pools are stacked like the
+model's cache (`HybridCache`: per run of `layer_plan`, `[repeats, n, ...]`), so `as_cache` hands
+them to the model without a copy. Sizes and the host bookkeeping: allocator.py; the byte
+arithmetic: `accounting.cache_bytes`; the layout and placement rules: serve/README.md, *Memory*.
 """
 from __future__ import annotations
 

@@ -1,23 +1,15 @@
 """How many prompt tokens a serving step feeds, over how many rows: the prefill policy and its
-default per platform (host only: no jax).
+default per platform (host only: no jax). The scheduler splits at most `chunk` prompt tokens over at
+most `rows` waiting prompts, no prompt more than `row_tokens`; the step runs the smallest compiled
+row count in `row_buckets` that holds them.
 
-A step runs one prefill program `[R, T]` beside its decode (runner.py); the scheduler (scheduler.py,
-item 3) splits at most `chunk` prompt tokens over at most `rows` waiting prompts, no prompt more than
-`row_tokens`, and runs the smallest compiled row count in `row_buckets` that holds them.
-
-Why the default differs by platform:
-* CPU: `8 rows x 64 tokens` (chunk 512, row buckets 1, 2, 4, 8). A backlog of prompts is fed in
-  large batched steps (on the mid config a `[8, 64]` step costs 3.1 ms a prompt token against 4.1
-  for `[2, 64]`: every weight is streamed once for 512 tokens instead of 128), a lone prompt in
-  `[1, <= 64]` steps, so a running decode waits beside a 64-token chunk when few prompts wait. Measured
-  on the serving benchmark against `128 over 2 rows` (the benchmark's earlier default): output
-  tokens/s +9% at concurrency 8 and +26% at 32 (medians), TTFT p50 at concurrency 32 9.7 s against
-  16.0, TPOT p50 lower at both, for ~2.6x the warm-up's compile time (BENCHMARKS.md, "Concurrency 8
-  vs 32, twenty-seventh session"; `serve --warmup lazy` answers before they are compiled, and the
-  persistent compilation cache makes a restart load them).
-* TPU and GPU: `64 over 2 rows` (one row bucket). The compile-only checks of the real config
-  (`ling-jax aot`, BENCHMARKS.md) size a pod's memory with `[2, 64]` prefill programs: an
-  `[8, 64]` one holds 4x their activations, and each program compiles for minutes at full scale.
+Why the defaults differ: on CPU `8 rows x 64 tokens` (row buckets 1, 2, 4, 8): a backlog is fed in
+large batched steps (every weight streamed once for 512 tokens: on the mid config 3.1 ms a prompt
+token against 4.1 for `[2, 64]`), a lone prompt in `[1, <= 64]` steps beside the running decodes;
+on the serving benchmark +9% / +26% output tokens/s at concurrency 8 / 32 over `128 over 2 rows`,
+for ~2.6x the warm-up's compile time (BENCHMARKS.md, twenty-seventh session). TPU and GPU: `64
+over 2 rows`, the programs the compile-only checks of the real config size a pod's memory with (an
+`[8, 64]` program holds 4x their activations and compiles for minutes at full scale).
 """
 from __future__ import annotations
 

@@ -1,47 +1,31 @@
 """Exact prefix cache, host side: a tree over token blocks whose nodes own latent pages and KDA snapshots.
 
-A hybrid model's cache holds two kinds of memory (pools.py). MLA latent pages can be shared
-outright: a page's latents depend only on the tokens up to it. A KDA slot cannot: one recurrent +
-conv state summarises the whole prefix and every token overwrites it. So the KDA side of a cached
-prefix is a *snapshot*, a copy of the slot's rows (state, conv states, `hidden`) at a page
-boundary: every `snapshot_interval` tokens inside a prefill chunk (the prefill program writes them,
-`plan_boundaries` / `insert_boundaries`) and where a chunk ended on one (`after_prefill`;
-`snapshots.py` does those copies on the device). A hit
-restores the snapshot of the deepest matched boundary that has one, shares the pages before it and
-prefills only the rest, so a restored request reads exactly the pages and state it would have
-computed itself (up to the float rounding of a different chunking).
+MLA latent pages can be shared outright (a page's latents depend only on the tokens up to it); a
+KDA slot cannot (one state summarises the whole prefix), so the KDA side of a cached prefix is a
+*snapshot*: a copy of the slot's rows (states, conv states, `hidden`) at a page boundary, taken
+inside prefill chunks (`plan_boundaries` / `insert_boundaries`) and where a chunk ended on one
+(`after_prefill`; `snapshots.py` copies on the device). A hit restores the snapshot of the deepest
+matched boundary that has one, shares the pages before it and prefills only the rest, so it reads
+exactly the pages and state it would have computed (up to the rounding of another chunking).
+The design, with its reasons: serve/README.md, *Prefix cache*.
 
-Tree: the node at depth d covers block d-1, tokens [(d-1)P, dP), and owns one page id (the same
-page number in every MLA pool and the MTP pool) plus, where one was taken, a snapshot row (the state
-after tokens [0, dP)). Its key is the block's tokens and, when the engine keeps MTP pages, one
-token of lookahead (token dP). Why the lookahead: MTP slot t pairs token t+1 with hidden t, so the
-MTP latent in a block's last position depends on the next block's first token; two continuations
-of one block therefore need two pages, hence two nodes.
+Tree: the node at depth d covers tokens [(d-1)P, dP) and owns one page id (the same in every MLA
+pool and the MTP pool) and, where one was taken, a snapshot row (the state after [0, dP)). Its
+key is the block's tokens plus, with MTP pages, one token of lookahead (token dP: the MTP latent
+in a block's last position depends on the next block's first token).
 
-What keeps "no page with two writers":
-* a hit at boundary b = mP shares the pages of the restore node's ancestors by reference and gets a
-  private copy of the restore node's own page (copy-on-write), because the request writes MTP slot
-  b-1, which lives there (with the copy, the restore node's lookahead need not match either);
-* a request's own pages enter the tree only once it has fed past them (every latent written, with
-  lookahead the block's last MTP slot too), and it never writes them again;
-* the partially filled last page of a sequence never enters the tree.
+What keeps "no page with two writers": a hit at boundary b shares the restore node's ancestors'
+pages by reference and gets a private copy of the restore node's own page (it writes MTP slot b-1
+there); a request's own pages enter the tree only once it has fed past them (lookahead included),
+and it never writes them again; a sequence's partly filled last page never enters the tree.
 
-Locks: a running request locks the path to its restore node and, once it inserted blocks, to its
-deepest inserted node, so a node is locked while a running request reads its pages. Unlocked nodes
-are evictable (their pages count as free in `PageAllocator`): least recently used leaves first. An
-unlocked leaf always holds a snapshot (one without could never be a restore point, so it is
-pruned). The tree's bytes (pages × page_bytes + snapshots × snapshot_bytes) stay within
-`budget_bytes`: an insertion evicts to make room, or is skipped.
-
-Snapshot rows are few (a row costs a whole slot, hundreds of pages at full scale), so when a new
-snapshot finds none free, the least recently used snapshot anywhere gives its row up (the
-shallowest first among equals: one long prompt keeps its deepest boundaries), locked path or not:
-nothing reads a snapshot after the restore it was taken for (restores run before any snapshot is
-taken in a step), and a node without one still shares its page.
-
-Only prompt blocks are snapshotted (prefill chunks); generated tokens enter the tree only as the
-lookahead of a prompt's last block, or as part of the prompt a preempted request is recomputed from.
-Pure Python (no device), so the policy is testable alone: `check()` asserts every invariant.
+Locks and eviction: a running request locks the path to its restore node and to its deepest
+inserted node. Unlocked nodes are evictable (their pages count as free in `PageAllocator`), least
+recently used leaves first; an unlocked leaf always holds a snapshot (one without is pruned); the
+tree's bytes stay within `budget_bytes`. Snapshot rows are few (a row costs a whole slot), so a new
+snapshot that finds none free takes the least recently used one's row (shallowest first among
+equals), locked path or not: nothing reads a snapshot after its restore (restores run before any
+snapshot is taken in a step). Pure Python (no device): `check()` asserts every invariant.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from flax import nnx
 from ling_jax.checks import FieldError, is_int
 from ling_jax.exec_config import ExecConfig
 from ling_jax.serve.allocator import PageAllocator, PoolSizes
-from ling_jax.serve.buckets import row_buckets, token_buckets  # noqa: F401  (importable from here too)
+from ling_jax.serve.buckets import row_buckets, token_buckets
 from ling_jax.serve.multihost import OP_DECODE, OP_PREFILL, OP_RESTORE, OP_SAVE, OP_SPEC, ProgramShape, make_link
 from ling_jax.serve.pools import (GIB, describe, init_pools, is_abstract, make_placed, per_device_bytes, placed_like,
                                   shardings_of, token_row_formats)
@@ -35,11 +35,7 @@ def decode_widths(max_blocks: int, smallest: int) -> tuple[int, ...]:
     """Block-table widths the decode program is compiled for: powers of two from `smallest`
     below max_blocks, and max_blocks. Why: a decode step attends over width·page_size keys, so
     short sequences should not pay for the longest allowed one."""
-    out, w = [], max(1, min(smallest, max_blocks))
-    while w < max_blocks:
-        out.append(w)
-        w *= 2
-    return tuple(out) + (max_blocks,)
+    return token_buckets(max_blocks, max(1, smallest))
 
 
 def check_row_buckets(rows, top: int, field: str, top_name: str, default=None) -> tuple[int, ...]:

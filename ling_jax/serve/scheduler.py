@@ -1,40 +1,27 @@
 """Host-side scheduling: the request queue, slot assignment, page growth and preemption.
 
-Pure Python over `Request` records and a `PageAllocator` (host-only: no jax); it decides, before each engine step,
-which slots decode one token and which prefill a chunk of how many tokens. Nothing here touches
-the device, so the policy is testable and deterministic.
-
-Policy (one `schedule()` call per engine step):
-1. Admit: while a slot is free, the head of the queue is admitted if the free pages could hold
-   its whole prompt (+1 token); first come, first served, no skipping (a preempted request goes
-   back to the head).
-2. Decode: every slot whose prompt is done gets the page for its next token, oldest request
-   first. If no page is free, the youngest running request is preempted (its pages and slot
-   freed, itself requeued at the head to be recomputed from prompt + generated tokens); when
-   the youngest is the one asking, it preempts itself. Age is the order of first admission and
-   survives preemption, so the oldest request always progresses and none starves.
+Pure Python over `Request` records and a `PageAllocator` (no jax, nothing on the device), so the
+policy is testable and deterministic. One `schedule()` call per engine step (serve/README.md,
+*Scheduling*, has the measurements behind each rule):
+1. Admit FIFO into free slots while the free pages could hold the whole prompt (+1), no skipping
+   (a preempted request goes back to the head).
+2. Decode: every slot whose prompt is in gets the page for its next token(s), oldest first; if none
+   is free the youngest running request is preempted (itself when it is the one asking), to be
+   recomputed from prompt + generated tokens. Age (order of first admission) survives preemption,
+   so the oldest always progresses and none starves.
 3. Prefill: prompts still being fed get chunks, oldest first, at most `prefill_rows` rows and
-   `prefill_chunk` tokens in all, each chunk cut to the pages it can get (never preempting: a
-   waiting prefill resumes when pages come back). When m > 1 prompts wait, each row gets at most
-   ceil(prefill_chunk / m) tokens (m up to `prefill_rows`). Why: the prefill program runs
-   [prefill_rows, T] with T the bucket of its longest row, so the whole budget on the oldest
-   prompt (T = prefill_chunk, the other rows idle) computes prefill_rows x the tokens it feeds;
-   split, the same tokens fill [prefill_rows, prefill_chunk / m] (BENCHMARKS.md, thirteenth session).
-   No row gets more than `prefill_row_tokens` (default prefill_chunk): a lone prompt is fed in
-   chunks that keep the decoding requests' steps short, a backlog of many in one large batched step.
-4. If nothing can run while requests hold slots (every page held by half-fed prompts), the
-   youngest is preempted and the plan made again, so the engine never stalls.
-
-Speculative decoding (`speculative` = K > 0): a decoding request verifies 1 + `drafts_for(req)`
-tokens per step, so step 2 gets pages for all of them; and a preempted request is recomputed
-from its prompt and all but its last generated token, which stays pending (`feed_of`): its next
-verify step then starts at the same token index with the same pending token as without the
-preemption, so its random draws do not depend on preemptions either.
-
-With a prefix cache (`prefix_cache.PrefixCache`): admission first looks the sequence up and starts
-a hit at its restore point (the cached pages it shares need no new page); free pages include the
-cache's evictable ones (taken before anyone is preempted); prefill chunks that are not a prompt's
-last end on a page boundary when one is in reach (those are the boundaries snapshots are taken at).
+   `prefill_chunk` tokens in all, each cut to the pages it can get (never preempting). With m > 1
+   prompts waiting each row gets at most ceil(prefill_chunk / m) tokens (the program computes
+   [rows, T] with T its longest row's bucket, so one full row beside idle ones costs as much), and
+   no row more than `prefill_row_tokens`.
+4. If nothing can run while requests hold slots, the youngest is preempted and the plan made again,
+   so the engine never stalls.
+Speculation (`speculative` = K): a decoding request gets pages for 1 + `drafts_for(req)` tokens,
+and a preempted one is recomputed with its last generated token left pending (`feed_of`), so its
+next verify starts at the same token index and its draws do not depend on the preemption.
+Prefix cache: admission looks the sequence up and starts a hit at its restore point; free pages
+include the cache's evictable ones; a chunk that is not a prompt's last ends on a page boundary
+when one is in reach (where snapshots are taken).
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """Each slot's sampling parameters in persistent host arrays (host-only: no jax).
 
-Why: a step's per-row sampling inputs (`sampling.RowSampling`) were rebuilt field by field from every
-row's `RequestParams` at every step, in Python. A request's temperature, top-k, top-p, seed,
-penalties, prompt length and logprobs flag do not change while it holds its slot, so they are
-written once into row `slot` of these arrays when the request is admitted (or re-admitted after a
-preemption, possibly into another slot) and a step only gathers its rows' entries: one NumPy
-fancy index per field. Row `max_slots` is the padding row: neutral values (greedy, no penalties,
-no logprobs), what a padding row of a step computes with.
+Why: a request's temperature, top-k, top-p, seed, penalties, prompt length and logprobs flag do not
+change while it holds its slot, so they are written once into row `slot` when it is admitted (or
+re-admitted after a preemption), and a step gathers its rows' entries with one NumPy index per
+field instead of rebuilding `sampling.RowSampling` from every row's `RequestParams`. Row
+`max_slots` is the padding row: neutral values (greedy, no penalties, no logprobs).
 """
 from __future__ import annotations
 

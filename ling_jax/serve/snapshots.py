@@ -1,21 +1,14 @@
 """The prefix cache's device side: a pool of KDA snapshot rows and the two copy programs.
 
-A snapshot row holds what a slot holds (pools.py): per KDA layer the recurrent state [H,dk,dv]
-f32 and the three conv states [K-1, H·dk] (taps where the pools keep taps), and the `hidden` row [D]
-(the MTP layer's next input), so one row costs `PoolSizes.snapshot_bytes`. The arrays are laid out
-like the slot pools, stacked per run of `layer_plan` ([repeats, n, rows, ...]), with `rows` in place
-of max_slots.
-
-Snapshots inside a prefill chunk are written by the prefill program itself (`step._save_boundaries`,
-from the chunked scan's boundary states); the programs here take the others.
-Two compiled programs, each of one fixed shape (R copies per call; padding copies use an index
-past the end, dropped by the scatter), warmed up with the engine's step programs:
-* `save(snaps, pools, slots [R], rows [R]) -> snaps`: slot rows -> snapshot rows, after a prefill
-  chunk ended on a page boundary (the slot then holds the state at that boundary);
-* `restore(pools, snaps, rows [R], slots [R], dst [R], src [R]) -> pools`: snapshot rows -> the
-  rows of a slot starting from a hit, and page src -> page dst in every MLA pool and the MTP pool
-  (the hit's copy of its restore node's page, see prefix_cache.py).
-Copies are exact (no arithmetic), so a restored slot holds bit for bit what the snapshot took.
+A snapshot row holds what a slot holds (pools.py) but the token statistics: per KDA layer the
+recurrent and conv states, and the `hidden` row (the MTP layer's next input), laid out like the
+slot pools ([repeats, n, rows, ...] per run). Snapshots inside a prefill chunk are written by the
+prefill program itself (`step._save_boundaries`); the two programs here, of one shape each (C
+copies per call, padding copies dropped by the scatter), take the others:
+* `save(snaps, pools, slots [C], rows [C])`: slot rows -> snapshot rows (a chunk ended on a page);
+* `restore(pools, snaps, rows, slots, dst, src)`: snapshot rows -> a hit's slot, and page src ->
+  page dst in every MLA pool and the MTP pool (the copy-on-write of prefix_cache.py).
+Copies are exact, so a restored slot holds bit for bit what the snapshot took.
 """
 from __future__ import annotations
 

@@ -1,27 +1,18 @@
 """The engine's compiled programs: a prefill chunk over a few slot rows, a decode step over the
-decoding slots, and with speculation the verify step that takes decode's place.
+decoding slots, and with speculation the verify step in decode's place.
 
-Each is a pure function `(params, pools, inputs) -> (pools, tokens, ...)`; the pools are donated,
-so the page pools are updated in place. Why prefill apart from decode: a decode step feeds one
-token per slot through the token-by-token KDA recurrence (what `generate` decodes with), a prefill
-chunk feeds up to `prefill_chunk` tokens of a few rows through the chunked scan; fused into one
-[slots, chunk] batch every decoding row would pay for a whole chunk. Each is compiled for a fixed
-set of shapes (`ModelRunner.program_shapes`).
-
-Rows and slots: a program with fewer rows than slots gathers its rows' KDA states, hidden and
-token statistics from the pools (`rows` [R] = each row's slot, max_slots = padding) and scatters
-them back; a decode program with R = max_slots runs every slot in place (rows = arange(max_slots):
-nothing gathered, nothing copied). A decode on XLA:CPU leaves the KDA recurrent states in the slot
-pool whatever its rows: the native kernel updates each row's state where it lies (`kda.SlotKDAState`).
-Rows with nothing to do get n_valid = 0: their KDA state passes through unchanged, their latents
-are never written to a page (`mla.paged_write` drops them), and their outputs are ignored.
-
-The verify program is one `speculation.speculative_round` (drafting, verification, acceptance and
-rollback, shared with `generate`) over the slots' pages: row b verifies `n_valid[b] - 1` drafts,
-cut by the host so that it never writes past the pages it holds nor emits past max_tokens
-(`Scheduler.drafts_for`); a row's random streams depend only on its seed and token index, so a
-sampled request draws the same tokens alone, in any batch, after a preemption, and as a `generate`
-row with that seed.
+Each is a pure function `(params, pools, inputs) -> (pools, tokens, ...)` with the pools donated,
+so the page pools are updated in place. Why prefill apart from decode: decode feeds one token per
+slot through the token-by-token KDA recurrence, prefill up to a chunk of a few rows through the
+chunked scan; fused into one [slots, chunk] batch every decoding row would pay for a whole chunk.
+A program with fewer rows than slots gathers its rows' KDA states, hidden and token statistics
+(`rows` [R] = each row's slot, max_slots = padding) and scatters them back; one with R = max_slots
+runs every slot in place. A decode on XLA:CPU leaves the KDA states in the slot pool whatever its
+rows (the native kernel updates them where they lie, `kda.SlotKDAState`). A row with n_valid = 0
+changes nothing: its KDA state passes through, its latents are never written
+(`mla.paged_write` drops them). The verify program is one `speculation.speculative_round` over
+the slots' pages (row b verifies `n_valid[b] - 1` drafts, cut by `Scheduler.drafts_for` so it
+never writes past its pages nor emits past max_tokens).
 """
 from __future__ import annotations
 
@@ -35,9 +26,9 @@ from ling_jax.call_mode import CallMode
 from ling_jax.exec_config import ExecConfig
 from ling_jax.kda import conv_like, kda_in_place
 from ling_jax.placement import logits_sharding, model_mesh
-from ling_jax.rows import put_rows, take_rows
+from ling_jax.rows import put_rows, take_last, take_rows
 from ling_jax.sampling import MAX_LOGPROBS, RowSampling, token_logprobs
-from ling_jax.token_stats import gather_stats, penalize_rows, scatter_stats, update_rows
+from ling_jax.token_stats import penalize_rows, update_rows
 from ling_jax.serve.pools import Pools, as_cache, pin_pools, with_cache
 from ling_jax.speculation import speculative_round
 
@@ -55,12 +46,6 @@ class StepInputs(NamedTuple):
     block_table: jax.Array
     sampling: RowSampling
     snap_rows: jax.Array | None = None
-
-
-def _take_last(x, n_valid):
-    """x[b, max(n_valid[b]-1, 0)] for x [R,T,...]."""
-    idx = jnp.maximum(n_valid - 1, 0)
-    return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
 
 
 def _save_boundaries(snaps, bounds: dict, hidden, snap_rows, interval: int):
@@ -107,15 +92,15 @@ def _run(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, mode: 
     if pools.mtp is not None:
         new_cache = new_cache._replace(mtp=model.mtp_fill(cache.mtp, inp.ids, out["hidden"], prev_hidden,
                                                           inp.lengths, inp.n_valid, ex))
-    hid = _take_last(out["hidden"], inp.n_valid)
+    hid = take_last(out["hidden"], inp.n_valid)
     logits = model.logits(hid, ex)
     s = inp.sampling
     stats, x, vocab_sharding = pools.stats, logits, logits_sharding(model)
     if stats is not None and s.prompt_len is not None:
-        rs = gather_stats(stats, inp.rows) if gather_rows else stats
+        rs = jax.tree.map(lambda x: take_rows(x, inp.rows), stats) if gather_rows else stats
         rs = update_rows(rs, inp.ids, inp.n_valid, inp.lengths, s.prompt_len, fresh, model_mesh(model))
         x = penalize_rows(logits, rs, s.presence, s.frequency, s.repetition)
-        stats = scatter_stats(stats, inp.rows, rs) if gather_rows else rs
+        stats = jax.tree.map(lambda x, n: put_rows(x, inp.rows, n), stats, rs) if gather_rows else rs
     tok = s.draw(x, vocab_sharding=vocab_sharding)
     hid = jnp.where((inp.n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
     lp = row_logprobs(logits, tok, s.logprobs, vocab_sharding)
