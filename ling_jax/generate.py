@@ -71,13 +71,10 @@ def _is_stop(tok, stop_ids):
                    donate_argnames=("cache",))
 def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, *, sampling: SamplingParams,
             with_mtp: bool, exec: ExecConfig | None = None):
-    """Feed [B,T] right-padded tokens (n_valid[b] real) into the cache.
-
-    Returns (cache, logits at each row's last real token [B,V], next token [B] drawn as the rows'
-    token 0 (`RowSampling.broadcast(sampling, B)`), last hidden [B,D]). With MTP, the MTP cache gets
-    the slots pairing each fed token with the hidden before it (`model.mtp_fill`, the engine's too:
-    `prev_hidden` is the last hidden of an earlier call, unused by a row starting at position 0).
-    """
+    """Feed [B,T] right-padded tokens (n_valid[b] real) into the cache. Returns (cache, logits at each
+    row's last real token [B,V], the rows' token 0 drawn with `sampling`, last hidden [B,D]). With
+    MTP the MTP cache gets each fed token paired with the hidden before it (`model.mtp_fill`;
+    `prev_hidden`: an earlier call's last hidden, unused by a row starting at position 0)."""
     model = nnx.merge(graphdef, params)
     ex = exec or model.exec
     B = ids.shape[0]
@@ -104,15 +101,11 @@ def _first_token(logits, stats: TokenStats | None, *, sampling: SamplingParams, 
 def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, lens: np.ndarray, hidden0,
                       chunk: int, *, with_mtp: bool, exec: ExecConfig | None = None):
     """`prefill` of a right-padded prompt batch ids [B, n·chunk] as n calls of `chunk` tokens (one
-    compiled program), so activation memory is that of one chunk, not of the prompt.
-
-    The cache carries everything across calls: KDA states, MLA latents, lengths; the MTP layer
-    pairs the first call's tokens among themselves (`fresh`) and each later token with the hidden
-    before it (`prev_hidden`, the previous call's last). A row whose prompt ended in an earlier chunk
-    feeds nothing more (n_valid 0: padding never enters a state) and keeps its logits and hidden.
-    Returns (cache, logits at each row's last prompt token [B,V], last hidden [B,D]); the caller
-    draws the first token from those logits (`prefill`'s own draw is greedy and unused).
-    """
+    compiled program), so activation memory is that of one chunk, not of the prompt. The cache
+    carries everything across calls (the MTP layer pairs each later token with the previous call's
+    last hidden); a row whose prompt ended earlier feeds nothing more (n_valid 0) and keeps its
+    logits and hidden. Returns (cache, logits at each row's last prompt token [B,V], last hidden
+    [B,D]); the caller draws the first token (`prefill`'s own draw is greedy and unused)."""
     B, W = ids.shape
     logits, hid = None, hidden0
     for i in range(W // chunk):
@@ -281,11 +274,10 @@ STREAM_CHUNK = 8  # decode steps per compiled call when streaming (`generate(str
 
 
 def _decode_streamed(graphdef, params, state: DecodeState, stream, chunk: int, **kw) -> DecodeState:
-    """`decode_loop` in calls of at most `chunk` steps, handing the tokens each call emitted to
-    `stream(tokens [B,n], counts [B])` between calls. The steps are the loop's own (the state is
-    carried from call to call, and a row's draws follow its token count), so the tokens equal one
-    whole call's; the program has no host callback, so the persistent compilation cache stores it, and every call
-    after the first reuses it (`max_steps` is traced)."""
+    """`decode_loop` in calls of at most `chunk` steps, handing each call's new tokens to
+    `stream(tokens [B,n], counts [B])` between calls: the same steps and tokens as one whole call
+    (the state is carried), and a program without a host callback, which the persistent compilation
+    cache stores (`max_steps` is traced)."""
     seen = np.asarray(state.n_out)
     while True:
         state = decode_loop(graphdef, params, state, max_steps=np.int32(chunk), **kw)
@@ -309,22 +301,17 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              logprobs: int | None = None, stream_chunk: int = STREAM_CHUNK) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids of any lengths).
 
-    sampling: greedy by default; `SamplingParams(temperature, top_k, top_p, seed)` otherwise, with
-    presence / frequency penalties over each sequence's generated tokens and a repetition penalty
-    over its prompt and generated tokens (see `ling_jax.sampling`; not with `speculative`).
-    logprobs: None (off), 0 (each new token's logprob) or N <= 20 (plus the top N alternatives),
-    under the model's raw distribution log_softmax(logits) (before penalties, temperature, top-k,
-    top-p): `result.logprobs[b]` is a list of `TokenLogprob` aligned with `result.tokens[b]`.
-    speculative: number of MTP drafts per round (0 = plain decoding). stop_ids: default the
-    config's EOS ids. Compiles once per batch size and bucket (`length_bucket`) of the prompt
-    width, the cache length and `max_new_tokens`. stream(tokens [B,n], counts [B]) is called on the host as tokens are
-    produced (tokens[b, :counts[b]] are new for sequence b): the first token after prefill, then
-    after every `stream_chunk` decode steps (the decode loop runs in compiled calls of that many
-    steps; the tokens are those of the unstreamed run). exec: how to run
-    (default `model.exec`; e.g. `model.exec.replace(kernels="pallas", kda_chunk=32)`).
-    kv_cache_dtype: "auto" (None: the MLA cache in the model dtype) or "fp8" (`ling_jax.kv_quant`).
-    A prompt batch longer than `exec.prefill_chunk` tokens is prefilled in whole chunks of that
-    many (`prefill_in_chunks`: one compiled program, activation memory of one chunk).
+    sampling: greedy by default, else `SamplingParams` (temperature, top-k, top-p, seed and the
+    penalties of `ling_jax.sampling`; penalties not with `speculative`). logprobs: None (off), 0
+    (each new token's logprob) or N <= 20 (plus the top N), of the raw distribution:
+    `result.logprobs[b]` lists `TokenLogprob`s aligned with `result.tokens[b]`. speculative: MTP
+    drafts per round (0 = plain decoding). stop_ids: default the config's EOS ids. Compiles once
+    per batch size and bucket (`length_bucket`) of the prompt width, the cache length and
+    `max_new_tokens`. stream(tokens [B,n], counts [B]) is called on the host with each row's new
+    tokens: the first after prefill, then after every `stream_chunk` decode steps (the same tokens
+    as unstreamed). exec: how to run (default `model.exec`). kv_cache_dtype: "auto" (None) or
+    "fp8" (`ling_jax.kv_quant`). A prompt batch longer than `exec.prefill_chunk` tokens is
+    prefilled in whole chunks of that many (`prefill_in_chunks`).
     """
     cfg = model.cfg
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", low=1)

@@ -49,26 +49,6 @@ __all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "apply_penalties_ro
 _NEG_INF = float("-inf")
 
 
-def _nucleus_keep_sorted(sorted_logits: jax.Array, p: float) -> jax.Array:
-    """Keep-mask for logits already sorted in descending order along the last axis.
-
-    Keeps entry i iff the probability mass strictly before it is < p, i.e. the smallest prefix
-    whose cumulative probability reaches p. The first entry is always kept.
-    """
-    pr = jax.nn.softmax(sorted_logits, axis=-1)
-    cum = jnp.cumsum(pr, axis=-1)
-    excl = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
-    keep = (excl < p) | (p >= 1.0)
-    return keep.at[..., 0].set(True)
-
-
-def _scatter_rows(values: jax.Array, idx: jax.Array, vocab: int) -> jax.Array:
-    """out[b, idx[b, j]] = values[b, j]; every other entry -inf. values/idx are [B, n]."""
-    rows = jnp.arange(values.shape[0])[:, None]
-    out = jnp.full((values.shape[0], vocab), _NEG_INF, dtype=values.dtype)
-    return out.at[rows, idx].set(values)
-
-
 # ---------------------------------------------------------------------------------------------
 # penalties and log-probabilities
 
@@ -91,14 +71,11 @@ def apply_penalties_rows(logits: jax.Array, gen_counts: jax.Array, prompt_seen: 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, n_top: int,
                    vocab_sharding=None) -> Tuple[jax.Array, jax.Array, jax.Array]:
-    """Log-probabilities under the model's raw distribution log_softmax(logits) (why raw: the
-    numbers then describe the model, not the sampling settings; vLLM's default too).
-
+    """Log-probabilities under the model's raw distribution log_softmax(logits) (module docstring):
     logits [B, V], tokens [B] -> (logprob of tokens [B] f32, top ids [B, n] int32, top logprobs
-    [B, n] f32), n = min(n_top, V), best first, ties lower id first (`lax.top_k`'s order).
-    vocab_sharding: the logits' split (`placement.logits_sharding`): the top n are taken per shard
-    and merged (`_best_candidates`), so the [B, V] row never crosses devices.
-    """
+    [B, n] f32), n = min(n_top, V), best first, ties lower id first. vocab_sharding: the logits'
+    split (`placement.logits_sharding`): the top n are taken per shard and merged, so the [B, V]
+    row never crosses devices."""
     lp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
     tok_lp = jnp.take_along_axis(lp, jnp.asarray(tokens, jnp.int32)[:, None], axis=-1)[:, 0]
     n = min(int(n_top), lp.shape[-1])
@@ -114,12 +91,10 @@ SEED_SPAN = 2 ** 32
 
 
 class RowSampling(NamedTuple):
-    """Per-row sampling parameters ([R] arrays): temperature f32 (0 = greedy), top_k int32 (0 =
-    off), top_p f32, seed uint32, n_gen int32 (index of the token being drawn: its random stream
-    is fold_in(key(seed), n_gen), `request_keys`); presence / frequency / repetition f32 penalties
-    (0, 0, 1 = off), prompt_len int32 (fed positions below it are prompt tokens, see
-    `token_stats`), logprobs bool (the row wants log-probabilities). The last five None = no
-    penalties, no logprobs."""
+    """Per-row sampling parameters ([R] arrays): temperature f32 (0 = greedy), top_k int32 (0 = off),
+    top_p f32, seed uint32, n_gen int32 (the index of the token being drawn, `request_keys`);
+    presence / frequency / repetition f32 (0, 0, 1 = off), prompt_len int32 (`token_stats`), logprobs
+    bool. The last five None = no penalties, no logprobs."""
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
@@ -175,12 +150,10 @@ def _shard_count(vocab_sharding) -> int:
 
 
 def _best_candidates(x: jax.Array, n: int, vocab_sharding=None) -> Tuple[jax.Array, jax.Array]:
-    """The n best entries of each row of x [R, V] in the lower-id-first order: (values [R, n],
-    ids [R, n] int32), n <= V. Each vocabulary shard (`vocab_sharding`, None: one) takes its own
-    best n locally, then the S·n candidates are sorted by (value descending, id ascending). Why:
-    over vocabulary-split logits (the LM head split on `model`) only the candidates leave their
-    device, never the [R, V] row (the real config at R = 64: 40 MB of logits and 80 MB of sort
-    indices gathered a step; BENCHMARKS.md "The pods' all-gathers")."""
+    """The n best entries of each row of x [R, V] in the lower-id-first order: (values [R, n], ids
+    [R, n] int32), n <= V. Each vocabulary shard (`vocab_sharding`, None: one) takes its best n, then
+    the S·n candidates are sorted by (value descending, id ascending), so over split logits only
+    candidates leave their device (the real config at R = 64 gathered 120 MB a step otherwise)."""
     R, V = x.shape
     S = _shard_count(vocab_sharding)
     per = -(-V // S)
@@ -197,25 +170,12 @@ def _best_candidates(x: jax.Array, n: int, vocab_sharding=None) -> Tuple[jax.Arr
     return -neg[:, :n], ids[:, :n]
 
 
-def _processed_logits_rows_sorted(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Temperature-scaled logits x [B, V] masked by top-k (k [B], V = off) then top-p: a stable
-    descending sort of each whole row (the form for any k and nucleus size)."""
-    vocab = x.shape[-1]
-    order = jnp.argsort(-x, axis=-1, stable=True)
-    sorted_x = jnp.take_along_axis(x, order, axis=-1)
-    keep = jnp.arange(vocab)[None, :] < k[:, None]
-    sorted_k = jnp.where(keep, sorted_x, _NEG_INF)
-    keep = keep & _nucleus_keep_sorted(sorted_k, top_p[:, None])
-    return _scatter_rows(jnp.where(keep, sorted_x, _NEG_INF), order, vocab)
-
-
 def _processed_logits_rows_sort_free(x, k, top_p, vals, ids):
-    """The same masking from the best C candidates (vals, ids [B, C], lower-id-first order), for rows
-    whose kept set lies within them: (masked x [B, V], exact [B] bool). A kept set is a prefix of
-    the order, so it is "every entry at or before the last kept candidate (v, id)": x > v, or
-    x == v at an id <= id; a threshold, applied where x lives. exact is False for a row whose kept
-    set may run past the candidates: a top-k beyond C, or a nucleus (of the whole vocabulary) whose
-    candidates' mass stays below p."""
+    """The masking from the best C candidates (vals, ids [B, C], lower-id-first order): (masked x
+    [B, V], exact [B] bool). A kept set is a prefix of the order, so it is a threshold at the last
+    kept candidate (v, id): x > v, or x == v at an id <= id, applied where x lives. exact is False
+    where the kept set may run past the candidates (a top-k beyond C, or a whole-vocabulary nucleus
+    whose candidates' mass stays below p)."""
     B, V = x.shape
     C = vals.shape[1]
     pos = jnp.arange(C)[None, :]
@@ -245,17 +205,13 @@ def processed_logits_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
                           top_p: jax.Array, vocab_sharding=None,
                           candidates: int = SORT_FREE_CANDIDATES) -> jax.Array:
     """float32 logits [B, V] after each row's temperature, then top-k, then top-p (masked entries
-    -inf), the parameters given per row as arrays so one compiled program serves any mix of
-    requests: temperature [B] f32 (0 = greedy: the argmax entry alone), top_k [B] int32 (0 or >= V
-    = off), top_p [B] f32 in (0, 1] (the smallest prefix of the lower-id-first order whose mass
+    -inf), per row: temperature [B] f32 (0 = greedy: the argmax entry alone), top_k [B] int32 (0 or
+    >= V = off), top_p [B] f32 in (0, 1] (the smallest prefix of the lower-id-first order whose mass
     over the top-k survivors reaches p). A row's result does not depend on the other rows.
-
-    How: when every row's kept set lies within its best `candidates` tokens (any top-k up to that,
-    a nucleus that reaches p within them, or no mask at all), the rows are masked by a threshold
-    from those candidates (`_best_candidates`, per vocabulary shard); otherwise by a sort of the
-    whole vocabulary. vocab_sharding: the logits' NamedSharding when the LM head splits the
-    vocabulary (`placement.logits_sharding`), so that only candidates cross devices.
-    """
+    How: when every row's kept set lies within its best `candidates` tokens, the rows are masked by
+    a threshold from those candidates (`_best_candidates`, per vocabulary shard, so on split logits,
+    `vocab_sharding`, only candidates cross devices); otherwise the same way with every token a
+    candidate (a sort of the whole vocabulary)."""
     x = jnp.asarray(logits, jnp.float32)
     vocab = x.shape[-1]
     temperature = jnp.asarray(temperature, jnp.float32)
@@ -266,7 +222,8 @@ def processed_logits_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
     p = jnp.asarray(top_p, jnp.float32)
     vals, ids = _best_candidates(x, min(int(candidates), vocab), vocab_sharding)
     out, exact = _processed_logits_rows_sort_free(x, k, p, vals, ids)
-    out = jax.lax.cond(jnp.all(exact | greedy), lambda: out, lambda: _processed_logits_rows_sorted(x, k, p))
+    every = lambda: _processed_logits_rows_sort_free(x, k, p, *_best_candidates(x, vocab, vocab_sharding))[0]
+    out = jax.lax.cond(jnp.all(exact | greedy), lambda: out, every)  # else every token a candidate: a sort
     if vocab > 1:  # greedy rows: the argmax entry alone
         top = jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1)
         onehot = jnp.arange(vocab)[None, :] == top[:, None]

@@ -59,20 +59,14 @@ def _fold(keys: jax.Array, i) -> jax.Array:
 
 
 def accept_rows(drafts, draft_logits, target_logits, n_drafts, sampling: RowSampling, keys, vocab_sharding=None):
-    """Per-row acceptance of a verify pass.
-
-    drafts [R, K] int32; draft_logits [R, K, V] (the MTP logits each draft was drawn from);
-    target_logits [R, K+1, V]; n_drafts [R] int32 in [0, K] (drafts of row b past n_drafts[b]
-    are never accepted); keys [R]: the acceptance key of each row.
-    Returns (accepted [R] int32 in [0, n_drafts], next token [R] int32): the row emits
-    drafts[b, :accepted[b]] then next[b].
-
-    Greedy rows (temperature 0): the longest prefix of drafts equal to the target argmax, and
-    the argmax after it — what plain greedy decoding emits. Sampled rows: `speculative_accept`
-    over the row's first n_drafts drafts (run once per possible count and picked per row, since
-    the count is a static shape there), with draft and target distributions processed by the
-    row's own parameters. An all-greedy batch skips the sampled path (`lax.cond`). vocab_sharding:
-    the logits' split (`placement.logits_sharding`)."""
+    """Per-row acceptance of a verify pass: drafts [R, K] int32 drawn from draft_logits [R, K, V];
+    target_logits [R, K+1, V]; n_drafts [R] in [0, K] (later drafts are never accepted); keys [R]
+    (each row's acceptance key). Returns (accepted [R] int32 in [0, n_drafts], next [R] int32): the
+    row emits drafts[b, :accepted[b]] then next[b]. Greedy rows keep the drafts equal to the target
+    argmax, then the argmax (plain greedy decoding's tokens); sampled rows run `speculative_accept`
+    over their first n_drafts drafts (once per possible count, picked per row: the count is a static
+    shape there) on distributions processed by their own parameters. An all-greedy batch skips the
+    sampled path (`lax.cond`). vocab_sharding: `placement.logits_sharding`."""
     K = drafts.shape[1]
     greedy_a, _ = speculative_accept_greedy(drafts, target_logits)
     greedy_a = jnp.minimum(greedy_a, n_drafts)

@@ -39,13 +39,11 @@ def init_token_stats(max_slots: int, vocab_size: int) -> TokenStats:
 
 def update_rows(stats: TokenStats, ids: jax.Array, n_valid: jax.Array, lengths: jax.Array,
                 prompt_len: jax.Array, fresh: jax.Array, mesh=None) -> TokenStats:
-    """Rows' statistics [R, V] after feeding ids [R, T] (n_valid [R] real, starting at sequence
-    position lengths [R]); rows with fresh [R] are cleared first. mesh: the model's (None: one
-    device); the rows are then kept replicated on it, as the pools hold them. Why: the penalties
-    meet them with the vocabulary-split logits, and left to itself the partitioner split the
-    update the same way and all-gathered the whole statistics pool back every step (the real
-    config on v6e-64, `model=4`: [64, 157184] int32 and bool, 50 MB a decode step;
-    BENCHMARKS.md "The pods' all-gathers")."""
+    """Rows' statistics [R, V] after feeding ids [R, T] (n_valid [R] real, from position lengths
+    [R]); rows with fresh [R] are cleared first. mesh: the model's (None: one device); the rows are
+    kept replicated on it, as the pools hold them (left to itself the partitioner split the update
+    like the vocabulary-split logits and all-gathered the whole pool back every step: 50 MB a
+    decode step on v6e-64, BENCHMARKS.md "The pods' all-gathers")."""
     counts, seen = stats
     R, T = ids.shape
     V = counts.shape[-1]

@@ -39,17 +39,11 @@ class PoolSizes:
 
 
 class PageAllocator:
-    """Host-side page bookkeeping: which slots hold which pages (in block order), and which are free.
-
-    Deterministic (a LIFO list of empty pages), so a run is reproducible. `ensure(slot, n_tokens)`
-    grows a slot to hold n_tokens, all or nothing; `release(slot)` gives its pages back.
-
-    With a prefix cache (`cache`, a `prefix_cache.PrefixCache`) a page may be held by several slots
-    (a cached prefix shared by reference: `refs[p]` counts the slots holding p) and by the cache
-    (`cached`). A cached page the cache could evict (its tree node unlocked: no running request
-    uses it) counts as free: `ensure` takes empty pages first and otherwise evicts the cache's
-    least recently used leaves, so cached pages are reclaimed before anything is preempted.
-    """
+    """Which slots hold which pages (in block order), and which are free; deterministic (a LIFO list of
+    empty pages). `ensure(slot, n_tokens)` grows a slot to hold n_tokens, all or nothing; `release`
+    gives its pages back. With a prefix cache (`cache`) a page may be held by several slots (`refs[p]`
+    counts them) and by the cache (`cached`); a cached page the cache could evict counts as free, and
+    `ensure` takes empty pages first, then evicts, so cached pages go before anything is preempted."""
 
     def __init__(self, sizes: PoolSizes):
         self.sizes = sizes

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 
 def row_buckets(max_slots: int) -> tuple[int, ...]:
-    """Decode row counts compiled: 1, 2, 4, 8, then every power of two and 1.5x it (12, 16, 24, 32, 48,
-    ...) below max_slots, and max_slots. Why: a decode step's cost is its rows' (every row streams the
-    weights through the same GEMMs and reads and writes its KDA state), so 3 requests on a 32-slot
-    engine should run 4 rows, not 32; and 17 should run 24, not 32 (padding at most a third of a step
-    from 8 rows on, for two more programs per octave; `tools/simulate_load.py`: concurrency 32 over
-    the load workload 3-4% faster than with powers of two alone)."""
+    """Decode row counts compiled: 1, 2, 4, 8, then every power of two and 1.5x it (12, 16, 24, ...)
+    below max_slots, and max_slots. Why: a decode step costs what its rows cost, so 3 requests on a
+    32-slot engine should run 4 rows and 17 run 24, not 32 (`tools/simulate_load.py`: concurrency 32
+    3-4% faster than with powers of two alone)."""
     out, r = [], 1
     while r < max_slots:
         out.append(r)

@@ -79,35 +79,25 @@ class RequestHandle:
 
 
 class Engine:
-    """Continuous-batching engine over one model (see the module docstring and serve/README.md).
+    """Continuous-batching engine over one model (module docstring, serve/README.md).
 
-    max_slots: sequences in flight; page_size: tokens per latent page; num_pages or
-    cache_memory_gib: the page pool (pages cost `describe()`'s bytes); max_seq_len: prompt + new
-    tokens of one request; kv_cache_dtype: "auto" or "fp8" (the latent pages as float8 with
-    per-token scales, `pools.plan_pools`); with_mtp: keep the MTP layer's pages filled (default:
-    the model has an MTP layer); exec: how to run (default `model.exec`).
-    Prefill (the keyword defaults, 64 tokens over 2 rows, are the explicit API's; the commands use
-    the platform's `prefill_policy.default_prefill_policy`, on CPU 8 rows x 64 tokens):
-    prefill_chunk: prompt tokens a step at most (a running decode waits at most one chunk);
-    prefill_rows: prompts fed side by side (at most max_slots: a row no slot can fill only adds
-    work); prefill_row_tokens: one prompt's tokens a step at most (default and at most
-    prefill_chunk), so a decode waits beside at most a [1, prefill_row_tokens] chunk while a
-    backlog is fed in large batched steps; prefill_row_buckets: prefill row counts compiled
-    (default `(prefill_rows,)`, must end at prefill_rows): a chunk of m prompts runs the smallest
-    that holds them (a program computes its idle rows too).
-    Shapes (module docstring): buckets: prefill token widths (default `token_buckets(min(prefill_chunk,
-    prefill_row_tokens))`); widths: block-table widths in pages (default `decode_widths(max_blocks,
-    256 // page_size)`); decode_rows: decode row counts (default `row_buckets(max_slots)`, must end
-    at max_slots).
-    speculative: MTP drafts verified per decode step, 0 (off) … `MAX_SPECULATIVE` (needs the MTP
-    layer and with_mtp). prefix_cache: keep an exact prefix cache (prefix_cache.py);
-    prefix_cache_memory_gib: its byte budget (pages + snapshots; default `DEFAULT_BUDGET_FRACTION`
-    of the page pool), which also sizes the snapshot pool (`snapshots.plan_snapshots`);
-    snapshot_interval: tokens between the KDA snapshots a prefill chunk takes inside itself (a
-    multiple of page_size; default lcm(page_size, exec.kda_chunk), `default_snapshot_interval`).
-
-    The engine keeps the host side (`sizes`, `alloc`, `sched`, `prefix`, the handles, counters);
-    `runner` (runner.py) the device side: params, pools, programs and their shapes.
+    max_slots: sequences in flight; page_size: tokens per latent page; num_pages or cache_memory_gib:
+    the page pool (`describe()` prints its bytes); max_seq_len: prompt + new tokens of one request;
+    kv_cache_dtype: "auto" or "fp8" (float8 pages with per-token scales); with_mtp: keep the MTP
+    layer's pages (default: the model has an MTP layer); exec: how to run (default `model.exec`).
+    prefill_chunk: prompt tokens a step at most; prefill_rows: prompts fed side by side (at most
+    max_slots); prefill_row_tokens: one prompt's tokens a step at most (default and at most
+    prefill_chunk): a lone prompt's steps stay short while a backlog is fed in large batched ones;
+    prefill_row_buckets: prefill row counts compiled (default `(prefill_rows,)`). These keyword
+    defaults (64 tokens over 2 rows) are the explicit API's; the commands use the platform's
+    (`prefill_policy.default_prefill_policy`). buckets / widths / decode_rows: the compiled token
+    widths, block-table widths and decode row counts (defaults `token_buckets(min(prefill_chunk,
+    prefill_row_tokens))`, `decode_widths(max_blocks, 256 // page_size)`, `row_buckets(max_slots)`).
+    speculative: MTP drafts verified per decode step, 0 (off) … `MAX_SPECULATIVE`. prefix_cache: keep
+    an exact prefix cache; prefix_cache_memory_gib: its byte budget (default `DEFAULT_BUDGET_FRACTION`
+    of the page pool), which also sizes the snapshot pool; snapshot_interval: tokens between the KDA
+    snapshots a prefill chunk takes inside itself (a multiple of page_size; default
+    `default_snapshot_interval`).
     """
 
     def __init__(self, model, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
@@ -219,12 +209,10 @@ class Engine:
         self.runner.warmup(progress)
 
     def warmup_items(self) -> list:
-        """The warm-up as [(label, call)]: one item per program shape (each call compiles it), those a
-        first short request needs first (the smallest prefill, then one-row decode at the narrowest
-        width), then the rest, the prefix cache's copies, and a last item running every program once
-        more (it compiles nothing: it records the steady-state argument placement in the dispatch
-        cache). Running them one by one between steps (`ling-jax serve --warmup lazy`) is as safe as
-        at start-up. Empty on processes > 0 of a multi-host run."""
+        """The warm-up as [(label, call)]: one item per program shape, those a first short request needs
+        first, then the prefix cache's copies and every program once more (compiling nothing: it
+        records the steady-state argument placement in the dispatch cache). Run one by one between
+        steps (`ling-jax serve --warmup lazy`) as safely as at start-up. Empty on a follower."""
         return self.runner.warmup_items()
 
     def program_calls(self) -> list:

@@ -37,11 +37,9 @@ GIB = 1024 ** 3
 
 
 class Pools(NamedTuple):
-    """layers: per block, per run: KDAState with arrays [repeats, n, max_slots, ...] or
-    PagedMLACache (block_table None) with pages [repeats, n, num_pages, page_size, ...];
-    mtp: the MTP layer's PagedMLACache [num_pages, page_size, ...] or None;
-    hidden: [max_slots, D] final-normed hidden of each slot's last processed token;
-    stats: per-slot token statistics for the penalties (`token_stats.TokenStats`)."""
+    """layers: per block, per run: KDAState [repeats, n, max_slots, ...] or PagedMLACache (block_table
+    None) [repeats, n, num_pages, page_size, ...]; mtp: the MTP layer's PagedMLACache or None;
+    hidden [max_slots, D]: each slot's last final-normed hidden; stats: `token_stats.TokenStats`."""
     layers: tuple
     mtp: Optional[PagedMLACache]
     hidden: jax.Array
@@ -75,12 +73,10 @@ def stored_kpe_values(cfg: LingConfig, exec, dtype, kv_cache_dtype: str | None =
 def plan_pools(cfg: LingConfig, dtype, *, max_slots: int, page_size: int, num_pages: int | None = None,
                cache_memory_gib: float | None = None, max_seq_len: int | None = None,
                with_mtp: bool = True, kv_cache_dtype: str | None = None, kpe_stored: int | None = None) -> PoolSizes:
-    """Sizes from either `num_pages` or a cache memory budget (slots are paid first, the rest
-    becomes pages). max_seq_len (prompt + generated tokens of one request) defaults to the
-    smaller of the model's context and the whole pool. kv_cache_dtype: "auto"/None (pages in
-    `dtype`) or "fp8" (float8 + two float32 scales per token: ~1.97x the tokens per GiB in bf16).
-    kpe_stored: the values a k_pe row takes as stored (`stored_kpe_values`; None = dr): a padded
-    row costs its padding in every MLA pool."""
+    """Sizes from `num_pages` or a cache memory budget (slots paid first, the rest becomes pages).
+    max_seq_len defaults to the smaller of the model's context and the whole pool. kv_cache_dtype:
+    "auto"/None (pages in `dtype`) or "fp8" (float8 + two float32 scales per token: ~1.97x the tokens
+    per GiB of bf16). kpe_stored: a k_pe row's stored values (`stored_kpe_values`; None = dr)."""
     for name, v in (("max_slots", max_slots), ("page_size", page_size)):
         check_int(v, name, low=1)
     kv = check_kv_cache_dtype(kv_cache_dtype)
@@ -151,15 +147,12 @@ def init_pools(cfg: LingConfig, sizes: PoolSizes, dtype, conv_taps: bool = False
 
 
 def pool_shardings(cfg: LingConfig, tree, mesh):
-    """NamedShardings on `mesh` for `Pools` or `snapshots.Snapshots` (declared where they are made).
-
-    KDA recurrent states [..., rows, H, dk, dv] and conv states ([..., rows, K-1, H·dk], or its taps
-    [..., rows, H·dk]) are split by
-    head over the mesh's `model` axis, like the KDA projections that compute them (each device
-    keeps the states of its own heads: no gather in a step, and 1/model of the bytes). Everything
-    else is replicated: the MLA and MTP latent pages (one KV head shared by all heads, read by every
-    device), `hidden`, the token statistics. The slot / row axis is never split: a step gathers
-    arbitrary rows. Heads that do not divide evenly leave that axis replicated (`sharding.rules.spec`)."""
+    """NamedShardings on `mesh` for `Pools` or `snapshots.Snapshots` (declared where they are made):
+    KDA recurrent states [..., rows, H, dk, dv] and conv states ([..., rows, K-1, H·dk] or taps
+    [..., rows, H·dk]) split by head over `model`, like the KDA projections that compute them (no
+    gather in a step, 1/model of the bytes); the rest replicated (the latent pages: one KV head read
+    by every device; `hidden`; the token statistics). The row axis is never split (a step gathers
+    arbitrary rows); heads that do not divide leave that axis replicated (`sharding.rules.spec`)."""
     heads = cfg.num_attention_heads
 
     def one(path, x):
@@ -208,17 +201,12 @@ def shardings_of(tree):
     return jax.tree.map(lambda s: s.sharding if isinstance(s, Format) else s, tree)
 
 
-def has_layouts(pool_sharding) -> bool:
-    """Whether some leaf of the pools' placement fixes a layout (a `Format`, `token_row_formats`)."""
-    return pool_sharding is not None and any(isinstance(s, Format) for s in jax.tree.leaves(pool_sharding))
-
-
 def pin_pools(pool_sharding, n_args: int, at: int = 1) -> dict:
     """`jax.jit` keyword arguments fixing argument `at` (the pools) of an `n_args`-argument program to
     `pool_sharding` when it carries layouts (`token_row_formats`), so each program reads the pools
     in the layout they are stored in (unpinned, a program would be compiled for the default layout
     and the call refused); {} otherwise (the pools' own placement is taken as is)."""
-    if not has_layouts(pool_sharding):
+    if pool_sharding is None or not any(isinstance(s, Format) for s in jax.tree.leaves(pool_sharding)):
         return {}
     return {"in_shardings": tuple(pool_sharding if i == at else None for i in range(n_args))}
 
@@ -239,14 +227,12 @@ def _row_major_tiles(platform: str, dtype):
 
 def token_row_formats(pools, shardings):
     """`ExecConfig.pool_layout="token_rows"`: the k_pe page pools (`*/kpe_pages`, [..., n_pages, P,
-    dr]) as row-major `Format`s (each token's dr values the minor dimension: the layout the paged
-    write and the attention kernels use), every other pool leaf its plain sharding (the device's
-    default layout). Why: XLA:TPU keeps an array whose minor dimension is 64 values (half a
-    128-lane tile) with another dimension minor instead, so each k_pe pool was copied into the
-    row-major layout and back in every step (temp memory 2x the k_pe pool, and that traffic every
-    step; tests/test_aot.py); row-major it pads dr = 64 to 128 lanes (the k_pe pool's memory
-    doubles: +11% of the latent pages at dr = 64, r = 512) and no program copies it. Leaf types
-    without a known TPU tiling keep the default; on CPU and GPU row-major is the default already."""
+    dr]) as row-major `Format`s (each token's dr values minor: the layout the paged write and the
+    attention kernels use), every other leaf its plain sharding. Why: XLA:TPU keeps an array whose
+    minor dimension is 64 values (half a 128-lane tile) with another dimension minor, so each k_pe
+    pool was copied into row-major and back in every step (2x its temp memory and traffic,
+    tests/test_aot.py); row-major pads dr = 64 to 128 lanes (+11% of the latent pages at r = 512)
+    and no program copies it. On CPU and GPU row-major is the default."""
     def one(path, x, s):
         if not path_str(path).endswith("kpe_pages"):
             return s
@@ -268,17 +254,13 @@ def per_device_bytes(tree) -> int:
 
 def as_cache(cfg: LingConfig, pools: Pools, block_table: jax.Array, lengths: jax.Array,
              rows: jax.Array | None = None, fresh: jax.Array | None = None, in_place: bool = False) -> HybridCache:
-    """The HybridCache the model reads, for the slot rows `rows` [R] (None: every slot).
-
-    fresh [R] bool: rows starting a new sequence in a reused slot: their KDA state reads as zero
-    (what the slot's previous owner left is never seen).
-    KDA states of the rows are gathered (an index of the pool equal to max_slots marks a padding
-    row: clipped on read, dropped on write by `with_cache`); MLA layers get their whole page pool
-    plus block_table [R, max_blocks], one table for all layers: the layer stack hands each MLA
-    layer its run's whole stacked pool with the layer's index, and the layer reads and writes its
-    own pages in place (`ling_jax.layer_stack`).
-    in_place: the KDA recurrent states stay in the slot pool (`kda.SlotKDAState`: a decode call
-    whose kernel updates them there, `kda.kda_in_place`); only the rows' conv states are gathered."""
+    """The HybridCache the model reads for the slot rows `rows` [R] (None: every slot). KDA states
+    of the rows are gathered (index max_slots = a padding row: clipped on read, dropped on write by
+    `with_cache`); fresh [R] bool: rows starting a new sequence in a reused slot, whose KDA state
+    reads as zero. MLA layers get their whole page pool and block_table [R, max_blocks], one for all
+    layers: each reads and writes its own pages in place (`ling_jax.layer_stack`). in_place: the KDA
+    recurrent states stay in the slot pool (`kda.SlotKDAState`, `kda.kda_in_place`); only the rows'
+    conv states are gathered."""
     def one(run, c):
         if run.attn != KDA:
             return c._replace(block_table=block_table)

@@ -89,15 +89,13 @@ class _Held:
 
 
 class PrefixCache:
-    """The tree plus its bookkeeping: snapshot rows, byte budget, locks of running requests.
-
-    alloc: the engine's PageAllocator (this object becomes its `cache`); num_snapshots: rows of the
-    device snapshot pool; page_bytes / snapshot_bytes: what a node's page and snapshot cost;
-    budget_bytes: the most the tree may hold; lookahead: 1 when MTP pages are kept (see module).
-    Hooks: the scheduler calls `lookup` / `admit` on admission and `release` when a request leaves
-    its slot; the engine calls `take_restores` after scheduling, `after_prefill` after a prefill
-    chunk (which snapshots to take) and `commit` at the end of a step.
-    """
+    """The tree plus its bookkeeping: snapshot rows, byte budget, locks of running requests. alloc: the
+    engine's PageAllocator (this becomes its `cache`); num_snapshots: the device snapshot pool's rows;
+    page_bytes / snapshot_bytes: what a node's page and snapshot cost; budget_bytes: the most the tree
+    may hold; lookahead: 1 when MTP pages are kept. The scheduler calls `lookup` / `admit` on
+    admission and `release` when a request leaves its slot; the engine `take_restores` after
+    scheduling, `plan_boundaries` / `insert_boundaries` / `after_prefill` around a prefill chunk and
+    `commit` at the end of a step."""
 
     def __init__(self, alloc: PageAllocator, *, num_snapshots: int, page_bytes: int, snapshot_bytes: int,
                  budget_bytes: int, lookahead: int):
@@ -214,14 +212,12 @@ class PrefixCache:
         return out
 
     def plan_boundaries(self, chunks, interval: int) -> list[list[tuple[int, int, int]]]:
-        """Snapshots to take *inside* the prefill chunks about to run (before `after_prefill`, which
-        takes the chunk ends'): per (req, n) chunk, [(j, boundary, row)] for the boundaries
-        b = start + (j+1)·interval strictly inside it (start = req.n_fed, a page boundary), deeper
-        than what the request holds in the tree and not cached with a snapshot already, deepest first
-        (when rows run out, the deepest are kept). Rows: free ones, else only the request's own path
-        gives rows up (its shallower snapshots): a long prompt's many inside boundaries never evict
-        other prefixes' snapshots (its chunk ends may, by LRU, as before). The program writes each
-        row; `insert_boundaries` puts them in the tree once the chunk is fed."""
+        """Snapshots to take *inside* the prefill chunks about to run (`after_prefill` takes the chunk
+        ends'): per (req, n) chunk, [(j, boundary, row)] for b = start + (j+1)·interval strictly inside
+        it (start = req.n_fed, a page boundary), deeper than the request's part of the tree and not
+        cached with a snapshot already, deepest first (kept when rows run out). Rows: free ones, else
+        only the request's own shallower snapshots give theirs up, so a long prompt never evicts other
+        prefixes' snapshots this way. The program writes each row; `insert_boundaries` inserts them."""
         out = []
         for req, n in chunks:
             held = self._held.setdefault(req, _Held())

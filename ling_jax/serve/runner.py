@@ -62,12 +62,9 @@ def _smallest(sizes, n: int) -> int:
 
 class ModelRunner:
     """The model's programs over the pools (module docstring), built by `Engine` from its checked
-    settings: sizes (the pools' plan), exec, alloc (the page allocator whose block table a call's
-    rows read), the compiled shapes (buckets, widths, decode_rows, prefill_row_buckets; the largest
-    prefill row bucket is also the prefix cache's copies per call), speculative (drafts per verify,
-    0 = plain decode), snapshot_rows (the prefix cache's snapshot pool, None = no prefix cache) and
-    snapshot_interval. The runner reads a request's slot, feed, tokens fed and generated and its
-    sampling parameters, nothing of its lifecycle."""
+    settings: the pools' sizes, exec, the page allocator (its block table), the compiled shapes,
+    speculative (drafts per verify), snapshot_rows (None = no prefix cache) and snapshot_interval.
+    Of a request it reads the slot, feed, tokens fed and generated and sampling parameters only."""
 
     def __init__(self, model, sizes: PoolSizes, exec: ExecConfig, alloc: PageAllocator, *, buckets, widths,
                  decode_rows, prefill_row_buckets, speculative: int = 0, snapshot_rows: int | None = None,
@@ -203,11 +200,10 @@ class ModelRunner:
 
     # -- running one program ----------------------------------------------------------------------
     def decode(self, reqs: list, drafts: dict):
-        """One decode step over the decoding requests `reqs`, the verify program with speculation
-        (request r verifies drafts[r.id] MTP drafts), at the smallest row bucket (`decode_rows_for`)
-        and width holding them. Returns (requests by row, None = padding; emitted [R, K+1]; n_emitted
-        [R]; logprob arrays [R, K+1, ...] or None when no row asked) on the host, K = 0 without
-        speculation."""
+        """One decode step over the decoding requests (the verify program with speculation: request r
+        verifies drafts[r.id] drafts) at the smallest row bucket and width holding them. Returns on the
+        host (requests by row, None = padding; emitted [R, K+1]; n_emitted [R]; logprob arrays
+        [R, K+1, ...] or None when no row asked), K = 0 without speculation."""
         R, rows, by_row = self.decode_rows_for(reqs)
         ids, n_valid = np.zeros((R, 1), np.int32), np.zeros(R, np.int32)
         for i, r in enumerate(by_row):
@@ -299,11 +295,9 @@ class ModelRunner:
         return [(label, self._finished(call)) for label, call in items]
 
     def _finished(self, call):
-        """`call`, then wait for the device work it queued. Why: dispatch is asynchronous, so without
-        the wait the warm-up returned with its last executions still queued and the first real step
-        paid for them (measured: the mid config's first prefill after `warmup()` took 3.6-5.6 s
-        instead of ~0.6 s, inside the load benchmark's wall time); and each item's reported
-        seconds are then its own."""
+        """`call`, then wait for the device work it queued: without the wait the first real step paid
+        for the warm-up's last executions (the mid config's first prefill took 3.6-5.6 s instead of
+        ~0.6 s), and each item's reported seconds are then its own."""
         def run():
             call()
             jax.block_until_ready((self.pools, self.snapshots.snaps if self.snapshots is not None else None))

@@ -34,11 +34,10 @@ from ling_jax.speculation import speculative_round
 
 
 class StepInputs(NamedTuple):
-    """One call's inputs. ids [R,T] int32 right-padded, n_valid [R] real tokens, lengths [R]
-    tokens already cached, block_table [R, max_blocks], rows [R] slot of each row (max_slots =
-    padding row; a decode over all max_slots rows: arange(max_slots)), sampling: RowSampling;
-    snap_rows (prefill with a prefix cache, else None) [R, T // interval] int32: the snapshot row
-    that takes row r's state after (j+1)·interval of its tokens (rows past the pool = none)."""
+    """One call's inputs: rows [R] each row's slot (max_slots = padding), ids [R,T] int32 right-padded,
+    n_valid [R] real tokens, lengths [R] tokens already cached, block_table [R, W], sampling;
+    snap_rows (a prefill with a prefix cache) [R, T // interval] int32: the snapshot row taking row
+    r's state after (j+1)·interval of its tokens (past the pool = none)."""
     rows: jax.Array
     ids: jax.Array
     n_valid: jax.Array
@@ -132,10 +131,8 @@ def _verify(graphdef, params, pools: Pools, inp: StepInputs, ex: ExecConfig, k: 
 
 def row_logprobs(logits, tok, wanted, vocab_sharding=None):
     """(sampled token's logprob [R], top ids [R, N], top logprobs [R, N]), N = min(MAX_LOGPROBS, V),
-    of the model's raw distribution (`sampling.token_logprobs`): fixed shapes whatever each row
-    asked for (the host keeps its N); zeros, without the softmax and top-k, when no row asked.
-    The speculative program passes its [R·(K+1)] verify positions as rows. vocab_sharding: the
-    logits' split (`placement.logits_sharding`)."""
+    of the raw distribution (`sampling.token_logprobs`): fixed shapes whatever N a row asked (the
+    host keeps its N); zeros, skipping the softmax and top-k, when no row asked."""
     R, V = logits.shape
     n = min(MAX_LOGPROBS, V)
     zeros = lambda: (jnp.zeros((R,), jnp.float32), jnp.zeros((R, n), jnp.int32), jnp.zeros((R, n), jnp.float32))
@@ -151,25 +148,16 @@ def gathers_rows(pools: Pools, inp: StepInputs) -> bool:
 
 def make_step_fns(graphdef, ex: ExecConfig, snapshot_interval: int = 0, snap_sharding=None, pool_sharding=None,
                   speculative: int = 0):
-    """(prefill, decode, verify): jitted `(params, pools, StepInputs) -> (pools, tokens [R], logprobs)`,
-    pools donated; logprobs = `row_logprobs`' triple. verify (None when speculative = 0):
-    `-> (pools, emitted [R, K+1], n_emitted [R], logprobs [R, K+1, ...])`, K = speculative drafts.
-
-    prefill runs the chunked KDA scan over the gathered rows; decode and verify the recurrent KDA
-    step over the gathered rows, or in place over every slot when they have max_slots rows (decided
-    by the static shapes). Each call of one function object with new shapes compiles once;
-    `_cache_size()` counts them (the engine's compile bound).
-
-    snapshot_interval > 0 (an engine with a prefix cache): prefill is `(params, pools, StepInputs,
-    snaps) -> (pools, tokens, logprobs, snaps)`, both pools and snapshot rows donated: it also writes
-    the KDA states at every `snapshot_interval` tokens of a row into the rows `inp.snap_rows` names
-    (`_save_boundaries`; the scan passes through them, `CallMode.snapshot_every`).
-    snap_sharding: the snapshot rows' placement, fixed as the output's: every program that returns
-    them (this one, `snapshots.SnapshotPool`'s save) must return one spelling of it, or the next
-    call sees a new signature (P() vs P(None, None)) and compiles after warm-up. pool_sharding: the
-    pools' shardings (`pools.pool_shardings`), fixed as the returned pools' for the same reason
-    (None: left to propagation); `Format`s (`ExecConfig.pool_layout` "token_rows") fix their layout
-    too, read and written (`pools.pin_pools`)."""
+    """(prefill, decode, verify): jitted `(params, pools, StepInputs) -> (pools, tokens [R], logprobs)`
+    (`row_logprobs`' triple), pools donated; verify (None when speculative = 0) `-> (pools, emitted
+    [R, K+1], n_emitted [R], logprobs [R, K+1, ...])`. Each function object compiles once per new
+    shape; `_cache_size()` counts them (the engine's compile bound). snapshot_interval > 0 (a prefix
+    cache): prefill takes and returns the snapshot rows too, both donated, and writes the KDA states
+    at every `snapshot_interval` tokens of a row into the rows `inp.snap_rows` names
+    (`_save_boundaries`, `CallMode.snapshot_every`). snap_sharding / pool_sharding: the snapshot rows'
+    and the pools' placement, fixed as the outputs': every program returning them must return one
+    spelling of it, or the next call sees a new signature (P() vs P(None, None)) and compiles after
+    warm-up; `Format`s ("token_rows") fix their layout too, read and written (`pools.pin_pools`)."""
     prefill_mode, decode_mode = CallMode.prefill(snapshot_interval), CallMode.decode(logits=False)
     pinned = dict(donate_argnums=(1,), **pin_pools(pool_sharding, 3))
     if snapshot_interval:
