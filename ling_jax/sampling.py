@@ -164,7 +164,10 @@ def _best_candidates(x: jax.Array, n: int, vocab_sharding=None) -> Tuple[jax.Arr
     if S > 1:
         spec = jax.sharding.PartitionSpec(vocab_sharding.spec[0], vocab_sharding.spec[1], None)
         xs = jax.lax.with_sharding_constraint(xs, jax.sharding.NamedSharding(vocab_sharding.mesh, spec))
-    vals, idx = jax.lax.top_k(xs, c)  # [R, S, c], per shard
+    if c < per:
+        vals, idx = jax.lax.top_k(xs, c)  # [R, S, c], per shard
+    else:  # every entry a candidate: the sort below orders them (a top_k of everything is slower)
+        vals, idx = xs, jnp.broadcast_to(jnp.arange(per, dtype=jnp.int32), xs.shape)
     ids = (idx + (jnp.arange(S, dtype=jnp.int32) * per)[None, :, None]).reshape(R, S * c)
     neg, ids = jax.lax.sort((-vals.reshape(R, S * c), ids), dimension=-1, num_keys=2)
     return -neg[:, :n], ids[:, :n]
