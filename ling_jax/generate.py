@@ -58,12 +58,6 @@ class GenerationResult:
     logprobs: Optional[list] = None            # per prompt, per new token: TokenLogprob (when asked for)
 
 
-def _is_stop(tok, stop_ids):
-    if len(stop_ids) == 0:
-        return jnp.zeros(tok.shape, bool)
-    return jnp.isin(tok, jnp.asarray(stop_ids, jnp.int32))
-
-
 # ---------------------------------------------------------------------------------------------
 # prefill
 
@@ -125,7 +119,8 @@ def _emit(state: DecodeState, toks, count, stop_ids, max_new, logprobs: LogprobB
     ([B,n], [B,n,N], [B,n,N]) for `state.logprobs`."""
     B, n = toks.shape
     j = jnp.arange(n)[None, :]
-    stop = _is_stop(toks, stop_ids) & (j < count[:, None])
+    stop = (jnp.isin(toks, jnp.asarray(stop_ids, jnp.int32)) if stop_ids else jnp.zeros(toks.shape, bool)) \
+        & (j < count[:, None])
     first_stop = jnp.where(stop.any(1), jnp.argmax(stop, axis=1), n)
     room = max_new - state.n_out
     take = jnp.minimum(jnp.minimum(count, first_stop + 1), room)
@@ -365,10 +360,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     out, n_out = np.asarray(state.out), np.asarray(state.n_out)
     toks = [out[b, :n_out[b]].tolist() for b in range(B)]
     finished = [bool(len(t) and t[-1] in stop) for t in toks]
-    acc = None
-    if speculative:
-        rounds = np.asarray(state.rounds).sum()
-        acc = float(np.asarray(state.accepted).sum() / max(rounds, 1))
+    acc = float(np.asarray(state.accepted).sum() / max(np.asarray(state.rounds).sum(), 1)) if speculative else None
     lps = None
     if logprobs is not None:
         lp, ids_, vals = (np.asarray(a) for a in state.logprobs)

@@ -1,23 +1,16 @@
 """Token sampling and speculative-decoding acceptance, as pure jit-friendly JAX functions.
 
 One API, by rows: every parameter is a per-row array (`RowSampling`, `sample_rows`,
-`processed_logits_rows`), so one compiled program serves any mix of requests, and a single
-`SamplingParams` (what `generate` takes, a frozen dataclass) is a broadcast row
-(`RowSampling.broadcast`). Everything is shape-static and free of Python control flow on traced
-values, so it runs inside a `lax.while_loop` decode loop or an engine step.
+`processed_logits_rows`), so one compiled program serves any mix of requests; `generate`'s single
+`SamplingParams` is a broadcast row (`RowSampling.broadcast`). Shape-static, no Python control flow
+on traced values: it runs inside a `lax.while_loop` decode loop or an engine step.
 
-Conventions
------------
-* `logits` are `[B, V]` (any float dtype); all processing happens in float32.
-* Masked-out entries are set to `-inf`; at least one entry per row always survives.
-* Ties are broken by token id: among equal logits the lower id ranks first (the order of
-  `lax.top_k`, of a stable descending sort, and of `jnp.argmax`). So top-k keeps *exactly* k
-  entries and top-p keeps exactly the prefix of that order, even when values tie.
-* The processing order is penalties -> temperature -> top-k -> top-p (top-p renormalises over
-  what top-k kept). Penalties need the token history, so the caller applies them
-  (`apply_penalties_rows`, `token_stats.penalize_rows`) before `sample_rows`, which never reads
-  the penalty fields.
-* Temperature 0 is greedy: the argmax (its distribution the one-hot of the argmax).
+Conventions: logits `[B, V]` of any float dtype, processed in float32; masked entries `-inf`, at
+least one per row survives. Ties go to the lower token id (the order of `lax.top_k`, a stable
+descending sort and `jnp.argmax`), so top-k keeps exactly k entries and top-p exactly a prefix of
+that order. Order: penalties -> temperature -> top-k -> top-p (top-p renormalises over what top-k
+kept); the caller applies the penalties (`apply_penalties_rows`, `token_stats.penalize_rows`), they
+need the token history. Temperature 0 is greedy (the argmax).
 
 Penalties (the OpenAI API's and Hugging Face's, as vLLM implements them):
 * repetition_penalty r (HF / CTRL): over the prompt AND the generated tokens, a seen token's
@@ -47,6 +40,26 @@ __all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "apply_penalties_ro
            "speculative_accept", "speculative_accept_greedy"]
 
 _NEG_INF = float("-inf")
+
+
+def _nucleus_keep_sorted(sorted_logits: jax.Array, p: float) -> jax.Array:
+    """Keep-mask for logits already sorted in descending order along the last axis.
+
+    Keeps entry i iff the probability mass strictly before it is < p, i.e. the smallest prefix
+    whose cumulative probability reaches p. The first entry is always kept.
+    """
+    pr = jax.nn.softmax(sorted_logits, axis=-1)
+    cum = jnp.cumsum(pr, axis=-1)
+    excl = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
+    keep = (excl < p) | (p >= 1.0)
+    return keep.at[..., 0].set(True)
+
+
+def _scatter_rows(values: jax.Array, idx: jax.Array, vocab: int) -> jax.Array:
+    """out[b, idx[b, j]] = values[b, j]; every other entry -inf. values/idx are [B, n]."""
+    rows = jnp.arange(values.shape[0])[:, None]
+    out = jnp.full((values.shape[0], vocab), _NEG_INF, dtype=values.dtype)
+    return out.at[rows, idx].set(values)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,13 +177,22 @@ def _best_candidates(x: jax.Array, n: int, vocab_sharding=None) -> Tuple[jax.Arr
     if S > 1:
         spec = jax.sharding.PartitionSpec(vocab_sharding.spec[0], vocab_sharding.spec[1], None)
         xs = jax.lax.with_sharding_constraint(xs, jax.sharding.NamedSharding(vocab_sharding.mesh, spec))
-    if c < per:
-        vals, idx = jax.lax.top_k(xs, c)  # [R, S, c], per shard
-    else:  # every entry a candidate: the sort below orders them (a top_k of everything is slower)
-        vals, idx = xs, jnp.broadcast_to(jnp.arange(per, dtype=jnp.int32), xs.shape)
+    vals, idx = jax.lax.top_k(xs, c)  # [R, S, c], per shard
     ids = (idx + (jnp.arange(S, dtype=jnp.int32) * per)[None, :, None]).reshape(R, S * c)
     neg, ids = jax.lax.sort((-vals.reshape(R, S * c), ids), dimension=-1, num_keys=2)
     return -neg[:, :n], ids[:, :n]
+
+
+def _processed_logits_rows_sorted(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Temperature-scaled logits x [B, V] masked by top-k (k [B], V = off) then top-p: a stable
+    descending sort of each whole row (the form for any k and nucleus size)."""
+    vocab = x.shape[-1]
+    order = jnp.argsort(-x, axis=-1, stable=True)
+    sorted_x = jnp.take_along_axis(x, order, axis=-1)
+    keep = jnp.arange(vocab)[None, :] < k[:, None]
+    sorted_k = jnp.where(keep, sorted_x, _NEG_INF)
+    keep = keep & _nucleus_keep_sorted(sorted_k, top_p[:, None])
+    return _scatter_rows(jnp.where(keep, sorted_x, _NEG_INF), order, vocab)
 
 
 def _processed_logits_rows_sort_free(x, k, top_p, vals, ids):
@@ -213,8 +235,7 @@ def processed_logits_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
     over the top-k survivors reaches p). A row's result does not depend on the other rows.
     How: when every row's kept set lies within its best `candidates` tokens, the rows are masked by
     a threshold from those candidates (`_best_candidates`, per vocabulary shard, so on split logits,
-    `vocab_sharding`, only candidates cross devices); otherwise the same way with every token a
-    candidate (a sort of the whole vocabulary)."""
+    `vocab_sharding`, only candidates cross devices); otherwise by a sort of the whole vocabulary."""
     x = jnp.asarray(logits, jnp.float32)
     vocab = x.shape[-1]
     temperature = jnp.asarray(temperature, jnp.float32)
@@ -225,8 +246,7 @@ def processed_logits_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
     p = jnp.asarray(top_p, jnp.float32)
     vals, ids = _best_candidates(x, min(int(candidates), vocab), vocab_sharding)
     out, exact = _processed_logits_rows_sort_free(x, k, p, vals, ids)
-    every = lambda: _processed_logits_rows_sort_free(x, k, p, *_best_candidates(x, vocab, vocab_sharding))[0]
-    out = jax.lax.cond(jnp.all(exact | greedy), lambda: out, every)  # else every token a candidate: a sort
+    out = jax.lax.cond(jnp.all(exact | greedy), lambda: out, lambda: _processed_logits_rows_sorted(x, k, p))
     if vocab > 1:  # greedy rows: the argmax entry alone
         top = jnp.argmax(jnp.asarray(logits, jnp.float32), axis=-1)
         onehot = jnp.arange(vocab)[None, :] == top[:, None]

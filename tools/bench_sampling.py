@@ -1,7 +1,7 @@
-"""Sampling a batch of rows on CPU: the sort-free masking (`sampling.sample_rows`) against the masking
-from every token as a candidate (a sort of every whole row: `processed_logits_rows(candidates=V)`, the
-fallback of a batch whose kept sets run past 256 tokens), same keys, same tokens (asserted). [32, 32768]
-float32 logits (the mid config's vocabulary), temperature 0.8, min of 12 interleaved runs.
+"""Sampling a batch of rows on CPU: the sort-free masking (`sampling.sample_rows`) against a stable sort
+of every whole row (`sampling._processed_logits_rows_sorted`, what every sampled step ran before),
+same keys, same tokens (asserted). [32, 32768] float32 logits (the mid config's vocabulary), temperature
+0.8, min of 12 interleaved runs.
 
     python tools/bench_sampling.py
 """
@@ -32,7 +32,7 @@ def main() -> None:
         k, p = jnp.full((R,), top_k, jnp.int32), jnp.full((R,), top_p)
         new = jax.jit(lambda x: S.sample_rows(x, keys, t, k, p))
         old = jax.jit(lambda x: jax.vmap(lambda kr, row: jax.random.categorical(kr, row[None])[0])(
-            keys, S.processed_logits_rows(x, t, k, p, candidates=V)))
+            keys, S._processed_logits_rows_sorted(x / t[:, None], jnp.where(k > 0, k, V), p)))
         assert (np.asarray(new(x)) == np.asarray(old(x))).all(), name
         res = {"new": [], "old": []}
         for _ in range(12):

@@ -185,7 +185,7 @@ class Engine:
     # -- start-up ------------------------------------------------------------------------------
     def describe(self) -> str:
         """Start-up report: pool sizes with their byte arithmetic, and the compiled shapes."""
-        return self.runner.describe_pools() + self._describe_prefix() + self.runner.describe_programs()
+        return self.runner.describe(self._describe_prefix())
 
     def _describe_prefix(self) -> str:
         if self.prefix is None:
@@ -365,7 +365,7 @@ class Engine:
             self.step()
 
     def stats(self) -> dict:
-        running = self.sched.running()
+        running, pc = self.sched.running(), self.prefix
         return {
             "slots_total": self.sizes.max_slots,
             "slots_in_use": len(running),
@@ -381,13 +381,9 @@ class Engine:
             "spec_steps": self.spec_steps,
             "spec_accepted_tokens": self.spec_accepted,
             "spec_acceptance_length": (self.spec_accepted + self.spec_rounds) / max(self.spec_rounds, 1),
-            **self._prefix_stats(),
+            "prefix_hits": pc.hits if pc else 0, "prefix_tokens_saved": pc.tokens_saved if pc else 0,
+            "prefix_cache_pages": pc.nodes if pc else 0, "prefix_cache_bytes": pc.bytes if pc else 0,
         }
-
-    def _prefix_stats(self) -> dict:
-        pc = self.prefix
-        return {"prefix_hits": pc.hits if pc else 0, "prefix_tokens_saved": pc.tokens_saved if pc else 0,
-                "prefix_cache_pages": pc.nodes if pc else 0, "prefix_cache_bytes": pc.bytes if pc else 0}
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached prefix no running request uses (its pages and snapshot rows are free)."""

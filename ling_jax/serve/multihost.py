@@ -35,13 +35,9 @@ class ProgramShape(NamedTuple):
     width: int
 
 
-def _leaf_size(x: np.ndarray) -> int:
-    return int(np.prod(x.shape, dtype=np.int64))
-
-
 def packed_size(inputs) -> int:
     """int32 words `pack` needs for this StepInputs (one per element)."""
-    return sum(_leaf_size(np.asarray(x)) for x in jax.tree.leaves(inputs))
+    return sum(np.asarray(x).size for x in jax.tree.leaves(inputs))
 
 
 def _as_words(x: np.ndarray) -> np.ndarray:
@@ -76,7 +72,7 @@ def unpack(buf: np.ndarray, template):
     out, i = [], HEADER
     for like in leaves:
         like = np.asarray(like)
-        n = _leaf_size(like)
+        n = like.size
         out.append(_from_words(buf[i:i + n], like))
         i += n
     return jax.tree.unflatten(treedef, out)

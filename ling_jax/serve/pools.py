@@ -59,9 +59,8 @@ def _byte_costs(cfg: LingConfig, dtype, with_mtp: bool, kv_cache_dtype: str = "a
 
 
 def stored_kpe_values(cfg: LingConfig, exec, dtype, kv_cache_dtype: str | None = None) -> int:
-    """Values a token's k_pe row takes in the engine's pools: dr (`cfg.qk_rope_head_dim`), or dr
-    rounded up to the TPU's 128 lanes when `exec.pool_layout` is "token_rows" on TPU and the pools'
-    type has a known tiling (`token_row_formats`: the row-major k_pe pool is padded there)."""
+    """Values a token's k_pe row takes in the pools: dr, or dr rounded up to 128 lanes where the pools
+    keep k_pe row-major on TPU (`token_row_formats`)."""
     dr = cfg.qk_rope_head_dim
     kv = check_kv_cache_dtype(kv_cache_dtype)
     dtype = FP8 if kv == "fp8" else dtype
@@ -183,9 +182,8 @@ def is_abstract(tree) -> bool:
 
 
 def make_placed(make, placement, abstract: bool = False):
-    """(tree, shardings): `make()`'s zeros put where `placement(tree)` says (shardings, or `Format`s:
-    a layout too), or, `abstract`, only their shapes with those shardings (nothing allocated:
-    compile-only devices hold no data; the layout is then the programs' `pin_pools`)."""
+    """(tree, shardings): `make()`'s zeros put where `placement(tree)` says (shardings or `Format`s),
+    or, `abstract`, only their shapes with those shardings (compile-only devices hold no data)."""
     if not abstract:
         tree = make()
         sharding = placement(tree)
@@ -203,9 +201,8 @@ def shardings_of(tree):
 
 def pin_pools(pool_sharding, n_args: int, at: int = 1) -> dict:
     """`jax.jit` keyword arguments fixing argument `at` (the pools) of an `n_args`-argument program to
-    `pool_sharding` when it carries layouts (`token_row_formats`), so each program reads the pools
-    in the layout they are stored in (unpinned, a program would be compiled for the default layout
-    and the call refused); {} otherwise (the pools' own placement is taken as is)."""
+    `pool_sharding` when it carries layouts (`token_row_formats`), so the program reads the pools in
+    their stored layout (unpinned it is compiled for the default one and the call refused); else {}."""
     if pool_sharding is None or not any(isinstance(s, Format) for s in jax.tree.leaves(pool_sharding)):
         return {}
     return {"in_shardings": tuple(pool_sharding if i == at else None for i in range(n_args))}
@@ -217,9 +214,8 @@ _TPU_TILES = {jnp.dtype(jnp.bfloat16): ((8, 128), (2, 1)), jnp.dtype(jnp.float32
 
 
 def _row_major_tiles(platform: str, dtype):
-    """The tiling of a row-major k_pe pool of `dtype` on `platform` under "token_rows" (padded to 128
-    lanes on TPU), () where row-major is untiled (CPU, GPU), None where it is left to the default
-    (a TPU type without a known tiling). The one rule `token_row_formats` and `stored_kpe_values` share."""
+    """The tiling of a row-major k_pe pool of `dtype` on `platform` (TPU: padded to 128 lanes), () where
+    row-major is untiled (CPU, GPU), None where a TPU type has no known tiling (the default kept)."""
     if platform != "tpu":
         return ()
     return _TPU_TILES.get(jnp.dtype(dtype))

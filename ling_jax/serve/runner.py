@@ -110,16 +110,15 @@ class ModelRunner:
                 self.snapshots.link = self._link
 
     # -- start-up report -----------------------------------------------------------------------
-    def describe_pools(self) -> str:
-        """Pool sizes with their byte arithmetic, and their placement on a mesh."""
-        return describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n" + self._describe_placement()
-
-    def describe_programs(self) -> str:
+    def describe(self, prefix_cache: str = "") -> str:
+        """Pool sizes with their byte arithmetic, their placement on a mesh, `prefix_cache` (the engine's
+        lines on it), the compiled shapes."""
         decode = (f"speculative decode (K={self.speculative}: [R, {self.speculative + 1}] verify)"
                   if self.speculative else "decode [R, 1]")
-        return (f"  compiled shapes: {decode} for R in {list(self.decode_rows)} over block-table widths "
-                f"{list(self.widths)}; prefill [R, T] for R in {list(self.prefill_row_buckets)}, T in "
-                f"{list(self.buckets)}")
+        pools = describe(self.cfg, self.sizes, self.pools.hidden.dtype) + "\n" + self._describe_placement()
+        return (pools + prefix_cache + f"  compiled shapes: {decode} for R in {list(self.decode_rows)} over "
+                f"block-table widths {list(self.widths)}; prefill [R, T] for R in {list(self.prefill_row_buckets)}, "
+                f"T in {list(self.buckets)}")
 
     def _describe_placement(self) -> str:
         shardings = jax.tree.leaves(shardings_of(self.pool_sharding))

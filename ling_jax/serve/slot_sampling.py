@@ -29,12 +29,10 @@ class SlotSampling:
 
     def admit(self, slot: int, request_id: int, params: RequestParams, prompt_len: int) -> None:
         """Row `slot` <- the request's parameters (once per admission)."""
-        a = self.arrays
-        a["temperature"][slot], a["top_k"][slot], a["top_p"][slot] = params.temperature, params.top_k, params.top_p
-        a["seed"][slot] = params.seed
-        a["presence"][slot], a["frequency"][slot] = params.presence_penalty, params.frequency_penalty
-        a["repetition"][slot], a["prompt_len"][slot] = params.repetition_penalty, prompt_len
-        a["logprobs"][slot] = params.logprobs is not None
+        for (name, _, _), v in zip(FIELDS, (params.temperature, params.top_k, params.top_p, params.seed,
+                                         params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+                                         prompt_len, params.logprobs is not None)):
+            self.arrays[name][slot] = v
         self.owner[slot] = request_id
 
     def rows(self, requests) -> dict:

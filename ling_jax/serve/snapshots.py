@@ -117,10 +117,9 @@ class SnapshotPool:
         self.link = None  # multi-host: the engine's StepLink; every copy is broadcast before it runs
         self.snaps, self.sharding = make_placed(lambda: init_snapshots(cfg, rows, dtype, conv_taps), placement,
                                                  abstract)
-        # fresh function objects per pool: jit caches live on the function, so `compiled_shapes()`
-        # counts this engine's programs only (as make_step_fns' lambdas do for the step programs)
-        # out_shardings: the rows' own placement, as the prefill program's (step.make_step_fns): every
-        # producer of the rows returns one spelling of it, so no call sees a new signature after warm-up
+        # fresh function objects per pool (jit caches live on the function: `compiled_shapes()` counts
+        # this engine's programs only); out_shardings: one spelling of the rows' placement for every
+        # producer of the rows (as `step.make_step_fns`), so no call sees a new signature after warm-up
         self._save = jax.jit(lambda snaps, pools, slots, rows: _save(snaps, pools, slots, rows), donate_argnums=(0,),
                              out_shardings=self.sharding, **pin_pools(pool_sharding, 4, at=1))
         self._restore = jax.jit(lambda pools, snaps, rows, slots, dst, src:
