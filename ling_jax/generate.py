@@ -63,11 +63,11 @@ class GenerationResult:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "with_mtp", "exec"),
                    donate_argnames=("cache",))
-def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, *, sampling: SamplingParams,
+def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, *, sampling: SamplingParams | None,
             with_mtp: bool, exec: ExecConfig | None = None):
     """Feed [B,T] right-padded tokens (n_valid[b] real) into the cache. Returns (cache, logits at each
-    row's last real token [B,V], the rows' token 0 drawn with `sampling`, last hidden [B,D]). With
-    MTP the MTP cache gets each fed token paired with the hidden before it (`model.mtp_fill`;
+    row's last real token [B,V], the rows' token 0 drawn with `sampling` (None: not drawn), last
+    hidden [B,D]). With MTP the MTP cache gets each fed token paired with the hidden before it (`model.mtp_fill`;
     `prev_hidden`: an earlier call's last hidden, unused by a row starting at position 0)."""
     model = nnx.merge(graphdef, params)
     ex = exec or model.exec
@@ -80,7 +80,8 @@ def prefill(graphdef, params, cache: HybridCache, ids, n_valid, prev_hidden, *, 
     if with_mtp:
         new = new._replace(mtp=model.mtp_fill(cache.mtp, ids, out["hidden"], prev_hidden, start, n_valid, ex))
     hid = jnp.where((n_valid > 0)[:, None], hid, prev_hidden.astype(hid.dtype))
-    tok = RowSampling.broadcast(sampling, B).draw(logits, vocab_sharding=logits_sharding(model))
+    tok = None if sampling is None else RowSampling.broadcast(sampling, B).draw(logits,
+                                                                                  vocab_sharding=logits_sharding(model))
     return new, logits, tok, hid
 
 
@@ -99,13 +100,13 @@ def prefill_in_chunks(graphdef, params, cache: HybridCache, ids: np.ndarray, len
     carries everything across calls (the MTP layer pairs each later token with the previous call's
     last hidden); a row whose prompt ended earlier feeds nothing more (n_valid 0) and keeps its
     logits and hidden. Returns (cache, logits at each row's last prompt token [B,V], last hidden
-    [B,D]); the caller draws the first token (`prefill`'s own draw is greedy and unused)."""
+    [B,D]); the caller draws the first token (`prefill` draws none here)."""
     B, W = ids.shape
     logits, hid = None, hidden0
     for i in range(W // chunk):
         nv = np.clip(lens - i * chunk, 0, chunk).astype(np.int32)
         cache, lg, _, hid = prefill(graphdef, params, cache, jnp.asarray(ids[:, i * chunk:(i + 1) * chunk]),
-                                    jnp.asarray(nv), hid, sampling=SamplingParams(), with_mtp=with_mtp, exec=exec)
+                                    jnp.asarray(nv), hid, sampling=None, with_mtp=with_mtp, exec=exec)
         logits = lg if logits is None else jnp.where(jnp.asarray(nv > 0)[:, None], lg, logits)
     return cache, logits, hid
 
