@@ -100,7 +100,7 @@ struct Item {
 
 struct Scratch {
   std::vector<float> qs, kt, s;
-  std::vector<const float*> crow, krow;
+  std::vector<const float*> crow, krow, lines;
 };
 
 // s[i][0:KB] = qs[i] · kT[:, 0:KB] for i < R (R a multiple of 4): four rows by two L-key vectors.
@@ -158,11 +158,39 @@ inline vf hsum(const vf* v) {
 }
 #endif
 
+// One cache line prefetched into L2 (`prefetcht2`). On x86-64 an `asm volatile` instruction: GCC
+// deletes a loop whose body is only `__builtin_prefetch` (it has no side effect), which left this
+// kernel with no software prefetch at all.
+inline void prefetch_l2(const float* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht2 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 1);
+#endif
+}
+
+// The cache lines of the keys a few blocks ahead, prefetched a few at a time between the arithmetic of
+// the current block (decode / verify), not all at once before it. Why: a burst of a block's ~256 line
+// prefetches fills the core's outstanding-miss slots, so the core waits for memory at the burst and then
+// computes with nothing in flight — compute and memory time added up (a 256K-key decode call over a pool
+// out of cache: 4.9 ms, against 2.2 ms with its keys in L2). Issued a few per step of the block's dot
+// products and P·V: 3.4 ms (thirty-eighth session, BENCHMARKS.md).
+struct LineQueue {
+  const float* const* line = nullptr;
+  int64_t n = 0, next = 0;
+  int64_t left() const { return n - next; }
+  void issue(int64_t k) {
+    for (const int64_t end = std::min(n, next + k); next < end;) prefetch_l2(line[next++]);
+  }
+};
+
 // The few-row form of `scores` (decode / verify: R ≤ 8 rows), with no transposed copy of the keys:
 // s[i][j] = qs[i] · key_j for j < nk (key_j = [crow[j] ; krow[j]], r and dr multiples of L), L
 // keys at a time, each key's products over d in its own vector, summed by `hsum`; zeros past nk.
+// Issues `lines` of `pf` spread over its R · KB / L steps.
 void scores_few(const float* qs, const float* const* crow, const float* const* krow, int64_t nk, int64_t R,
-                int64_t r, int64_t dr, float* s) {
+                int64_t r, int64_t dr, float* s, LineQueue& pf, int64_t lines) {
+  const int64_t per = (lines + R * (KB / L) - 1) / (R * (KB / L));
   for (int64_t j0 = 0; j0 < KB; j0 += L) {
     if (j0 >= nk) {
       for (int64_t i = 0; i < R; ++i) storev(s + i * KB + j0, vf{});
@@ -188,14 +216,17 @@ void scores_few(const float* qs, const float* const* crow, const float* const* k
         for (int u = 0; u < L; ++u) a[u] += qv * loadv(kr[u] + e);
       }
       storev(s + i * KB + j0, hsum(a));
+      pf.issue(per);
     }
   }
 }
 
 // acc[i][0:r] += Σ_{j<nk} p[i][j] · crow[j][0:r] for i < R (multiple of 4): four rows by NV vectors.
+// Issues `lines` of `pf` spread over its keys.
 template <int NV>
 inline void pv_tile(const float* p, const float* const* crow, int64_t nk, int64_t i, int64_t col, int64_t r,
-                    float* acc) {
+                    float* acc, LineQueue& pf, int64_t lines) {
+  const int64_t per = (lines + nk - 1) / std::max<int64_t>(nk, 1), stop = pf.next + lines;
   vf a[4][NV];
   for (int u = 0; u < 4; ++u)
     for (int v = 0; v < NV; ++v) a[u][v] = loadv(acc + (i + u) * r + col + v * L);
@@ -206,24 +237,35 @@ inline void pv_tile(const float* p, const float* const* crow, int64_t nk, int64_
       const vf pu = splat(p[(i + u) * KB + j]);
       for (int v = 0; v < NV; ++v) a[u][v] += pu * cv[v];
     }
+    pf.issue(std::min(per, stop - pf.next));
   }
   for (int u = 0; u < 4; ++u)
     for (int v = 0; v < NV; ++v) storev(acc + (i + u) * r + col + v * L, a[u][v]);
 }
 
-void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t r, float* acc) {
+// The vector tiles `pv` runs for one group of four rows over r columns.
+inline int64_t pv_tiles(int64_t r) {
+  int64_t n = r / (4 * L), col = n * 4 * L;
+  if (col + 3 * L <= r || col + 2 * L <= r) ++n, col += col + 3 * L <= r ? 3 * L : 2 * L;
+  return n + (r - col) / L;
+}
+
+// ... and issues what is left of `pf` spread over its tiles.
+void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t r, float* acc, LineQueue& pf) {
+  int64_t tiles = R / 4 * pv_tiles(r);
+  auto share = [&]() { return tiles > 0 ? (pf.left() + tiles - 1) / tiles-- : 0; };
   for (int64_t i = 0; i < R; i += 4) {
     int64_t col = 0;
-    for (; col + 4 * L <= r; col += 4 * L) pv_tile<4>(p, crow, nk, i, col, r, acc);  // 4 rows x 4 vectors
+    for (; col + 4 * L <= r; col += 4 * L) pv_tile<4>(p, crow, nk, i, col, r, acc, pf, share());  // 4 rows x 4 vectors
     // the rest in one pass over the keys (r = 48 with 16 lanes: one 3-vector tile, not 2 + 1)
     if (col + 3 * L <= r) {
-      pv_tile<3>(p, crow, nk, i, col, r, acc);
+      pv_tile<3>(p, crow, nk, i, col, r, acc, pf, share());
       col += 3 * L;
     } else if (col + 2 * L <= r) {
-      pv_tile<2>(p, crow, nk, i, col, r, acc);
+      pv_tile<2>(p, crow, nk, i, col, r, acc, pf, share());
       col += 2 * L;
     }
-    for (; col + L <= r; col += L) pv_tile<1>(p, crow, nk, i, col, r, acc);
+    for (; col + L <= r; col += L) pv_tile<1>(p, crow, nk, i, col, r, acc, pf, share());
     for (; col < r; ++col)
       for (int u = 0; u < 4; ++u) {
         float a = acc[(i + u) * r + col];
@@ -233,29 +275,20 @@ void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t
   }
 }
 
-// One cache line prefetched into L2 (`prefetcht2`). On x86-64 an `asm volatile` instruction: GCC
-// deletes a loop whose body is only `__builtin_prefetch` (it has no side effect), which left this
-// kernel with no software prefetch at all.
-inline void prefetch_l2(const float* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht2 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 1);
-#endif
-}
-
-// Prefetches into L2 every cache line of keys [a, b) of one sequence (block table `bt`): each page's
-// run of keys is contiguous in both pools.
-inline void prefetch_keys(const Geometry& g, const int32_t* bt, int64_t a, int64_t b) {
+// The cache lines of keys [a, b) of one sequence (block table `bt`) into `out` (each page's run of keys
+// is contiguous in both pools); returns their number.
+inline int64_t key_lines(const Geometry& g, const int32_t* bt, int64_t a, int64_t b, const float** out) {
+  int64_t m = 0;
   for (int64_t pg = a / g.P, off = a % g.P; a < b; ++pg, off = 0) {
     const int64_t n = std::min(g.P - off, b - a);
     const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
     const float* c = g.c + slot * g.r;
     const float* k = g.kpe + slot * g.dr;
-    for (int64_t e = 0; e < n * g.r; e += 16) prefetch_l2(c + e);
-    for (int64_t e = 0; e < n * g.dr; e += 16) prefetch_l2(k + e);
+    for (int64_t e = 0; e < n * g.r; e += 16) out[m++] = c + e;
+    for (int64_t e = 0; e < n * g.dr; e += 16) out[m++] = k + e;
     a += n;
   }
+  return m;
 }
 
 // One item: rows [rb·QB, rb·QB + QB) of sequence b against keys [k0, k1); writes m, l [QB] and
@@ -268,6 +301,7 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
   s.s.resize(static_cast<size_t>(R * KB));
   s.crow.resize(KB);
   s.krow.resize(KB);
+  s.lines.resize(static_cast<size_t>(KB * ((g.r + 15) / 16 + (g.dr + 15) / 16)));  // one block's lines
   // the few-row form needs r and dr in whole L-lane vectors
   const bool few = R <= 8 && g.r % L == 0 && g.dr % L == 0;
   std::vector<int64_t> lim(static_cast<size_t>(R), 0);
@@ -300,16 +334,19 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
         s.krow[j] = kr + t * g.dr;
       }
     }
-    // and the keys PREFETCH_L2 ahead of this block's into L2, a whole run of lines at a time (not into
-    // L1: the block being scored is reread from L1 by every query row and by P·V, and a whole next
-    // block fetched into L1 evicted it). Pages anywhere in the pool defeat the hardware prefetcher at
-    // each page boundary. Thirtieth session (2-core AVX-512 host, 256K keys, ms): per page run instead
-    // of per key, keys in L2 2.86 -> 2.2; an L1 prefetch besides costs +0.3 there and gains nothing;
-    // shuffled pages 4.7-4.9 without a prefetch, 3.5-3.8 with (BENCHMARKS.md "Thirtieth session").
-    prefetch_keys(g, bt, kb0 + PREFETCH_L2, std::min(kb0 + PREFETCH_L2 + nk, it.k1));
+    // and the keys PREFETCH_L2 ahead of this block's into L2 (not into L1: the block being scored is
+    // reread from L1 by every query row and by P·V, and a whole next block fetched into L1 evicted it).
+    // Pages anywhere in the pool defeat the hardware prefetcher at each page boundary. Decode / verify
+    // spread the lines over the block's arithmetic, half in the dot products and half in P·V (LineQueue);
+    // prefill issues them before its block, whose arithmetic is QB / 4 times a decode block's.
+    // Thirtieth session (2-core AVX-512 host, 256K keys, ms): per page run instead of per key, keys in L2
+    // 2.86 -> 2.2; an L1 prefetch besides costs +0.3 there and gains nothing (BENCHMARKS.md).
+    LineQueue pf{s.lines.data(), key_lines(g, bt, kb0 + PREFETCH_L2, std::min(kb0 + PREFETCH_L2 + nk, it.k1),
+                                           s.lines.data()), 0};
     if (few) {  // decode / verify: dot products straight from the pages
-      scores_few(s.qs.data(), s.crow.data(), s.krow.data(), nk, R, g.r, g.dr, sc);
+      scores_few(s.qs.data(), s.crow.data(), s.krow.data(), nk, R, g.r, g.dr, sc, pf, pf.n / 2);
     } else {  // prefill: the block's keys transposed to [d, KB] once (zeros past nk), then tiles
+      pf.issue(pf.n);
       for (int64_t j = 0; j < KB; ++j) {
         if (j < nk) {
           const float* cr = s.crow[j];
@@ -361,7 +398,8 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
       }
       l[i] += sum;
     }
-    pv(sc, s.crow.data(), nk, R, g.r, acc);
+    pv(sc, s.crow.data(), nk, R, g.r, acc, pf);
+    pf.issue(pf.left());  // none left unless r < L (no vector tile)
   }
 }
 
