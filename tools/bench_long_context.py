@@ -25,12 +25,19 @@ prefill = request start to the first token; decode tokens/s = 1 / the median tim
 `--new` tokens (the mean, first to last token, is in the JSON as decode_s: a stray slow step, a
 collection or a late program, moved it ±40% between runs of 64 tokens).
 
-Predicted (the "pred" columns): counted FLOPs at the rate measured at the shortest length.
+Predicted (the "pred" columns): counted FLOPs and bytes, at the rates this sitting measured.
 Prefill FLOPs = L · 2 · active params + the causal MLA attention's arithmetic (absorbed form:
 2·H·(2r + dr) per query per key it sees: L(L+1)/2 query-key pairs; the fifteenth session counted
-the XLA blockwise form's visited 512-key blocks instead, a larger count). Decode: the shortest length's step time plus the extra
-attention FLOPs of the longer cache at the prefill rate (the weights part of a step does not
-change with L). Memory: the predicted growth is linear, from the two shortest lengths.
+the XLA blockwise form's visited 512-key blocks instead, a larger count), at the FLOP rate measured at
+the shortest length. Decode: the shortest length's step time (the weights part of a step does not
+change with L) plus the longer cache's extra attention, which costs the larger of its FLOPs at that
+rate and its bytes (n_mla · L · (r + dr) float32 values read per step, the latent pool) at this host's
+streaming read rate: all threads summing a buffer of that size out of cache (`stream_read_gbs`, best
+of 20). The prefill's attention bytes are counted the same way (each 2,048-token chunk reads every key
+before it). Until the thirty-eighth session the prediction counted the FLOPs only: a 256K step's
+64 MiB of keys were read for free, below what the host's memory streams on the hosts whose compute
+is fast (the "ratio (FLOPs)" column keeps that figure). Memory: the predicted growth is linear, from
+the two shortest lengths.
 """
 from __future__ import annotations
 
@@ -177,6 +184,7 @@ SERVE_CHILD = textwrap.dedent("""
 
 CHILDREN = {"generate": CHILD, "engine": ENGINE_CHILD, "serve": SERVE_CHILD}
 
+CHUNK = 2048  # prefill chunk of the children (their scripts spell it out), generate's default too
 MODEL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=8, vocab_size=4096,
              pad_token_id=4094, eos_token_id=4095, max_position_embeddings=1 << 20)
 
@@ -199,30 +207,93 @@ def prefill_flops(cfg, L: int, active: int) -> float:
     return 2.0 * active * L + per_pair * L * (L + 1) / 2  # query p sees keys 0..p
 
 
+def attn_geometry(cfg) -> tuple[int, int, int, int]:
+    return (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+            sum(t == "mla" for t in cfg.layer_types))
+
+
 def decode_attn_flops(cfg, L: int) -> float:
-    H, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    return 2 * H * (2 * r + dr) * sum(t == "mla" for t in cfg.layer_types) * L
+    H, r, dr, n_mla = attn_geometry(cfg)
+    return 2 * H * (2 * r + dr) * n_mla * L
 
 
-def predicted(cfg, rows: list) -> None:
-    """Adds the "pred" columns to one path's rows (see the module docstring) and prints its table."""
+def decode_attn_bytes(cfg, L: int) -> float:
+    """Latent pool bytes one decode step reads over L cached tokens (float32 pools)."""
+    _, r, dr, n_mla = attn_geometry(cfg)
+    return 4.0 * (r + dr) * n_mla * L
+
+
+def prefill_attn_bytes(cfg, L: int, chunk: int = CHUNK) -> float:
+    """Latent pool bytes a prefill in chunks of `chunk` reads: chunk k reads the keys of chunks 0..k."""
+    n = -(-L // chunk)
+    keys = sum(min(L, (k + 1) * chunk) for k in range(n))
+    return decode_attn_bytes(cfg, keys)
+
+
+def stream_read_gbs(nbytes: int, threads: int | None = None, reps: int = 20) -> float:
+    """GB/s this host reads a buffer of `nbytes` out of cache: `threads` (default: every CPU this process
+    may run on) each summing its part, after 256 MiB written in between; the best of `reps`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    threads = threads or len(os.sched_getaffinity(0))
+    buf = np.ones(max(nbytes, 1 << 20) // 4, np.float32)
+    flush = np.ones(256 << 18, np.float32)
+    parts = np.array_split(buf, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as ex:  # numpy's reductions release the GIL
+        for _ in range(reps):
+            flush += 1.0
+            t = time.perf_counter()
+            list(ex.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t)
+    return buf.nbytes / best / 1e9
+
+
+def predicted(cfg, rows: list, read_gbs: float) -> None:
+    """Adds the "pred" columns to one path's rows (see the module docstring) and prints its table.
+    read_gbs: the host's streaming read rate (GB/s) for the attention's bytes."""
     base = rows[0]
     rate = base["prefill_gflop"] / base["prefill_s"]  # GFLOP/s measured at the shortest length
     step0 = base["decode_step_median_s"]
     slope = ((rows[1]["peak_rss_gib"] - base["peak_rss_gib"]) / (rows[1]["tokens"] - base["tokens"])
              if len(rows) > 1 else 0.0)
-    print(f"\n{base['path']}: prefill rate at {base['tokens']} tokens: {rate:.2f} GFLOP/s (counted)")
-    print("| path | prompt | peak RSS GiB (linear pred) | prefill tok/s (pred) | ratio | decode tok/s (pred) | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n{base['path']}: prefill rate at {base['tokens']} tokens: {rate:.2f} GFLOP/s (counted); "
+          f"streaming reads {read_gbs:.1f} GB/s")
+    print("| path | prompt | peak RSS GiB (linear pred) | prefill tok/s (pred) | ratio | decode tok/s (pred) | ratio "
+          "| ratio (FLOPs) |")
+    print("|---|---|---|---|---|---|---|---|")
+    flops_s, bytes_s = (lambda f: f / (rate * 1e9)), (lambda b: b / (read_gbs * 1e9))  # noqa: E731
     for row in rows:
-        pre_pred = row["tokens"] / (row["prefill_gflop"] / rate)
-        step_pred = step0 + (decode_attn_flops(cfg, row["tokens"]) - decode_attn_flops(cfg, base["tokens"])) / (rate * 1e9)
-        mem_pred = base["peak_rss_gib"] + slope * (row["tokens"] - base["tokens"])
-        row.update(prefill_tok_s_pred=pre_pred, decode_tok_s_pred=1 / step_pred, peak_rss_gib_pred=mem_pred,
-                   gflop_per_s=rate)
-        print(f"| {row['path']} | {row['tokens']:,} | {row['peak_rss_gib']:.2f} ({mem_pred:.2f}) | "
-              f"{row['prefill_tok_s']:.0f} ({pre_pred:.0f}) | {row['prefill_tok_s'] / pre_pred:.2f} | "
-              f"{row['decode_tok_s']:.1f} ({1 / step_pred:.1f}) | {row['decode_tok_s'] * step_pred:.2f} |", flush=True)
+        L, L0 = row["tokens"], base["tokens"]
+        attn_f = prefill_flops(cfg, L, 0)  # the attention part of the prefill's FLOPs
+        pre_s = flops_s(row["prefill_gflop"] * 1e9 - attn_f) + max(flops_s(attn_f), bytes_s(prefill_attn_bytes(cfg, L)))
+        d_flops = flops_s(decode_attn_flops(cfg, L) - decode_attn_flops(cfg, L0))
+        step_flops = step0 + d_flops
+        step_pred = step0 + max(d_flops, bytes_s(decode_attn_bytes(cfg, L) - decode_attn_bytes(cfg, L0)))
+        mem_pred = base["peak_rss_gib"] + slope * (L - L0)
+        row.update(prefill_tok_s_pred=L / pre_s, decode_tok_s_pred=1 / step_pred, peak_rss_gib_pred=mem_pred,
+                   decode_tok_s_pred_flops_only=1 / step_flops, gflop_per_s=rate, read_gb_per_s=read_gbs)
+        print(f"| {row['path']} | {L:,} | {row['peak_rss_gib']:.2f} ({mem_pred:.2f}) | "
+              f"{row['prefill_tok_s']:.0f} ({L / pre_s:.0f}) | {row['prefill_tok_s'] * pre_s / L:.2f} | "
+              f"{row['decode_tok_s']:.1f} ({1 / step_pred:.1f}) | {row['decode_tok_s'] * step_pred:.2f} | "
+              f"{row['decode_tok_s'] * step_flops:.2f} |", flush=True)
+
+
+def reprint(path: str, read_gbs: float | None) -> int:
+    """The tables of an earlier run (`--out` JSON) under this prediction; the streaming read rate is the
+    file's, else `read_gbs`, else measured here (only right on the host that ran it)."""
+    sys.path.insert(0, ROOT)
+    from ling_jax.checkpoint.synthetic_config import synthetic_config
+
+    with open(path) as f:
+        out = json.load(f)
+    cfg = synthetic_config(**out["model"])
+    for rows in out["paths"].values():
+        rate = read_gbs or out.get("read_gbs") or stream_read_gbs(
+            int(decode_attn_bytes(cfg, max(r["tokens"] for r in rows))))
+        predicted(cfg, rows, rate)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -233,7 +304,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--model-config", default=None,
                    help="a config.json to run instead of the small model (e.g. ../shared/bench/config.mid.json)")
+    p.add_argument("--rows", default=None,
+                   help="an earlier run's --out JSON: print its tables again with this prediction, running nothing")
+    p.add_argument("--read-gbs", type=float, default=None,
+                   help="the streaming read rate (GB/s) to predict with instead of measuring it (e.g. the rate "
+                        "probed on the host where --rows was measured)")
     a = p.parse_args(argv)
+    if a.rows:
+        return reprint(a.rows, a.read_gbs)
     paths = [x for x in a.paths.split(",") if x]
     if not paths or set(paths) - set(CHILDREN):
         p.error(f"--paths: a comma list of {', '.join(CHILDREN)} (got {a.paths!r})")
@@ -257,7 +335,9 @@ def main(argv=None) -> int:
             row["prefill_gflop"] = prefill_flops(cfg, L, active) / 1e9
             rows.append(row)
             print(json.dumps(row), flush=True)
-        predicted(cfg, rows)
+        if "read_gbs" not in out:  # measured once, after the first path's children, in this sitting
+            out["read_gbs"] = a.read_gbs or stream_read_gbs(int(decode_attn_bytes(cfg, max(r["tokens"] for r in rows))))
+        predicted(cfg, rows, out["read_gbs"])
         out["paths"][path] = rows
         if a.out:  # partial results survive a later failure
             with open(a.out, "w") as f:

@@ -173,8 +173,8 @@ inline void prefetch_l2(const float* p) {
 // the current block (decode / verify), not all at once before it. Why: a burst of a block's ~256 line
 // prefetches fills the core's outstanding-miss slots, so the core waits for memory at the burst and then
 // computes with nothing in flight — compute and memory time added up (a 256K-key decode call over a pool
-// out of cache: 4.9 ms, against 2.2 ms with its keys in L2). Issued a few per step of the block's dot
-// products and P·V: 3.4 ms (thirty-eighth session, BENCHMARKS.md).
+// out of cache, 2 cores: 4.6-5.2 ms, against 2.2-2.9 ms with its keys in L2). Issued a few per step of
+// the block's dot products and P·V: 3.0-3.7 ms (thirty-eighth session, BENCHMARKS.md).
 struct LineQueue {
   const float* const* line = nullptr;
   int64_t n = 0, next = 0;
