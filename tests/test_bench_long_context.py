@@ -6,7 +6,8 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("bench_long_context", os.path.join(ROOT, "tools", "bench_long_context.py"))
+_spec = importlib.util.spec_from_file_location("bench_long_context",
+                                               os.path.join(ROOT, "tools", "bench_long_context.py"))
 blc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(blc)
 
