@@ -338,7 +338,7 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
     // reread from L1 by every query row and by P·V, and a whole next block fetched into L1 evicted it).
     // Pages anywhere in the pool defeat the hardware prefetcher at each page boundary. Decode / verify
     // spread the lines over the block's arithmetic, half in the dot products and half in P·V (LineQueue);
-    // prefill issues them before its block, whose arithmetic is QB / 4 times a decode block's.
+    // prefill issues them before its block (64 query rows: 8-16x a decode block's arithmetic).
     // Thirtieth session (2-core AVX-512 host, 256K keys, ms): per page run instead of per key, keys in L2
     // 2.86 -> 2.2; an L1 prefetch besides costs +0.3 there and gains nothing (BENCHMARKS.md).
     LineQueue pf{s.lines.data(), key_lines(g, bt, kb0 + PREFETCH_L2, std::min(kb0 + PREFETCH_L2 + nk, it.k1),
