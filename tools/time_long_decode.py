@@ -3,11 +3,12 @@
 (issue 22: what a 256K decode step costs, and where, in a minute instead of a 6-minute prefill).
 
     python tools/time_long_decode.py [--tokens 262144] [--steps 100] [--profile] [--random-pools]
-                                      [--layer-loop scan|unroll]
+                                      [--layer-loop scan|unroll] [--model-config config.json]
 
 Builds `tools/bench_long_context.py`'s small model of the real layer pattern (random weights,
-float32) and a 1-slot `Engine` sized for the context (pages of 16), then calls the runner's decode
-program directly on one row whose block table covers `--tokens` cached tokens (the pool's zero pages:
+float32; or the config.json of `--model-config`) and a 1-slot `Engine` sized for the context (pages
+of 16), then calls the runner's decode program directly on one row whose block table covers
+`--tokens` cached tokens (the pool's zero pages:
 the same arithmetic and bytes as real keys), `--steps` times after 3 warm calls. Prints the median
 and min step; `--profile` adds the per-op times of 10 traced steps (jax.profiler), by the JAX op
 each fused XLA op came from. Compare code versions side by side in one sitting (run it from a
@@ -17,6 +18,7 @@ between runs is ±20%.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -49,9 +51,15 @@ def main(argv=None) -> int:
                          "pages as allocated)")
     ap.add_argument("--layer-loop", choices=("scan", "unroll"), default=None,
                     help="the model's layer loop (default: ExecConfig.for_backend's choice for the model)")
+    ap.add_argument("--model-config", default=None,
+                    help="a config.json to build instead of the small model (e.g. ../shared/bench/config.mid.json)")
     a = ap.parse_args(argv)
     L, P = a.tokens, 16
-    cfg = synthetic_config(**MODEL)
+    model_kw = MODEL
+    if a.model_config:
+        with open(a.model_config) as f:
+            model_kw = json.load(f)
+    cfg = synthetic_config(**model_kw)
     model = LingForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), with_mtp=False,
                             exec=ExecConfig.for_backend(None, cfg, layer_loop=a.layer_loop))
     chunk = model.exec.prefill_chunk
