@@ -35,8 +35,8 @@ rate and its bytes (n_mla · L · (r + dr) float32 values read per step, the lat
 streaming read rate: all threads summing a buffer of that size out of cache (`stream_read_gbs`, best
 of 20). The prefill's attention bytes are counted the same way (each 2,048-token chunk reads every key
 before it). Until the thirty-eighth session the prediction counted the FLOPs only: a 256K step's
-64 MiB of keys were read for free, below what the host's memory streams on the hosts whose compute
-is fast (the "ratio (FLOPs)" column keeps that figure). Memory: the predicted growth is linear, from
+64 MiB of keys were read for free, which on a host with fast compute put the prediction above what
+its memory can stream (the "ratio (FLOPs)" column keeps that figure). Memory: the predicted growth is linear, from
 the two shortest lengths.
 """
 from __future__ import annotations
@@ -281,8 +281,8 @@ def predicted(cfg, rows: list, read_gbs: float) -> None:
 
 
 def reprint(path: str, read_gbs: float | None) -> int:
-    """The tables of an earlier run (`--out` JSON) under this prediction; the streaming read rate is the
-    file's, else `read_gbs`, else measured here (only right on the host that ran it)."""
+    """The tables of an earlier run (`--out` JSON) under this prediction; the streaming read rate is
+    `read_gbs` when given, else the file's, else measured here (only right on the host that ran it)."""
     sys.path.insert(0, ROOT)
     from ling_jax.checkpoint.synthetic_config import synthetic_config
 
