@@ -51,6 +51,27 @@ def measure_bandwidth(gib=1.0, reps=7, threads=2):
     return one, 2 * a.nbytes / statistics.median(ts)
 
 
+def stream_read_gbs(nbytes: int, threads: int | None = None, reps: int = 20) -> float:
+    """GB/s this host reads a buffer of `nbytes` out of cache: `threads` (default: every CPU this process
+    may run on) each summing its part, after 256 MiB written in between; the best of `reps`. Not
+    `measure_bandwidth`: that one copies (read + write) 1 GiB, warm; a long-context decode step reads
+    its latent pool, the size of the buffer, after the rest of the step evicted it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = threads or len(os.sched_getaffinity(0))
+    buf = np.ones(max(nbytes, 1 << 20) // 4, np.float32)
+    flush = np.ones(256 << 18, np.float32)
+    parts = np.array_split(buf, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as ex:  # numpy's reductions release the GIL
+        for _ in range(reps):
+            flush += 1.0
+            t = time.perf_counter()
+            list(ex.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t)
+    return buf.nbytes / best / 1e9
+
+
 def measure_matmul(n=2048, reps=10):
     import jax
     import jax.numpy as jnp

@@ -50,6 +50,8 @@ import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_generate import stream_read_gbs  # noqa: E402  (the tools' host-rate probes live there)
 
 # prepended to each child script: this process's own peak RSS (its VmHWM; ru_maxrss keeps the spawning
 # parent's peak across exec)
@@ -189,6 +191,14 @@ MODEL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, num_
              pad_token_id=4094, eos_token_id=4095, max_position_embeddings=1 << 20)
 
 
+def model_kwargs(config_path: str | None) -> dict:
+    """`synthetic_config` keywords: the small model (MODEL), or those of a config.json."""
+    if not config_path:
+        return MODEL
+    with open(config_path) as f:
+        return json.load(f)
+
+
 def run_length(L: int, new: int, path: str = "generate", model: dict = MODEL) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
@@ -228,26 +238,6 @@ def prefill_attn_bytes(cfg, L: int, chunk: int = CHUNK) -> float:
     n = -(-L // chunk)
     keys = sum(min(L, (k + 1) * chunk) for k in range(n))
     return decode_attn_bytes(cfg, keys)
-
-
-def stream_read_gbs(nbytes: int, threads: int | None = None, reps: int = 20) -> float:
-    """GB/s this host reads a buffer of `nbytes` out of cache: `threads` (default: every CPU this process
-    may run on) each summing its part, after 256 MiB written in between; the best of `reps`."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-    threads = threads or len(os.sched_getaffinity(0))
-    buf = np.ones(max(nbytes, 1 << 20) // 4, np.float32)
-    flush = np.ones(256 << 18, np.float32)
-    parts = np.array_split(buf, threads)
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as ex:  # numpy's reductions release the GIL
-        for _ in range(reps):
-            flush += 1.0
-            t = time.perf_counter()
-            list(ex.map(np.sum, parts))
-            best = min(best, time.perf_counter() - t)
-    return buf.nbytes / best / 1e9
 
 
 def predicted(cfg, rows: list, read_gbs: float) -> None:
@@ -319,10 +309,7 @@ def main(argv=None) -> int:
     from ling_jax.accounting import param_counts
     from ling_jax.checkpoint.synthetic_config import synthetic_config
 
-    model = MODEL
-    if a.model_config:
-        with open(a.model_config) as f:
-            model = json.load(f)
+    model = model_kwargs(a.model_config)
     cfg = synthetic_config(**model)
     active = param_counts(cfg, include_mtp=False)["active"]
     out = {"model": model, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "paths": {}}

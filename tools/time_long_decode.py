@@ -18,7 +18,6 @@ between runs is ±20%.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_long_context import MODEL  # noqa: E402
+from bench_long_context import model_kwargs  # noqa: E402
 from profile_serve_step import op_names, trace_calls  # noqa: E402
 from ling_jax.checkpoint.synthetic_config import synthetic_config  # noqa: E402
 from ling_jax.exec_config import ExecConfig  # noqa: E402
@@ -55,11 +54,7 @@ def main(argv=None) -> int:
                     help="a config.json to build instead of the small model (e.g. ../shared/bench/config.mid.json)")
     a = ap.parse_args(argv)
     L, P = a.tokens, 16
-    model_kw = MODEL
-    if a.model_config:
-        with open(a.model_config) as f:
-            model_kw = json.load(f)
-    cfg = synthetic_config(**model_kw)
+    cfg = synthetic_config(**model_kwargs(a.model_config))
     model = LingForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), with_mtp=False,
                             exec=ExecConfig.for_backend(None, cfg, layer_loop=a.layer_loop))
     chunk = model.exec.prefill_chunk

@@ -29,10 +29,12 @@ class SlotSampling:
 
     def admit(self, slot: int, request_id: int, params: RequestParams, prompt_len: int) -> None:
         """Row `slot` <- the request's parameters (once per admission)."""
-        for (name, _, _), v in zip(FIELDS, (params.temperature, params.top_k, params.top_p, params.seed,
-                                         params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
-                                         prompt_len, params.logprobs is not None)):
-            self.arrays[name][slot] = v
+        values = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+                      presence=params.presence_penalty, frequency=params.frequency_penalty,
+                      repetition=params.repetition_penalty, prompt_len=prompt_len,
+                      logprobs=params.logprobs is not None)
+        for name, _, _ in FIELDS:  # by name: a field without a value is a KeyError, not a shifted row
+            self.arrays[name][slot] = values[name]
         self.owner[slot] = request_id
 
     def rows(self, requests) -> dict:

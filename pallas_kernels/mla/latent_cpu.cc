@@ -243,29 +243,25 @@ inline void pv_tile(const float* p, const float* const* crow, int64_t nk, int64_
     for (int v = 0; v < NV; ++v) storev(acc + (i + u) * r + col + v * L, a[u][v]);
 }
 
-// The vector tiles `pv` runs for one group of four rows over r columns.
-inline int64_t pv_tiles(int64_t r) {
-  int64_t n = r / (4 * L), col = n * 4 * L;
-  if (col + 3 * L <= r || col + 2 * L <= r) ++n, col += col + 3 * L <= r ? 3 * L : 2 * L;
-  return n + (r - col) / L;
-}
-
-// ... and issues what is left of `pf` spread over its tiles.
+// ... and issues what is left of `pf`, each tile its share of the columns still to do.
 void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t r, float* acc, LineQueue& pf) {
-  int64_t tiles = R / 4 * pv_tiles(r);
-  auto share = [&]() { return tiles > 0 ? (pf.left() + tiles - 1) / tiles-- : 0; };
+  // lines for a tile of `cols` columns at rows i.., column col
+  auto share = [&](int64_t i, int64_t col, int64_t cols) {
+    const int64_t rest = (R - i) / 4 * r - col;
+    return (pf.left() * cols + rest - 1) / rest;
+  };
   for (int64_t i = 0; i < R; i += 4) {
     int64_t col = 0;
-    for (; col + 4 * L <= r; col += 4 * L) pv_tile<4>(p, crow, nk, i, col, r, acc, pf, share());  // 4 rows x 4 vectors
+    for (; col + 4 * L <= r; col += 4 * L) pv_tile<4>(p, crow, nk, i, col, r, acc, pf, share(i, col, 4 * L));
     // the rest in one pass over the keys (r = 48 with 16 lanes: one 3-vector tile, not 2 + 1)
     if (col + 3 * L <= r) {
-      pv_tile<3>(p, crow, nk, i, col, r, acc, pf, share());
+      pv_tile<3>(p, crow, nk, i, col, r, acc, pf, share(i, col, 3 * L));
       col += 3 * L;
     } else if (col + 2 * L <= r) {
-      pv_tile<2>(p, crow, nk, i, col, r, acc, pf, share());
+      pv_tile<2>(p, crow, nk, i, col, r, acc, pf, share(i, col, 2 * L));
       col += 2 * L;
     }
-    for (; col + L <= r; col += L) pv_tile<1>(p, crow, nk, i, col, r, acc, pf, share());
+    for (; col + L <= r; col += L) pv_tile<1>(p, crow, nk, i, col, r, acc, pf, share(i, col, L));
     for (; col < r; ++col)
       for (int u = 0; u < 4; ++u) {
         float a = acc[(i + u) * r + col];
