@@ -72,7 +72,8 @@ def cold_decode(H, r, dr, P, S, reps, order, rng) -> dict:
     kv, pos = jnp.full((1,), S, jnp.int32), jnp.full((1, 1), S - 1, jnp.int32)
     f = jax.jit(lambda bt: cpu_kernel.paged_latent_attention_cpu(qh, qp, cpool, kpool, bt, kv, pos, 0.1))
     for bt in tables.values():  # the call is checked against the XLA form of the pages it reads
-        want = latent_attention(qh, qp, gather_pages(cpool, bt), gather_pages(kpool, bt), attention_mask(pos, S, kv), 0.1)
+        want = latent_attention(qh, qp, gather_pages(cpool, bt), gather_pages(kpool, bt),
+                                attention_mask(pos, S, kv), 0.1)
         err = float(jnp.max(jnp.abs(f(bt) - want)))
         assert err < 1e-4 * max(1.0, float(jnp.max(jnp.abs(want)))), f"kernel != XLA form ({err})"
     flush = np.ones(256 << 18, np.float32)
@@ -113,8 +114,8 @@ def main(argv=None) -> int:
         for S in (int(x) for x in a.keys.split(",")):
             row = cold_decode(H, r, dr, P, S, a.reps, a.order, rng)
             rows.append(row)
-            print(f"| decode | {a.order} | {S:,} | {row['cold_ms']:.2f} | {row['warm_ms']:.2f} | {row['stream_ms']:.2f} | "
-                  f"{row['of_floor']:.2f} |", flush=True)
+            print(f"| decode | {a.order} | {S:,} | {row['cold_ms']:.2f} | {row['warm_ms']:.2f} | "
+                  f"{row['stream_ms']:.2f} | {row['of_floor']:.2f} |", flush=True)
         return _write(a.out, rows)
     print("| call | keys | XLA ms | native ms | native paged ms | XLA / native | native rate |")
     print("|---|---:|---:|---:|---:|---:|---:|")
