@@ -287,6 +287,26 @@ inline int64_t key_lines(const Geometry& g, const int32_t* bt, int64_t a, int64_
   return m;
 }
 
+// One line in every 4 KiB of each page run of keys [a, b) of one sequence, and the run's last line, prefetched
+// now (decode / verify, before the block's spread `LineQueue`): each run's memory pages then start their
+// translation and their first reads together, not one after another as the spread queue reaches them. A
+// 256K-key decode call over shuffled pages (a pool after churn), 2 cores: -9 to -12%; pages in order: 0 to -8%;
+// keys in cache: level (thirty-ninth session, BENCHMARKS.md).
+inline void prefetch_run_heads(const Geometry& g, const int32_t* bt, int64_t a, int64_t b) {
+  constexpr int64_t STRIDE = 4096 / sizeof(float);
+  for (int64_t pg = a / g.P, off = a % g.P; a < b; ++pg, off = 0) {
+    const int64_t n = std::min(g.P - off, b - a);
+    const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
+    const float* c = g.c + slot * g.r;
+    const float* k = g.kpe + slot * g.dr;
+    for (int64_t e = 0; e < n * g.r; e += STRIDE) prefetch_l2(c + e);
+    prefetch_l2(c + n * g.r - 1);
+    for (int64_t e = 0; e < n * g.dr; e += STRIDE) prefetch_l2(k + e);
+    prefetch_l2(k + n * g.dr - 1);
+    a += n;
+  }
+}
+
 // One item: rows [rb·QB, rb·QB + QB) of sequence b against keys [k0, k1); writes m, l [QB] and
 // acc [QB, r] (unnormalised).
 void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc, Scratch& s) {
@@ -333,13 +353,15 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
     // and the keys PREFETCH_L2 ahead of this block's into L2 (not into L1: the block being scored is
     // reread from L1 by every query row and by P·V, and a whole next block fetched into L1 evicted it).
     // Pages anywhere in the pool defeat the hardware prefetcher at each page boundary. Decode / verify
-    // spread the lines over the block's arithmetic, half in the dot products and half in P·V (LineQueue);
+    // spread the lines over the block's arithmetic, half in the dot products and half in P·V (LineQueue),
+    // after one line per 4 KiB of each page run at once (`prefetch_run_heads`);
     // prefill issues them before its block (64 query rows: 8-16x a decode block's arithmetic).
     // Thirtieth session (2-core AVX-512 host, 256K keys, ms): per page run instead of per key, keys in L2
     // 2.86 -> 2.2; an L1 prefetch besides costs +0.3 there and gains nothing (BENCHMARKS.md).
-    LineQueue pf{s.lines.data(), key_lines(g, bt, kb0 + PREFETCH_L2, std::min(kb0 + PREFETCH_L2 + nk, it.k1),
-                                           s.lines.data()), 0};
+    const int64_t ahead0 = kb0 + PREFETCH_L2, ahead1 = std::min(kb0 + PREFETCH_L2 + nk, it.k1);
+    LineQueue pf{s.lines.data(), key_lines(g, bt, ahead0, ahead1, s.lines.data()), 0};
     if (few) {  // decode / verify: dot products straight from the pages
+      prefetch_run_heads(g, bt, ahead0, ahead1);
       scores_few(s.qs.data(), s.crow.data(), s.krow.data(), nk, R, g.r, g.dr, sc, pf, pf.n / 2);
     } else {  // prefill: the block's keys transposed to [d, KB] once (zeros past nk), then tiles
       pf.issue(pf.n);
