@@ -290,7 +290,7 @@ inline int64_t key_lines(const Geometry& g, const int32_t* bt, int64_t a, int64_
 // One line in every 4 KiB of each page run of keys [a, b) of one sequence, and the run's last line, prefetched
 // now (decode / verify, before the block's spread `LineQueue`): each run's memory pages then start their
 // translation and their first reads together, not one after another as the spread queue reaches them. A
-// 256K-key decode call over shuffled pages (a pool after churn), 2 cores: -9 to -12%; pages in order: 0 to -8%;
+// 256K-key decode call over shuffled pages (a pool after churn), 2 cores: -8 to -12%; pages in order: 0 to -5%;
 // keys in cache: level (thirty-ninth session, BENCHMARKS.md).
 inline void prefetch_run_heads(const Geometry& g, const int32_t* bt, int64_t a, int64_t b) {
   constexpr int64_t STRIDE = 4096 / sizeof(float);
