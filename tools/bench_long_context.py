@@ -270,6 +270,11 @@ def predicted(cfg, rows: list, read_gbs: float) -> None:
               f"{row['decode_tok_s'] * step_flops:.2f} |", flush=True)
 
 
+def measure_read_gbs(cfg, rows: list) -> float:
+    """This host's streaming read rate over the longest row's decode attention bytes."""
+    return stream_read_gbs(int(decode_attn_bytes(cfg, max(r["tokens"] for r in rows))))
+
+
 def reprint(path: str, read_gbs: float | None) -> int:
     """The tables of an earlier run (`--out` JSON) under this prediction; the streaming read rate is
     `read_gbs` when given, else the file's, else measured here (only right on the host that ran it)."""
@@ -280,9 +285,7 @@ def reprint(path: str, read_gbs: float | None) -> int:
         out = json.load(f)
     cfg = synthetic_config(**out["model"])
     for rows in out["paths"].values():
-        rate = read_gbs or out.get("read_gbs") or stream_read_gbs(
-            int(decode_attn_bytes(cfg, max(r["tokens"] for r in rows))))
-        predicted(cfg, rows, rate)
+        predicted(cfg, rows, read_gbs or out.get("read_gbs") or measure_read_gbs(cfg, rows))
     return 0
 
 
@@ -323,7 +326,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
         if "read_gbs" not in out:  # measured once, after the first path's children, in this sitting
-            out["read_gbs"] = a.read_gbs or stream_read_gbs(int(decode_attn_bytes(cfg, max(r["tokens"] for r in rows))))
+            out["read_gbs"] = a.read_gbs or measure_read_gbs(cfg, rows)
         predicted(cfg, rows, out["read_gbs"])
         out["paths"][path] = rows
         if a.out:  # partial results survive a later failure

@@ -271,19 +271,25 @@ void pv(const float* p, const float* const* crow, int64_t nk, int64_t R, int64_t
   }
 }
 
-// The cache lines of keys [a, b) of one sequence (block table `bt`) into `out` (each page's run of keys
-// is contiguous in both pools); returns their number.
-inline int64_t key_lines(const Geometry& g, const int32_t* bt, int64_t a, int64_t b, const float** out) {
-  int64_t m = 0;
+// f(c, k, n) for each page's run of keys [a, b) of one sequence (block table `bt`): n keys whose rows
+// lie contiguous in both pools, from c (r floats a key) and k (dr floats a key).
+template <class F>
+inline void page_runs(const Geometry& g, const int32_t* bt, int64_t a, int64_t b, F&& f) {
   for (int64_t pg = a / g.P, off = a % g.P; a < b; ++pg, off = 0) {
     const int64_t n = std::min(g.P - off, b - a);
     const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
-    const float* c = g.c + slot * g.r;
-    const float* k = g.kpe + slot * g.dr;
-    for (int64_t e = 0; e < n * g.r; e += 16) out[m++] = c + e;
-    for (int64_t e = 0; e < n * g.dr; e += 16) out[m++] = k + e;
+    f(g.c + slot * g.r, g.kpe + slot * g.dr, n);
     a += n;
   }
+}
+
+// The cache lines of keys [a, b) of one sequence into `out`; returns their number.
+inline int64_t key_lines(const Geometry& g, const int32_t* bt, int64_t a, int64_t b, const float** out) {
+  int64_t m = 0;
+  page_runs(g, bt, a, b, [&](const float* c, const float* k, int64_t n) {
+    for (int64_t e = 0; e < n * g.r; e += 16) out[m++] = c + e;
+    for (int64_t e = 0; e < n * g.dr; e += 16) out[m++] = k + e;
+  });
   return m;
 }
 
@@ -294,17 +300,12 @@ inline int64_t key_lines(const Geometry& g, const int32_t* bt, int64_t a, int64_
 // keys in cache: level (thirty-ninth session, BENCHMARKS.md).
 inline void prefetch_run_heads(const Geometry& g, const int32_t* bt, int64_t a, int64_t b) {
   constexpr int64_t STRIDE = 4096 / sizeof(float);
-  for (int64_t pg = a / g.P, off = a % g.P; a < b; ++pg, off = 0) {
-    const int64_t n = std::min(g.P - off, b - a);
-    const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
-    const float* c = g.c + slot * g.r;
-    const float* k = g.kpe + slot * g.dr;
+  page_runs(g, bt, a, b, [&](const float* c, const float* k, int64_t n) {
     for (int64_t e = 0; e < n * g.r; e += STRIDE) prefetch_l2(c + e);
     prefetch_l2(c + n * g.r - 1);
     for (int64_t e = 0; e < n * g.dr; e += STRIDE) prefetch_l2(k + e);
     prefetch_l2(k + n * g.dr - 1);
-    a += n;
-  }
+  });
 }
 
 // One item: rows [rb·QB, rb·QB + QB) of sequence b against keys [k0, k1); writes m, l [QB] and
@@ -338,18 +339,13 @@ void run_item(const Geometry& g, const Item& it, float* m, float* l, float* acc,
   const int32_t* bt = g.bt + it.b * g.nb;
   for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += KB) {
     const int64_t nk = std::min(KB, it.k1 - kb0);
-    // where this block's keys lie: one page's run of keys at a time through the block table
-    int64_t pg = kb0 / g.P, off = kb0 % g.P;
-    for (int64_t j = 0; j < nk; ++pg, off = 0) {
-      const int64_t n = std::min(g.P - off, nk - j);
-      const int64_t slot = static_cast<int64_t>(bt[pg]) * g.P + off;
-      const float* cr = g.c + slot * g.r;
-      const float* kr = g.kpe + slot * g.dr;
-      for (int64_t t = 0; t < n; ++t, ++j) {
-        s.crow[j] = cr + t * g.r;
-        s.krow[j] = kr + t * g.dr;
+    int64_t got = 0;  // where this block's keys lie: one page's run of keys at a time through the block table
+    page_runs(g, bt, kb0, kb0 + nk, [&](const float* c, const float* k, int64_t n) {
+      for (int64_t t = 0; t < n; ++t, ++got) {
+        s.crow[got] = c + t * g.r;
+        s.krow[got] = k + t * g.dr;
       }
-    }
+    });
     // and the keys PREFETCH_L2 ahead of this block's into L2 (not into L1: the block being scored is
     // reread from L1 by every query row and by P·V, and a whole next block fetched into L1 evicted it).
     // Pages anywhere in the pool defeat the hardware prefetcher at each page boundary. Decode / verify
